@@ -1,0 +1,1 @@
+"""infergraft core: hook contract, plugin manager, build(), Engine."""

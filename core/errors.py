@@ -1,0 +1,37 @@
+"""Every error infergraft raises on purpose derives from InfergraftError."""
+
+
+class InfergraftError(Exception):
+    """Base class: catch this to handle any infergraft failure."""
+
+
+class UnsupportedModelError(InfergraftError, ValueError):
+    """No registered policy supports the model (the message lists those that exist)."""
+
+
+class UnknownPluginError(InfergraftError, ValueError):
+    """A plugin name was asked for that nothing registered."""
+
+
+class PluginError(InfergraftError):
+    """A plugin misbehaved: raised inside a hook, or registered something invalid."""
+
+    def __init__(self, plugin: str, hook: str, message: str):
+        self.plugin, self.hook = plugin, hook
+        super().__init__(f"plugin {plugin!r} failed in hook {hook!r}: {message}")
+
+
+class InvalidRequestError(InfergraftError, ValueError):
+    """A generation request is malformed; the engine and other requests are unaffected."""
+
+
+class PlanError(InfergraftError, ValueError):
+    """The requested configuration cannot be built (does not fit, does not divide, ...)."""
+
+
+class WeightLoadError(InfergraftError, ValueError):
+    """Weights do not match the policy's weight map (missing, unexpected, wrong shape)."""
+
+
+class KernelUnavailableError(InfergraftError, RuntimeError):
+    """An explicitly requested kernel backend cannot run here."""

@@ -1,0 +1,61 @@
+"""The infergraft hook contract.
+
+Every ``register_*`` hook receives a ``register`` callback; a plugin calls it once per
+object it provides. The core validates and de-duplicates what is registered, so a spec
+can grow arguments later without breaking plugins written against an older one.
+"""
+import pluggy
+
+PROJECT = "infergraft"
+#: Version of this contract; plugins may declare ``INFERGRAFT_CONTRACT = ">=1,<2"``.
+CONTRACT_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def infergraft_register_policies(register):
+    """Register injection policies.
+
+    Call ``register(policy)`` with an object implementing
+    :class:`infergraft.core.policy.Policy`: it claims HF architectures, turns a config
+    into a ``ModelSpec`` and lists the declarative weight map.
+    """
+
+
+@hookspec
+def infergraft_register_cache_backends(register):
+    """Register KV-cache backends.
+
+    Call ``register(backend)`` with an object implementing
+    :class:`infergraft.core.cache.CacheBackend`: storage layout, allocator and the
+    attention path that reads it.
+    """
+
+
+@hookspec
+def infergraft_register_quantizers(register):
+    """Register weight or K/V quantisers.
+
+    Call ``register(quantizer)`` with an object implementing
+    :class:`infergraft.core.quant.Quantizer`: packs a weight and supplies its matmul.
+    """
+
+
+@hookspec
+def infergraft_register_planners(register):
+    """Register parallel planners.
+
+    Call ``register(planner)`` with an object implementing
+    :class:`infergraft.core.plan.Planner`: turns (ModelSpec, world) into a ParallelPlan.
+    """
+
+
+@hookspec
+def infergraft_prepare_plan(plan, spec):
+    """Adjust the composed plan before weights load.
+
+    Return a new plan (``attrs.evolve(plan, ...)``) or ``None`` to keep it. Called for
+    every plugin in load order; each sees the previous one's result.
+    """

@@ -1,0 +1,225 @@
+"""The plugin manager: loads built-in and entry-point plugins, exposes typed registries.
+
+Callers never touch ``pm.hook``: the facade methods below call each hook
+implementation one by one, so an exception names the plugin and the hook it came from.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+from types import ModuleType
+from typing import Any, Callable, Iterable
+
+import attrs
+import pluggy
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from . import hookspecs
+from .errors import InfergraftError, PluginError
+from .registry import Registry
+
+#: Built-ins, registered through the same path as third-party plugins.
+DEFAULT_PLUGINS = (
+    "infergraft.policies.llama",
+    "infergraft.plugins.contiguous",
+    "infergraft.plugins.single_device",
+)
+ENTRY_POINT_GROUP = "infergraft"
+
+_KINDS = {  # kind -> (hook name, attributes every registered object must have)
+    "policy": ("infergraft_register_policies", ("name", "architectures", "describe", "weight_map")),
+    "cache backend": ("infergraft_register_cache_backends", ("name", "create")),
+    "quantizer": ("infergraft_register_quantizers", ("name", "applies_to")),
+    "planner": ("infergraft_register_planners", ("name", "plan")),
+}
+
+
+@attrs.frozen
+class PluginInfo:
+    name: str
+    origin: str  # "built-in" or the distribution that installed it
+    version: str
+    contract: str  # the contract range the plugin declares
+    module: str
+
+
+def _names_from_env(var: str) -> set[str] | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    return {n.strip() for n in raw.split(",") if n.strip()}
+
+
+def _check_contract(name: str, plugin: Any) -> str:
+    declared = getattr(plugin, "INFERGRAFT_CONTRACT", None)
+    if declared is None:
+        return f"=={hookspecs.CONTRACT_VERSION}"
+    try:
+        ok = SpecifierSet(str(declared)).contains(str(hookspecs.CONTRACT_VERSION))
+    except InvalidSpecifier:
+        raise PluginError(name, "load", f"INFERGRAFT_CONTRACT {declared!r} is not a version range")
+    if not ok:
+        raise PluginError(name, "load",
+                          f"supports hook contract {declared}, but this infergraft provides "
+                          f"contract version {hookspecs.CONTRACT_VERSION}")
+    return str(declared)
+
+
+class PluginManager:
+    """Typed facade over a pluggy manager; one registry per plugin kind."""
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self.info: dict[str, PluginInfo] = {}
+        self._registries: dict[str, Registry] | None = None
+
+    # -- loading -------------------------------------------------------------------
+    def register(self, plugin: Any, name: str | None = None, origin: str = "in-process",
+                 version: str = "") -> str:
+        """Register a plugin module or object; returns the name it is known by."""
+        name = name or getattr(plugin, "INFERGRAFT_PLUGIN_NAME", None) or _default_name(plugin)
+        if name in self.info:
+            raise PluginError(name, "register", "a plugin of this name is already registered")
+        contract = _check_contract(name, plugin)
+        try:
+            self._pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginError(name, "register", str(e)) from e
+        self.info[name] = PluginInfo(name, origin, version, contract,
+                                     getattr(plugin, "__name__", type(plugin).__module__))
+        self._registries = None
+        return name
+
+    def unregister(self, name: str) -> None:
+        self._pm.unregister(name=name)
+        self.info.pop(name, None)
+        self._registries = None
+
+    def load_defaults(self) -> None:
+        blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
+        for modname in DEFAULT_PLUGINS:
+            short = modname.rsplit(".", 1)[1]
+            if short not in blocked:
+                self.register(importlib.import_module(modname), name=short, origin="built-in",
+                              version=_own_version())
+
+    def load_entry_points(self) -> None:
+        blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
+        allowed = _names_from_env("INFERGRAFT_LOAD_PLUGINS")
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in blocked or (allowed is not None and ep.name not in allowed):
+                continue
+            if ep.name in self.info:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as e:  # a broken install must name itself
+                raise PluginError(ep.name, "load", f"importing {ep.value!r} failed: {e!r}") from e
+            dist = ep.dist
+            self.register(plugin, name=ep.name, origin=dist.metadata["Name"] if dist else "?",
+                          version=dist.version if dist else "")
+
+    def check_pending(self) -> None:
+        """Fail loudly on hook implementations that match no hookspec (misspellings)."""
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            plugin = getattr(e, "plugin", None)
+            pname = self._pm.get_name(plugin) if plugin is not None else "?"
+            raise PluginError(pname, "check_pending", str(e)) from e
+
+    # -- calling -------------------------------------------------------------------
+    def _collect(self) -> dict[str, Registry]:
+        if self._registries is None:
+            regs = {}
+            for kind, (hook, required) in _KINDS.items():
+                reg = Registry(kind, hook, required)
+                for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):
+                    def register(obj, _p=impl.plugin_name, _r=reg):
+                        _r.add(obj, _p)
+                    self._call_one(impl, hook, register=register)
+                regs[kind] = reg
+            self._registries = regs
+        return self._registries
+
+    def _call_one(self, impl, hook: str, **kwargs: Any) -> Any:
+        try:
+            return impl.function(**{a: kwargs[a] for a in impl.argnames})
+        except InfergraftError:
+            raise
+        except Exception as e:
+            raise PluginError(impl.plugin_name, hook, f"{type(e).__name__}: {e}") from e
+
+    # -- typed facade --------------------------------------------------------------
+    def policies(self) -> Registry:
+        return self._collect()["policy"]
+
+    def cache_backends(self) -> Registry:
+        return self._collect()["cache backend"]
+
+    def quantizers(self) -> Registry:
+        return self._collect()["quantizer"]
+
+    def planners(self) -> Registry:
+        return self._collect()["planner"]
+
+    def registries(self) -> dict[str, Registry]:
+        return dict(self._collect())
+
+    def prepare_plan(self, plan: Any, spec: Any) -> Any:
+        """Let each plugin adjust the plan in turn (infergraft_prepare_plan)."""
+        for impl in reversed(self._pm.hook.infergraft_prepare_plan.get_hookimpls()):
+            new = self._call_one(impl, "infergraft_prepare_plan", plan=plan, spec=spec)
+            if new is not None:
+                if not isinstance(new, type(plan)):
+                    raise PluginError(impl.plugin_name, "infergraft_prepare_plan",
+                                      f"returned {type(new).__name__}, expected {type(plan).__name__}")
+                plan = new
+        return plan
+
+    def copy_with(self, extra: Iterable[Any]) -> "PluginManager":
+        """A new manager holding this one's plugins plus ``extra`` (for one build)."""
+        new = PluginManager()
+        for name, info in self.info.items():
+            new._pm.register(self._pm.get_plugin(name), name=name)
+            new.info[name] = info
+        added = [new.register(p) for p in extra]
+        new.check_pending()
+        new.added = added
+        return new
+
+
+def _default_name(plugin: Any) -> str:
+    if isinstance(plugin, ModuleType):
+        return plugin.__name__.rsplit(".", 1)[-1]
+    return getattr(plugin, "name", None) or type(plugin).__name__.lower()
+
+
+def _own_version() -> str:
+    try:
+        return md.version("infergraft")
+    except md.PackageNotFoundError:
+        return "0+unknown"
+
+
+_default: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager: built-ins plus installed entry-point plugins."""
+    global _default
+    if _default is None:
+        pm = PluginManager()
+        pm.load_defaults()
+        pm.load_entry_points()
+        pm.check_pending()
+        _default = pm
+    return _default
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager (after changing INFERGRAFT_* variables)."""
+    global _default
+    _default = None

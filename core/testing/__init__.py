@@ -1,0 +1,1 @@
+"""Conformance kit for third-party plugins (see docs/plugins.md)."""

@@ -1,0 +1,58 @@
+"""Pick each op's implementation: Triton on CUDA, the torch reference elsewhere.
+
+``backend="auto"`` falls back to the reference where Triton cannot run; an explicit
+``backend="triton"`` that cannot run raises. Under ``TRITON_INTERPRET=1`` Triton runs
+on the CPU (slowly), which is how the kernels are tested without a GPU.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+
+import torch
+
+from infergraft.core.errors import KernelUnavailableError
+from ._triton import HAVE_TRITON, interpreting
+
+#: op name -> module in this package; each module defines ``<op>_torch`` and ``<op>_triton``.
+OPS = {
+    "rms_norm": "rms_norm",
+    "add_rms_norm": "rms_norm",
+    "rotary": "rotary",
+    "silu_mul": "silu_mul",
+    "kv_write": "kv_write",
+}
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    dev = torch.device(device)
+    return HAVE_TRITON and (dev.type == "cuda" or (dev.type == "cpu" and interpreting()))
+
+
+def resolve_backend(device, backend: str = "auto") -> str:
+    if backend not in BACKENDS:
+        raise KernelUnavailableError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_usable(device) else "torch"
+    if backend == "triton" and not triton_usable(device):
+        why = "Triton is not installed" if not HAVE_TRITON else \
+            f"Triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {device}"
+        raise KernelUnavailableError(f"kernel backend 'triton' cannot run: {why}")
+    return backend
+
+
+def get_op(name: str, backend: str):
+    if name not in OPS:
+        raise KernelUnavailableError(f"unknown op {name!r}; known ops: {sorted(OPS)}")
+    module = importlib.import_module(f"{__package__}.{OPS[name]}")
+    fn = getattr(module, f"{name}_{backend}", None)
+    if fn is None:
+        raise KernelUnavailableError(f"op {name!r} has no {backend} implementation")
+    return fn
+
+
+def get_ops(device, backend: str = "auto") -> types.SimpleNamespace:
+    """A namespace of every op for ``device``, e.g. ``ops.rms_norm(x, w, eps)``."""
+    chosen = resolve_backend(device, backend)
+    return types.SimpleNamespace(backend=chosen, **{n: get_op(n, chosen) for n in OPS})
