@@ -1,1 +1,20 @@
-"""infergraft core: hook contract, plugin manager, build(), Engine."""
+"""infergraft core: hook contract, plugin manager, build(), Engine.
+
+    from infergraft import core
+    engine = core.build(model, plugins=["paged", "int8"], dtype="bfloat16")
+"""
+from .build import build
+from .engine import Engine
+from .errors import (InfergraftError, InvalidRequestError, KernelUnavailableError, PlanError,
+                     PluginError, UnknownPluginError, UnsupportedModelError, WeightLoadError)
+from .hookspecs import CONTRACT_VERSION, hookimpl
+from .plugins import DEFAULT_PLUGINS, get_plugin_manager, reset_plugin_manager
+from .request import Completion, SamplingParams
+from .spec import ModelSpec, RopeSpec
+
+__all__ = [
+    "build", "Engine", "Completion", "SamplingParams", "ModelSpec", "RopeSpec", "hookimpl",
+    "CONTRACT_VERSION", "DEFAULT_PLUGINS", "get_plugin_manager", "reset_plugin_manager",
+    "InfergraftError", "InvalidRequestError", "KernelUnavailableError", "PlanError",
+    "PluginError", "UnknownPluginError", "UnsupportedModelError", "WeightLoadError",
+]

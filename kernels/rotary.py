@@ -21,3 +21,92 @@ def rotary_torch(q, k, cos, sin, positions):
         return out.to(x.dtype)
 
     return rot(q), rot(k)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rotate_heads(x_ptr, o_ptr, tok, stride_t, stride_h, stride_ot, stride_oh,
+                      H, D, c, s, partner, sign, rot, cols,
+                      BLOCK_H: tl.constexpr):
+        # x: [H, D] of one token; c, s, partner, sign, rot: [BLOCK_D], shared by all heads
+        heads = tl.arange(0, BLOCK_H)
+        mask = (heads[:, None] < H) & (cols[None, :] < D)                  # [BLOCK_H, BLOCK_D]
+        row = x_ptr + tok * stride_t + heads[:, None] * stride_h
+        x = tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # the rotate-half partner of each dim (itself beyond R); an L1 hit, not new traffic
+        xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        out = x * c[None, :] + sign[None, :] * xp * s[None, :]
+        out = tl.where(rot[None, :], out, x)  # exact pass-through, even for inf/nan
+        optr = o_ptr + tok * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+        tl.store(optr, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh,
+        stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+        HQ, HKV, D, HALF,
+        BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # One program per token: cos/sin are read once and applied to all q and k heads.
+        tok = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)                                     # [BLOCK_D]
+        rot = cols < 2 * HALF
+        lo = cols < HALF
+        j = tl.where(lo, cols, cols - HALF)                               # index into cos/sin
+        c = tl.load(cos_ptr + pos * stride_cs + j, mask=rot, other=1.0)
+        s = tl.load(sin_ptr + pos * stride_cs + j, mask=rot, other=0.0)
+        partner = tl.where(lo, cols + HALF, tl.where(rot, cols - HALF, cols))
+        sign = tl.where(lo, -1.0, 1.0)
+        _rotate_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, stride_qot, stride_qoh,
+                      HQ, D, c, s, partner, sign, rot, cols, BLOCK_HQ)
+        _rotate_heads(k_ptr, ko_ptr, tok, stride_kt, stride_kh, stride_kot, stride_koh,
+                      HKV, D, c, s, partner, sign, rot, cols, BLOCK_HKV)
+
+
+def _check_heads(name, x, t, d, device):
+    assert x.dim() == 3, f"{name} must be [T, H, D], got shape {tuple(x.shape)}"
+    assert x.shape[0] == t and x.shape[2] == d, \
+        f"{name} shape {tuple(x.shape)} does not match [T={t}, H, D={d}]"
+    assert x.device == device, f"{name} on {x.device}, expected {device}"
+    assert x.is_floating_point(), f"{name} must be floating point, got {x.dtype}"
+    assert d <= 1 or x.stride(2) == 1, f"{name} must be contiguous in its last dim, strides {x.stride()}"
+
+
+def rotary_triton(q, k, cos, sin, positions):
+    """Same contract as ``rotary_torch``; q/k may be strided views (e.g. of a fused qkv)."""
+    # q: [T, Hq, D], k: [T, Hkv, D]; cos, sin: [P, R/2] float32; positions: [T] int
+    assert q.dim() == 3, f"q must be [T, Hq, D], got shape {tuple(q.shape)}"
+    t, hq, d = q.shape
+    _check_heads("q", q, t, d, q.device)
+    _check_heads("k", k, t, d, q.device)
+    assert cos.dim() == 2 and cos.shape == sin.shape, \
+        f"cos/sin must both be [P, R/2], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+    assert cos.dtype == sin.dtype == torch.float32, f"cos/sin must be float32, got {cos.dtype}/{sin.dtype}"
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride(), \
+        f"cos/sin must share strides with a contiguous last dim, got {cos.stride()} / {sin.stride()}"
+    half = cos.shape[1]
+    assert 2 * half <= d, f"rotary dims R={2 * half} exceed head dim D={d}"
+    assert positions.shape == (t,), f"positions must be [{t}], got {tuple(positions.shape)}"
+    assert not positions.is_floating_point(), f"positions must be integer, got {positions.dtype}"
+    for name, x in (("cos", cos), ("sin", sin), ("positions", positions)):
+        assert x.device == q.device, f"{name} on {x.device}, expected {q.device}"
+    hkv = k.shape[1]
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    if t == 0 or d == 0:
+        return q_out, k_out
+    positions = positions.contiguous()
+    block_d, block_hq, block_hkv = next_pow2(d), next_pow2(hq), next_pow2(hkv)
+    tile = block_d * max(block_hq, block_hkv)
+    _rotary_kernel[(t,)](
+        q, k, q_out, k_out, cos, sin, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
+        hq, hkv, d, half,
+        BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d,
+        num_warps=4 if tile <= 2048 else 8 if tile <= 8192 else 16,
+    )
+    return q_out, k_out

@@ -1,0 +1,160 @@
+"""core.build(): model -> policy -> spec -> plan -> weights -> Engine (DESIGN §3)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Optional
+
+import attrs
+import torch
+
+from infergraft.kernels import get_ops
+
+from .engine import Engine
+from .errors import InfergraftError, PlanError, UnknownPluginError, UnsupportedModelError
+from .model import DecoderModel
+from .plan import Plan
+from .plugins import PluginManager, get_plugin_manager
+from .source import resolve_source
+from .weights import load_weights
+
+DEFAULT_CACHE_BACKEND = "contiguous"
+DEFAULT_PLANNER = "single"
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_MAX_SEQ_LEN = 4096
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@attrs.define
+class Selection:
+    """What ``plugins=[...]`` asked for, sorted by kind."""
+
+    policy: Optional[str] = None
+    cache_backend: Optional[str] = None
+    planner: Optional[str] = None
+    quantizers: list[str] = attrs.field(factory=list)
+
+
+def resolve_dtype(dtype, default: torch.dtype) -> torch.dtype:
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise PlanError(f"unsupported dtype {dtype!r}; choose float32, bfloat16 or float16")
+
+
+def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
+    """Resolve names and plugin objects; returns (manager, Selection)."""
+    plugins = [plugins] if isinstance(plugins, str) else list(plugins or [])
+    objects = [p for p in plugins if not isinstance(p, str)]
+    names = [p for p in plugins if isinstance(p, str)]
+    if objects:
+        before = {k: set(r.names()) for k, r in pm.registries().items()}
+        pm = pm.copy_with(objects)
+        for kind, reg in pm.registries().items():  # what the objects brought is selected
+            names += sorted(set(reg.names()) - before[kind])
+    regs = pm.registries()
+    sel = Selection()
+    for name in names:
+        kinds = [k for k, r in regs.items() if name in r]
+        if not kinds:
+            known = "; ".join(f"{k}s: {', '.join(r.names()) or '-'}" for k, r in regs.items())
+            raise UnknownPluginError(f"unknown plugin {name!r}. Registered {known}")
+        kind = kinds[0]
+        if kind == "quantizer":
+            if name not in sel.quantizers:
+                sel.quantizers.append(name)
+            continue
+        field = {"policy": "policy", "cache backend": "cache_backend", "planner": "planner"}[kind]
+        if getattr(sel, field) not in (None, name):
+            raise PlanError(f"plugins name two {kind}s, {getattr(sel, field)!r} and {name!r}; "
+                            "choose one")
+        setattr(sel, field, name)
+    return pm, sel
+
+
+def choose_policy(pm: PluginManager, config, forced: Optional[str]):
+    registry = pm.policies()
+    if forced is not None:
+        policy = registry.get(forced)
+        policy.check(config)
+        return policy
+    claimants = [p for p in registry if p.claims(config)]
+    archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
+    if not claimants:
+        supported = sorted({a for p in registry for a in p.architectures})
+        raise UnsupportedModelError(
+            f"no registered policy supports {', '.join(archs)}; supported architectures: "
+            f"{', '.join(supported) or '(none)'}")
+    if len(claimants) > 1:
+        names = ", ".join(repr(p.name) for p in claimants)
+        raise UnsupportedModelError(f"policies {names} (plugins {', '.join(registry.origin(p.name) for p in claimants)}) "
+                                    f"all claim {', '.join(archs)}; pick one with plugins=[name]")
+    return claimants[0]
+
+
+def _split_options(chosen: list, options: dict) -> dict[int, dict]:
+    """Give each chosen plugin the options it declares; unknown ones are an error."""
+    per, accepted = {}, set()
+    for i, plugin in enumerate(chosen):
+        declared = getattr(plugin, "options", {}) or {}
+        accepted |= set(declared)
+        per[i] = {k: v for k, v in options.items() if k in declared}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise PlanError(f"unknown option(s) {unknown}; the chosen plugins accept: "
+                        f"{', '.join(sorted(accepted)) or 'none'}")
+    return per
+
+
+def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
+          max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
+          **plugin_options) -> Engine:
+    """Compose plugins around ``model`` and return a ready Engine (see DESIGN §3)."""
+    t0 = time.perf_counter()
+    pm, sel = select_plugins(get_plugin_manager(), plugins)
+    source = resolve_source(model, tokenizer)
+    policy = choose_policy(pm, source.config, sel.policy)
+    spec = policy.describe(source.config)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    default_dtype = source.dtype if source.dtype in _DTYPES.values() else torch.float32
+    dtype = resolve_dtype(dtype, default_dtype)
+    backend = pm.cache_backends().get(sel.cache_backend or DEFAULT_CACHE_BACKEND)
+    planner = pm.planners().get(sel.planner or DEFAULT_PLANNER)
+    quantizers = [pm.quantizers().get(n) for n in sel.quantizers]
+    opts = _split_options([backend, planner, *quantizers], plugin_options)
+
+    max_seq_len = int(max_seq_len or min(spec.max_position, DEFAULT_MAX_SEQ_LEN))
+    max_batch_size = int(max_batch_size or DEFAULT_MAX_BATCH_SIZE)
+    if max_seq_len < 1 or max_batch_size < 1:
+        raise PlanError(f"max_seq_len and max_batch_size must be >= 1, got {max_seq_len}, {max_batch_size}")
+    if spec.position == "learned" and max_seq_len > spec.max_position:
+        raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
+                        "learned positions")
+    ops = get_ops(device, kernels)
+    elem = torch.empty((), dtype=dtype).element_size()
+    plan = Plan(
+        model=source.name, architecture=spec.architecture, policy=policy.name,
+        dtype=str(dtype).replace("torch.", ""), device=str(device), kernels=ops.backend,
+        max_seq_len=max_seq_len, max_batch_size=max_batch_size, cache_backend=backend.name,
+        kv_dtype=str(dtype).replace("torch.", ""), quantizers=tuple(sel.quantizers),
+        planner=planner.name, parallel=planner.plan(spec, 1, **opts[1]),
+        weight_bytes=spec.param_count * elem,
+        kv_bytes_per_token=backend.bytes_per_token(spec, dtype),
+        options=tuple(sorted(plugin_options.items())))
+    plan = pm.prepare_plan(plan, spec)
+
+    net = DecoderModel(spec, ops, device, plan.max_seq_len)
+    tensors = source.tensors()
+    if progress:
+        from tqdm import tqdm
+        tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
+    load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
+                 device=device, dtype=dtype)
+    cache = backend.create(spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
+    engine = Engine(net.eval(), cache, source.tokenizer, plan, spec)
+    engine.build_seconds = time.perf_counter() - t0
+    return engine

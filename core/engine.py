@@ -1,0 +1,211 @@
+"""Engine: requests in, completions out, over the runner (model + cache) and scheduler."""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Union
+
+import torch
+
+from .errors import InvalidRequestError
+from .request import Completion, SamplingParams, Sequence, Status
+from .sampler import sample
+from .scheduler import Scheduler
+
+Prompt = Union[str, list]
+
+
+class Engine:
+    def __init__(self, model, cache, tokenizer, plan, spec):
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.plan, self.spec = plan, spec
+        self.device = torch.device(plan.device)
+        self.scheduler = Scheduler(cache, plan.max_batch_size,
+                                   max_prefill_tokens=max(plan.max_seq_len, 2048))
+        eos = set(spec.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    # -- requests ----------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass prompts as lists "
+                                          "of token ids, or build with tokenizer=...")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+            ids = prompt.tolist()
+        else:
+            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got "
+                                      f"{type(prompt).__name__}")
+        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.spec.vocab_size})")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
+        """Validate and queue one request; a bad one raises and nothing else changes."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self._check(ids, params)
+        seq = Sequence(ids, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping ----------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Run one scheduler step; returns the sequences that got a token."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        seqs = step.seqs
+        if step.kind == "prefill":
+            counts = [len(s.prompt_ids) for s in seqs]
+            tokens = [t for s in seqs for t in s.prompt_ids]
+        else:
+            counts = [1] * len(seqs)
+            tokens = [s.output_ids[-1] for s in seqs]
+        meta = self.cache.prepare([s.id for s in seqs], counts)
+        last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
+        token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        logits = self.model(token_t, self.cache, meta,
+                            None if step.kind == "decode" else last.to(self.device))
+        new = sample(logits, seqs)
+        now = time.perf_counter()
+        for seq, tok in zip(seqs, new):
+            self._append(seq, tok, now)
+        return seqs
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        seq.output_ids.append(token)
+        seq.metrics.on_token(now)
+        p = seq.params
+        if p.stop:
+            seq.text = self._decode(seq.output_ids)
+            for s in p.stop:
+                at = seq.text.find(s)
+                if at >= 0:
+                    seq.text = seq.text[:at]
+                    return self._finish(seq, "stop", now)
+        if token in self.eos_token_ids:
+            return self._finish(seq, "stop", now)
+        if len(seq.output_ids) >= p.max_new_tokens:
+            return self._finish(seq, "length", now)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.metrics.finished = now
+        if self.tokenizer is not None and not seq.params.stop:
+            seq.text = self._decode(seq.output_ids)
+        self.scheduler.finish(seq, reason)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _run(self, seqs: list[Sequence]) -> None:
+        try:
+            while not all(s.finished for s in seqs):
+                self.step()
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
+
+    # -- public API --------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
+                 top_k=None, top_p=None, seed=None, stop=None) -> list[Completion]:
+        """Complete one prompt or a list of them (strings or token-id lists), in order."""
+        params = self._params(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        batch = [self.encode(p) for p in self._as_batch(prompts)]
+        for ids in batch:  # validate everything before queueing anything
+            self._check(ids, params)
+        seqs = [self.add_request(ids, params) for ids in batch]
+        self._run(seqs)
+        return [self._completion(s) for s in seqs]
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 16, temperature: float = 0.0,
+               top_k=None, top_p=None, seed=None, stop=None) -> Iterator:
+        """Yield text deltas (or lists of new token ids when there is no tokenizer)."""
+        params = self._params(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        seq = self.add_request(prompt, params)
+        sent_tokens, sent_text = 0, ""
+        try:
+            while not seq.finished:
+                self.step()
+                if self.tokenizer is None:
+                    if len(seq.output_ids) > sent_tokens:
+                        yield seq.output_ids[sent_tokens:]
+                        sent_tokens = len(seq.output_ids)
+                    continue
+                text = seq.text if seq.finished or params.stop else self._decode(seq.output_ids)
+                if not seq.finished:
+                    text = _held_back(text, params.stop)
+                if len(text) > len(sent_text) and text.startswith(sent_text):
+                    yield text[len(sent_text):]
+                    sent_text = text
+        except BaseException:
+            if not seq.finished:
+                self.scheduler.abort_all()
+            raise
+
+    @torch.inference_mode()
+    def logits(self, token_ids) -> torch.Tensor:
+        """Logits for every position of ``token_ids``: [len, vocab] float32."""
+        ids = self.encode(list(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids)
+        if len(ids) > self.plan.max_seq_len:
+            raise InvalidRequestError(f"{len(ids)} tokens exceed max_seq_len={self.plan.max_seq_len}")
+        seq_id = ("logits", id(ids))
+        self.cache.allocate(seq_id, len(ids))
+        try:
+            meta = self.cache.prepare([seq_id], [len(ids)])
+            tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+            return self.model(tokens, self.cache, meta, None).cpu()
+        finally:
+            self.cache.free(seq_id)
+
+    # -- helpers -----------------------------------------------------------------
+    @staticmethod
+    def _params(max_new_tokens, temperature, top_k, top_p, seed, stop) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+
+    @staticmethod
+    def _as_batch(prompts) -> list:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts:
+            return list(prompts)
+        raise InvalidRequestError("prompts must be a string, a list of token ids, or a "
+                                  "non-empty list of those")
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) + params.max_new_tokens > self.plan.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} = "
+                f"{len(ids) + params.max_new_tokens} exceeds max_seq_len={self.plan.max_seq_len}; "
+                "shorten the prompt, lower max_new_tokens, or build with a larger max_seq_len")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+
+    def _completion(self, seq: Sequence) -> Completion:
+        return Completion(prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
+                          text=seq.text if self.tokenizer is not None else None,
+                          finish_reason=seq.finish_reason, metrics=seq.metrics)
+
+
+def _held_back(text: str, stops) -> str:
+    """Hold back an incomplete UTF-8 character and any tail that may start a stop string."""
+    text = text.rstrip("\ufffd")
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                return text[:-k]
+    return text

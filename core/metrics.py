@@ -1,0 +1,54 @@
+"""Per-request latency metrics (TTFT, TPOT, ITL) and run-level percentiles."""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import attrs
+
+
+@attrs.define
+class RequestMetrics:
+    arrival: float = attrs.field(factory=time.perf_counter)
+    first_token: Optional[float] = None
+    token_times: list[float] = attrs.field(factory=list)
+    finished: Optional[float] = None
+
+    def on_token(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.token_times.append(now)
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies (seconds) after the first token."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Mean seconds per output token after the first."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        t = self.token_times
+        return len(t) / (t[-1] - self.arrival) if t and t[-1] > self.arrival else None
+
+    def as_dict(self) -> dict:
+        return {"ttft_s": self.ttft, "tpot_s": self.tpot, "tokens_per_s": self.tokens_per_s,
+                "output_tokens": len(self.token_times)}
+
+
+def percentiles(values: Sequence[float], qs=(50, 90, 99)) -> dict[str, float]:
+    """Nearest-rank percentiles, e.g. {'p50': ..., 'p90': ..., 'p99': ...}."""
+    if not values:
+        return {f"p{q}": float("nan") for q in qs}
+    s = sorted(values)
+    return {f"p{q}": s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))] for q in qs}

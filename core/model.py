@@ -1,0 +1,155 @@
+"""Our own small module tree of fused layers, built from a ModelSpec.
+
+Slot names (``layers.3.qkv.weight``) are what policies' weight maps point at; weights
+arrive later through ``core.weights.load_weights``. Hot path shapes: T = tokens in the
+step (all sequences concatenated), H = hidden, D = head_dim.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rope import rope_cos_sin
+from .spec import ModelSpec
+
+
+class Linear(nn.Module):
+    """y = x W^T + b. Quantisers swap ``forward`` by replacing the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("weight", None)
+        self.register_buffer("bias", None)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm, optionally fused with the residual add."""
+
+    def __init__(self, kind: str, eps: float, ops):
+        super().__init__()
+        self.kind, self.eps, self.ops = kind, eps, ops
+        self.register_buffer("weight", None)
+        self.register_buffer("bias", None)
+
+    def forward(self, x, residual=None):
+        """Returns (normed, new residual); the residual is x (+ residual)."""
+        if self.kind == "rms":
+            if residual is None:
+                return self.ops.rms_norm(x, self.weight, self.eps), x
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self.ops.layer_norm(x, self.weight, self.bias, self.eps), x
+        return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, ops):
+        super().__init__()
+        self.spec, self.ops = spec, ops
+        self.attn_norm = Norm(spec.norm, spec.norm_eps, ops)
+        self.qkv = Linear()
+        self.o = Linear()
+        self.mlp_norm = Norm(spec.norm, spec.norm_eps, ops)
+        if spec.gated_mlp:
+            self.gate_up = Linear()
+        else:
+            self.fc_in = Linear()
+        self.down = Linear()
+
+    def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
+        s = self.spec
+        x, residual = self.attn_norm(h, residual)  # [T, H]
+        qkv = self.qkv(x)  # [T, q + 2kv]
+        t = qkv.shape[0]
+        q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)
+        k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
+        v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
+        if rope is not None:
+            q, k = self.ops.rotary(q, k, rope[0], rope[1], positions)
+        attn = cache.attention(layer_idx, q, k, v, meta)  # [T, Hq, D]
+        h = self.o(attn.reshape(t, s.q_size))
+        x, residual = self.mlp_norm(h, residual)
+        if s.gated_mlp:
+            x = self.ops.silu_mul(self.gate_up(x))  # [T, 2I] -> [T, I]
+        else:
+            x = self.ops.gelu(self.fc_in(x), s.activation)
+        return self.down(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, ops, device, max_position: int | None = None):
+        super().__init__()
+        self.spec, self.ops = spec, ops
+        self.embed = nn.Module()
+        self.embed.register_buffer("weight", None)
+        if spec.position == "learned":
+            self.pos_embed = nn.Module()
+            self.pos_embed.register_buffer("weight", None)
+        self.layers = nn.ModuleList(DecoderLayer(spec, ops) for _ in range(spec.num_layers))
+        self.final_norm = Norm(spec.norm, spec.norm_eps, ops)
+        if not spec.tie_embeddings:
+            self.lm_head = Linear()
+        self.rope = None
+        if spec.position == "rope":
+            self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,
+                                     device)
+
+    @property
+    def lm_head_weight(self):
+        return self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight
+
+    def forward(self, tokens, cache, meta, logits_index=None):
+        """tokens: [T] -> logits [len(logits_index) or T, V] float32."""
+        positions = meta.positions
+        h = F.embedding(tokens, self.embed.weight)  # [T, H]
+        if self.spec.position == "learned":
+            h = h + F.embedding(positions, self.pos_embed.weight)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
+        if logits_index is not None:  # only the rows we sample from
+            h, residual = h[logits_index], residual[logits_index]
+        x, _ = self.final_norm(h, residual)
+        return F.linear(x, self.lm_head_weight).float()  # [n, V]
+
+
+def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
+    """slot -> (shape, sizes of its fused parts along dim 0, or None if unfused)."""
+    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
+    layer_norm = spec.norm == "layer"
+    out = {"embed.weight": ((spec.vocab_size, h), None)}
+    if spec.position == "learned":
+        out["pos_embed.weight"] = ((spec.max_position, h), None)
+    for n in range(spec.num_layers):
+        p = f"layers.{n}."
+        for norm in ("attn_norm", "mlp_norm"):
+            out[p + norm + ".weight"] = ((h,), None)
+            if layer_norm:
+                out[p + norm + ".bias"] = ((h,), None)
+        out[p + "qkv.weight"] = ((q + 2 * kv, h), (q, kv, kv))
+        if spec.qkv_bias:
+            out[p + "qkv.bias"] = ((q + 2 * kv,), (q, kv, kv))
+        out[p + "o.weight"] = ((h, q), None)
+        if spec.o_bias:
+            out[p + "o.bias"] = ((h,), None)
+        if spec.gated_mlp:
+            out[p + "gate_up.weight"] = ((2 * i, h), (i, i))
+            if spec.mlp_bias:
+                out[p + "gate_up.bias"] = ((2 * i,), (i, i))
+        else:
+            out[p + "fc_in.weight"] = ((i, h), None)
+            if spec.mlp_bias:
+                out[p + "fc_in.bias"] = ((i,), None)
+        out[p + "down.weight"] = ((h, i), None)
+        if spec.mlp_bias:
+            out[p + "down.bias"] = ((h,), None)
+    out["final_norm.weight"] = ((h,), None)
+    if layer_norm:
+        out["final_norm.bias"] = ((h,), None)
+    if not spec.tie_embeddings:
+        out["lm_head.weight"] = ((spec.vocab_size, h), None)
+    return out

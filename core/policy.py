@@ -1,0 +1,80 @@
+"""Injection-policy contract: HF config -> ModelSpec, and the declarative weight map."""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional, Sequence
+
+import attrs
+
+from .errors import UnsupportedModelError
+from .spec import ModelSpec
+
+
+@attrs.frozen
+class WeightRule:
+    """One HF state-dict key (``{i}`` = layer index) feeding one slot of our model.
+
+    ``part`` indexes the slot's fused parts (q, k, v -> qkv: 0, 1, 2); None means the
+    tensor fills the whole slot. ``transpose`` is for HF ``Conv1D`` ([in, out]) weights.
+    """
+
+    source: str
+    slot: str
+    part: Optional[int] = None
+    transpose: bool = False
+
+    def pattern(self) -> re.Pattern:
+        return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+@attrs.frozen
+class WeightMap:
+    rules: tuple[WeightRule, ...]
+    #: HF keys that are expected but carry nothing we need (regexes), e.g. rotary buffers
+    ignore: tuple[str, ...] = ()
+    #: HF keys that may be absent or are aliases (the tied LM head)
+    optional: tuple[str, ...] = ()
+
+
+class Policy:
+    """Base class for injection policies; subclasses set the class attributes and
+    implement :meth:`describe` and :meth:`weight_map`.
+
+    The engine's own fused decoder (``core.model.DecoderModel``) is built from the
+    ``ModelSpec``, so a new family usually needs no modelling code at all.
+    """
+
+    name: str = ""
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+
+    def claims(self, config) -> bool:
+        archs = getattr(config, "architectures", None) or ()
+        return any(a in self.architectures for a in archs) or \
+            getattr(config, "model_type", None) in self.model_types
+
+    def check(self, config) -> None:
+        """Raise UnsupportedModelError if this policy cannot serve ``config``."""
+        if not self.claims(config):
+            archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
+            raise UnsupportedModelError(
+                f"policy {self.name!r} does not support {', '.join(archs)}; it supports "
+                f"{', '.join(self.architectures)}")
+
+    def describe(self, config) -> ModelSpec:
+        raise NotImplementedError
+
+    def weight_map(self, spec: ModelSpec) -> WeightMap:
+        raise NotImplementedError
+
+
+def expand_rules(rules: Iterable[WeightRule], num_layers: int) -> dict[str, WeightRule]:
+    """HF key -> rule with ``{i}`` filled in for every layer."""
+    out: dict[str, WeightRule] = {}
+    for r in rules:
+        layers: Sequence = range(num_layers) if "{i}" in r.source else [None]
+        for i in layers:
+            key = r.source.replace("{i}", str(i)) if i is not None else r.source
+            slot = r.slot.replace("{i}", str(i)) if i is not None else r.slot
+            out[key] = attrs.evolve(r, source=key, slot=slot)
+    return out

@@ -1,0 +1,100 @@
+"""Requests as the engine sees them: sampling parameters, sequences, completions."""
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from typing import Optional
+
+import attrs
+import torch
+
+from .errors import InvalidRequestError
+from .metrics import RequestMetrics
+
+
+def _check_params(p: "SamplingParams") -> None:
+    if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
+    if not isinstance(p.temperature, (int, float)) or not math.isfinite(p.temperature) \
+            or p.temperature < 0:
+        raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                                  f"got {p.temperature!r}")
+    if p.top_k is not None and (not isinstance(p.top_k, int) or p.top_k < 1):
+        raise InvalidRequestError(f"top_k must be None or an integer >= 1, got {p.top_k!r}")
+    if p.top_p is not None and (not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1):
+        raise InvalidRequestError(f"top_p must be None or in (0, 1], got {p.top_p!r}")
+    if p.seed is not None and not isinstance(p.seed, int):
+        raise InvalidRequestError(f"seed must be None or an integer, got {p.seed!r}")
+    if any(not isinstance(s, str) or not s for s in p.stop):
+        raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {p.stop!r}")
+
+
+def _as_stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+@attrs.frozen
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_stop)
+
+    def __attrs_post_init__(self):
+        _check_params(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """One request's mutable state while the engine works on it."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams):
+        self.id = next(_ids)
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.output_ids: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: Optional[str] = None
+        self.text = ""  # detokenised output so far (stop strings trimmed)
+        self.metrics = RequestMetrics()
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@attrs.frozen
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: Optional[str]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    metrics: RequestMetrics

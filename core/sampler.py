@@ -1,0 +1,33 @@
+"""Token selection: greedy, temperature, top-k, top-p, per-request seeded generators."""
+from __future__ import annotations
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k, top_p) -> torch.Tensor:
+    """logits: [V] float32 -> scaled and masked logits (masked entries are -inf)."""
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        probs, order = torch.sort(logits.softmax(-1), descending=True)
+        before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+        drop = before >= top_p  # keeps the smallest set reaching top_p (at least one)
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs) -> list[int]:
+    """logits: [B, V] float32, one row per sequence -> one token id per sequence."""
+    greedy = logits.argmax(-1).tolist()
+    out = []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            out.append(greedy[row])
+            continue
+        masked = filter_logits(logits[row].cpu(), p.temperature, p.top_k, p.top_p)
+        out.append(int(torch.multinomial(masked.softmax(-1), 1, generator=seq.generator)))
+    return out

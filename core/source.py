@@ -1,0 +1,94 @@
+"""Where a model comes from: an HF model in memory, a local directory, or a demo alias.
+
+Weights are only ever read from safetensors files or in-memory tensors (never pickle).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import attrs
+import torch
+
+from .errors import InfergraftError
+
+ALIASES = ("smollm2-135m",)
+
+
+@attrs.frozen
+class ModelSource:
+    name: str
+    config: Any
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    tokenizer: Optional[Any] = None
+    dtype: Optional[torch.dtype] = None  # the dtype the weights are stored in
+
+
+class ModelSourceError(InfergraftError, ValueError):
+    """The ``model`` argument names nothing we can load."""
+
+
+def resolve_source(model, tokenizer=None) -> ModelSource:
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        params = next(model.parameters(), None)
+        return ModelSource(
+            name=getattr(model.config, "_name_or_path", "") or type(model).__name__,
+            config=model.config, tensors=lambda: iter(model.state_dict().items()),
+            tokenizer=tokenizer, dtype=params.dtype if params is not None else None)
+    if isinstance(model, (str, os.PathLike)):
+        if str(model) in ALIASES:
+            from .demo import ensure_demo_model
+
+            return _from_directory(ensure_demo_model(str(model)), tokenizer, name=str(model))
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return _from_directory(path, tokenizer)
+    raise ModelSourceError(
+        f"cannot load model {model!r}: pass a transformers PreTrainedModel, a local directory "
+        f"with config.json and *.safetensors, or one of the aliases {', '.join(ALIASES)}")
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = f" (found {', '.join(pickles)}: pickle checkpoints are refused; convert them to " \
+               "safetensors)" if pickles else ""
+        raise ModelSourceError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+def _from_directory(path: Path, tokenizer=None, name: str | None = None) -> ModelSource:
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ModelSourceError(f"{path} has no config.json; it is not an HF model directory")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    files = safetensors_files(path)
+
+    def tensors():
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for key in st.keys():
+                    yield key, st.get_tensor(key)
+
+    if tokenizer is None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return ModelSource(name=name or str(path), config=config, tensors=tensors,
+                       tokenizer=tokenizer, dtype=stored)

@@ -1,0 +1,102 @@
+"""Stream HF tensors, one at a time, through a policy's weight map into our slots.
+
+Fused slots (qkv, gate_up) are allocated once at the target dtype/device and filled
+part by part; unfused tensors already in the right dtype/device are adopted as they
+are. No second full copy of the model exists at any point.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .errors import WeightLoadError
+from .model import slot_layout
+from .policy import WeightMap, expand_rules
+from .spec import ModelSpec
+
+
+def check_weight_map(policy_name: str, spec: ModelSpec, wmap: WeightMap) -> dict:
+    """Validate that the map's rules fill every slot exactly once; returns key -> rule."""
+    layout = slot_layout(spec)
+    rules = expand_rules(wmap.rules, spec.num_layers)
+    filled: dict[str, set] = {}
+    for key, r in rules.items():
+        if r.slot not in layout:
+            raise WeightLoadError(f"policy {policy_name!r} maps {key!r} to unknown slot {r.slot!r}")
+        parts = layout[r.slot][1]
+        part = r.part if parts is not None else None
+        if part is not None and not 0 <= part < len(parts):
+            raise WeightLoadError(f"policy {policy_name!r}: {key!r} names part {part} of "
+                                  f"{r.slot!r}, which has {len(parts)} parts")
+        seen = filled.setdefault(r.slot, set())
+        if part in seen or (part is None and seen) or (None in seen):
+            raise WeightLoadError(f"policy {policy_name!r} fills {r.slot!r} twice")
+        seen.add(part)
+    for slot, (_, parts) in layout.items():
+        need = set(range(len(parts))) if parts else {None}
+        if filled.get(slot, set()) != need:
+            raise WeightLoadError(f"policy {policy_name!r} leaves slot {slot!r} unfilled")
+    return rules
+
+
+def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
+                 tensors: Iterable[tuple[str, torch.Tensor]], *, policy_name: str, device,
+                 dtype: torch.dtype, on_slot_ready: Optional[Callable] = None) -> None:
+    rules = check_weight_map(policy_name, spec, wmap)
+    layout = slot_layout(spec)
+    ignore = [re.compile(p) for p in wmap.ignore]
+    pending: dict[str, set] = {}  # slot -> parts still missing
+    buffers: dict[str, torch.Tensor] = {}
+    seen, unexpected = set(), []
+    for key, tensor in tensors:
+        rule = rules.get(key)
+        if rule is None:
+            if key in wmap.optional or any(p.match(key) for p in ignore):
+                continue
+            unexpected.append(key)
+            continue
+        if key in seen:
+            raise WeightLoadError(f"weight {key!r} arrived twice")
+        seen.add(key)
+        shape, parts = layout[rule.slot]
+        t = tensor.t() if rule.transpose else tensor
+        want = shape if parts is None else (parts[rule.part],) + tuple(shape[1:])
+        if tuple(t.shape) != tuple(want):
+            raise WeightLoadError(f"weight {key!r} has shape {tuple(t.shape)}, policy "
+                                  f"{policy_name!r} expects {tuple(want)} for {rule.slot!r}")
+        if parts is None:
+            _install(model, rule.slot, t.to(device=device, dtype=dtype).contiguous(), on_slot_ready)
+            continue
+        buf = buffers.get(rule.slot)
+        if buf is None:
+            buf = buffers[rule.slot] = torch.empty(shape, device=device, dtype=dtype)
+            pending[rule.slot] = set(range(len(parts)))
+        start = sum(parts[:rule.part])
+        buf[start:start + parts[rule.part]].copy_(t)
+        pending[rule.slot].discard(rule.part)
+        if not pending[rule.slot]:
+            _install(model, rule.slot, buffers.pop(rule.slot), on_slot_ready)
+    if unexpected:
+        raise WeightLoadError(f"policy {policy_name!r} left {len(unexpected)} weight(s) "
+                              f"unconsumed: {', '.join(unexpected[:5])}"
+                              f"{' ...' if len(unexpected) > 5 else ''}")
+    missing = sorted(set(rules) - seen)
+    if missing:
+        raise WeightLoadError(f"{len(missing)} weight(s) that policy {policy_name!r} needs are "
+                              f"missing from the checkpoint: {', '.join(missing[:5])}"
+                              f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _install(model: nn.Module, slot: str, tensor: torch.Tensor, on_slot_ready) -> None:
+    path, attr = slot.rsplit(".", 1)
+    module = model.get_submodule(path)
+    if on_slot_ready is not None:
+        replacement = on_slot_ready(slot, module, tensor)
+        if replacement is not None:  # a quantiser swapped the module
+            parent, name = path.rsplit(".", 1) if "." in path else ("", path)
+            setattr(model.get_submodule(parent) if parent else model, name, replacement)
+            return
+    setattr(module, attr, tensor)

@@ -1,0 +1,137 @@
+"""Contiguous KV cache (the default backend): one preallocated row per sequence.
+
+Per layer K and V are ``[max_batch_size, Hkv, max_seq_len, D]``; a sequence owns one
+row for its whole life, and token ``p`` lives at column ``p``.
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
+from infergraft.core.hookspecs import hookimpl
+
+
+@attrs.frozen
+class ContiguousMeta:
+    positions: torch.Tensor  # [T] absolute positions
+    rows: list[int]  # cache row of each sequence
+    starts: list[int]  # tokens already cached before this step
+    counts: list[int]  # new tokens this step
+    row_index: torch.Tensor  # [T] row of each new token
+    decode: bool  # every sequence adds exactly one token
+    row_span: slice | None  # rows form one contiguous range (batched decode)
+
+
+class ContiguousCache(KVCache):
+    def __init__(self, spec, max_batch_size, max_seq_len, device, dtype, ops):
+        self.spec, self.ops, self.device = spec, ops, torch.device(device)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        shape = (max_batch_size, spec.num_kv_heads, max_seq_len, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.scale = spec.head_dim ** -0.5
+        self._free_rows = list(range(max_batch_size))
+        self._row: dict = {}
+        self._len: dict = {}
+
+    # -- allocation ------------------------------------------------------------
+    def can_allocate(self, num_tokens):
+        return bool(self._free_rows) and num_tokens <= self.max_seq_len
+
+    def allocate(self, seq_id, num_tokens):
+        if seq_id in self._row:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if num_tokens > self.max_seq_len:
+            raise CacheFullError(f"{num_tokens} tokens exceed max_seq_len={self.max_seq_len}")
+        if not self._free_rows:
+            raise CacheFullError(f"all {self.max_batch_size} rows are in use (max_batch_size)")
+        self._row[seq_id] = self._free_rows.pop(0)
+        self._len[seq_id] = 0
+
+    def free(self, seq_id):
+        self._free_rows.append(self._row.pop(seq_id))
+        self._free_rows.sort()
+        del self._len[seq_id]
+
+    def length(self, seq_id):
+        return self._len[seq_id]
+
+    # -- one forward step ------------------------------------------------------
+    def prepare(self, seq_ids, counts):
+        rows, starts = [self._row[s] for s in seq_ids], [self._len[s] for s in seq_ids]
+        for s, start, n in zip(seq_ids, starts, counts):
+            if start + n > self.max_seq_len:
+                raise CacheFullError(f"sequence {s!r} would hold {start + n} tokens, "
+                                     f"over max_seq_len={self.max_seq_len}")
+            self._len[s] = start + n
+        positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, counts)])
+        row_index = torch.repeat_interleave(torch.tensor(rows), torch.tensor(counts))
+        span = None
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            span = slice(rows[0], rows[0] + len(rows))
+        dev = self.device
+        return ContiguousMeta(positions.to(dev), rows, starts, list(counts), row_index.to(dev),
+                              all(n == 1 for n in counts), span)
+
+    def attention(self, layer, q, k, v, meta):
+        kc, vc = self.k[layer], self.v[layer]  # [R, Hkv, S, D]
+        # the write kernel sees the cache as [R, S, Hkv, D]: (row, position) addressing
+        self.ops.kv_write(k, v, kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3),
+                          meta.row_index, meta.positions)
+        if meta.decode and meta.row_span is not None:
+            return self._decode_batched(q, kc, vc, meta)
+        out = torch.empty_like(q)
+        off = 0
+        for row, start, n in zip(meta.rows, meta.starts, meta.counts):
+            qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            kj = kc[row:row + 1, :, :start + n]  # [1, Hkv, start+n, D]
+            vj = vc[row:row + 1, :, :start + n]
+            out[off:off + n] = self._sdpa(qj, kj, vj, start, n)[0].transpose(0, 1)
+            off += n
+        return out
+
+    def _decode_batched(self, q, kc, vc, meta):
+        lens = [s + 1 for s in meta.starts]
+        longest = max(lens)
+        kb, vb = kc[meta.row_span, :, :longest], vc[meta.row_span, :, :longest]  # [B, Hkv, L, D]
+        mask = None
+        if min(lens) != longest:  # ragged: hide each row's unused tail
+            mask = torch.arange(longest, device=q.device) < torch.tensor(lens, device=q.device)[:, None]
+            mask = mask[:, None, None, :]  # [B, 1, 1, L]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=mask,
+                                             scale=self.scale, enable_gqa=True)
+        return out.squeeze(2)  # [B, Hq, D]
+
+    def _sdpa(self, q, k, v, start, n):
+        if start == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                  enable_gqa=True)
+        qpos = torch.arange(start, start + n, device=q.device)[:, None]
+        mask = torch.arange(start + n, device=q.device)[None, :] <= qpos  # [n, start+n]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=True)
+
+    # -- inspection ------------------------------------------------------------
+    def read(self, seq_id, layer):
+        row, n = self._row[seq_id], self._len[seq_id]
+        return (self.k[layer][row, :, :n].transpose(0, 1), self.v[layer][row, :, :n].transpose(0, 1))
+
+    def stats(self):
+        per = self.k[0].numel() * self.k[0].element_size()
+        return {"bytes": 2 * per * len(self.k), "sequences": len(self._row),
+                "tokens": sum(self._len.values()), "free_rows": len(self._free_rows)}
+
+
+class ContiguousBackend(CacheBackend):
+    name = "contiguous"
+    options = {}
+
+    def create(self, spec, plan, *, device, dtype, ops, **options):
+        return ContiguousCache(spec, plan.max_batch_size, plan.max_seq_len, device, dtype, ops)
+
+
+@hookimpl
+def infergraft_register_cache_backends(register):
+    register(ContiguousBackend())

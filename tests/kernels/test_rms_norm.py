@@ -1,0 +1,69 @@
+"""rms_norm / add_rms_norm: Triton vs the torch reference."""
+import pytest
+import torch
+
+from infergraft.kernels.rms_norm import (add_rms_norm_torch, add_rms_norm_triton,
+                                         rms_norm_torch, rms_norm_triton)
+
+from .tolerances import assert_close, assert_exact
+
+SHAPES = [(1, 7), (3, 64), (17, 576), (3, 1000)]  # (N, H): odd, pow2, model-like, ragged
+EPS = 1e-6
+
+
+def _rows(randn, n, h, dtype, layout):
+    """x: [N, H] with last dim contiguous; 'strided' rows sit inside a wider buffer."""
+    if layout == "contiguous":
+        return randn(n, h, dtype=dtype)
+    return randn(2 * n, h + 5, dtype=dtype)[::2, 3:h + 3]  # row stride 2*(H+5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("n,h", SHAPES)
+def test_rms_norm_matches_reference(device, dtype, randn, poisoned_empty, n, h, layout):
+    x = _rows(randn, n, h, dtype, layout)
+    w = randn(h, dtype=dtype)
+    x0 = x.clone()
+    out = rms_norm_triton(x, w, EPS)
+    assert out.shape == (n, h) and out.is_contiguous()
+    assert_close(out, rms_norm_torch(x, w, EPS), f"N={n} H={h} {dtype} {layout}")
+    assert_exact(x, x0, "input modified")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("n,h", SHAPES)
+def test_add_rms_norm_matches_reference(device, dtype, randn, poisoned_empty, n, h, layout):
+    x = _rows(randn, n, h, dtype, layout)
+    res = _rows(randn, n, h, dtype, "strided" if layout == "contiguous" else "contiguous")
+    w = randn(h, dtype=dtype)
+    x0, res0 = x.clone(), res.clone()
+    out, hid = add_rms_norm_triton(x, res, w, EPS)
+    ref_out, ref_hid = add_rms_norm_torch(x, res, w, EPS)
+    # h = x + residual is one rounding of an exact sum: identical to torch's
+    assert_exact(hid, ref_hid, "h = x + residual")
+    assert_close(out, ref_out, f"N={n} H={h} {dtype} {layout}")
+    assert hid.data_ptr() not in (x.data_ptr(), res.data_ptr())
+    assert_exact(x, x0, "x modified")
+    assert_exact(res, res0, "residual modified")
+
+
+def test_rms_norm_float32_weight_promotes_like_reference(device, randn, poisoned_empty):
+    # weight * x in the reference promotes: half-precision x with float32 weight -> float32
+    x, w = randn(3, 40, dtype=torch.float16), randn(40)
+    out = rms_norm_triton(x, w, EPS)
+    assert_close(out, rms_norm_torch(x, w, EPS))
+
+
+def test_rms_norm_empty_rows(device, randn):
+    x, w = randn(0, 64), randn(64)
+    assert rms_norm_triton(x, w, EPS).shape == (0, 64)
+
+
+def test_rms_norm_rejects_bad_inputs(device, randn):
+    x = randn(4, 16)
+    with pytest.raises(AssertionError, match="weight must be"):
+        rms_norm_triton(x, randn(15), EPS)
+    with pytest.raises(AssertionError, match="contiguous in its last dim"):
+        rms_norm_triton(randn(16, 4).t(), randn(16), EPS)
+    with pytest.raises(AssertionError, match="residual dtype"):
+        add_rms_norm_triton(x, x.double(), randn(16), EPS)
