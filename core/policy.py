@@ -32,8 +32,9 @@ class WeightMap:
     rules: tuple[WeightRule, ...]
     #: HF keys that are expected but carry nothing we need (regexes), e.g. rotary buffers
     ignore: tuple[str, ...] = ()
-    #: HF keys that may be absent or are aliases (the tied LM head)
-    optional: tuple[str, ...] = ()
+    #: (alias, key): the alias may stand in for key, e.g. a tied LM head saved in place of
+    #: the embedding; whichever arrives first is used, the other is skipped
+    aliases: tuple[tuple[str, str], ...] = ()
 
 
 class Policy:

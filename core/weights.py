@@ -50,11 +50,18 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
     ignore = [re.compile(p) for p in wmap.ignore]
     pending: dict[str, set] = {}  # slot -> parts still missing
     buffers: dict[str, torch.Tensor] = {}
+    aliases = dict(wmap.aliases)
     seen, unexpected = set(), []
     for key, tensor in tensors:
+        if key in aliases:  # a stand-in for another key, used only if that one is absent
+            if aliases[key] in seen:
+                continue
+            key = aliases[key]
+        elif key in seen and key in aliases.values():
+            continue  # the alias already supplied it
         rule = rules.get(key)
         if rule is None:
-            if key in wmap.optional or any(p.match(key) for p in ignore):
+            if any(p.match(key) for p in ignore):
                 continue
             unexpected.append(key)
             continue

@@ -72,12 +72,12 @@ def llama_like_weight_map(spec: ModelSpec) -> WeightMap:
         rules += [WeightRule("model.layers.{i}.mlp.gate_proj.bias", "layers.{i}.gate_up.bias", part=0),
                   WeightRule("model.layers.{i}.mlp.up_proj.bias", "layers.{i}.gate_up.bias", part=1),
                   WeightRule("model.layers.{i}.mlp.down_proj.bias", "layers.{i}.down.bias")]
-    optional = ()
-    if spec.tie_embeddings:
-        optional = ("lm_head.weight",)  # an alias of the embedding when present
+    aliases = ()
+    if spec.tie_embeddings:  # checkpoints keep either name of the shared tensor
+        aliases = (("lm_head.weight", "model.embed_tokens.weight"),)
     else:
         rules.append(WeightRule("lm_head.weight", "lm_head.weight"))
-    return WeightMap(tuple(rules), ignore=(r".*rotary_emb\.inv_freq$",), optional=optional)
+    return WeightMap(tuple(rules), ignore=(r".*rotary_emb\.inv_freq$",), aliases=aliases)
 
 
 class LlamaPolicy(Policy):
