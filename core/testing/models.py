@@ -1,0 +1,33 @@
+"""Tiny random-initialised HF models for tests (no hub access needed)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+    kw.update(overrides)
+    cfg = LlamaConfig(**kw)
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def random_model(config, seed: int = 0, dtype=torch.float32, scale: float = 1.0):
+    """An HF model of ``config`` with seeded random weights (std scaled for lively logits)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config.initializer_range = 0.02 * scale
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return model
+
+
+def random_prompt(n: int, vocab: int, seed: int, avoid=(0, 1, 2)) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+    return [t if t not in avoid else 3 + t for t in ids]

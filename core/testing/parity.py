@@ -1,0 +1,57 @@
+"""Parity checks against HF transformers' own forward and generate (same weights).
+
+Used by our policy tests and by the conformance kit that third-party policies run.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref| (a scale-free error for logits)."""
+    ref = ref.float()
+    return float((ours.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+@torch.inference_mode()
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    dev = next(hf_model.parameters()).device
+    return hf_model(torch.tensor([ids], device=dev)).logits[0].float().cpu()
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF greedy continuation, cut after the first EOS exactly like the engine stops."""
+    dev = next(hf_model.parameters()).device
+    out = hf_model.generate(torch.tensor([ids], device=dev), max_new_tokens=max_new_tokens,
+                            min_new_tokens=0, do_sample=False,
+                            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
+                            pad_token_id=hf_model.config.eos_token_id or 0)
+    new = out[0, len(ids):].tolist()
+    eos = hf_model.config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    for n, t in enumerate(new):
+        if t in eos:
+            return new[:n + 1]
+    return new
+
+
+def assert_logits_match(engine, hf_model, ids: list[int], rtol: float = 1e-4) -> float:
+    err = relative_error(engine.logits(ids), hf_logits(hf_model, ids))
+    assert err <= rtol, f"logits differ from HF: relative error {err:.2e} > {rtol:.0e}"
+    return err
+
+
+def assert_greedy_match(engine, hf_model, ids: list[int], max_new_tokens: int = 32) -> list[int]:
+    ours = engine.generate([ids], max_new_tokens=max_new_tokens)[0].token_ids
+    ref = hf_greedy(hf_model, ids, max_new_tokens)
+    assert ours == ref, f"greedy tokens differ from HF:\n ours {ours}\n HF   {ref}"
+    return ours
+
+
+def assert_batch_matches_alone(engine, prompts: list[list[int]], max_new_tokens: int = 16):
+    """A batch of prompts gives each prompt exactly what it gives alone."""
+    together = [c.token_ids for c in engine.generate(prompts, max_new_tokens=max_new_tokens)]
+    alone = [engine.generate([p], max_new_tokens=max_new_tokens)[0].token_ids for p in prompts]
+    assert together == alone, f"batched output differs from solo output:\n {together}\n {alone}"
+    return together
