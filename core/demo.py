@@ -38,6 +38,7 @@ def ensure_demo_model(alias: str, quiet: bool = False) -> Path:
     target = cache_dir() / alias
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         return target
+    shutil.rmtree(target, ignore_errors=True)  # an incomplete cache from an older version
     info = DEMO_MODELS[alias]
     with tempfile.TemporaryDirectory(prefix="infergraft-") as tmp:
         gguf = _fetch_gguf(info, Path(tmp), quiet)
@@ -79,7 +80,7 @@ def _convert(gguf: Path, target: Path, quiet: bool) -> None:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # one per process
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     config = model.config.to_dict()
@@ -89,6 +90,8 @@ def _convert(gguf: Path, target: Path, quiet: bool) -> None:
     model.generation_config.to_json_file(str(partial / "generation_config.json"))
     safetensors.torch.save_model(model, str(partial / "model.safetensors"))
     tok.save_pretrained(str(partial))
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)  # atomic: a half-written cache is never picked up
+    try:
+        partial.rename(target)  # atomic: a half-written cache is never picked up
+    except OSError:  # another process finished first; its copy is as good as ours
+        shutil.rmtree(partial, ignore_errors=True)
     _say(f"cached at {target}", quiet)

@@ -22,6 +22,8 @@ from .registry import Registry
 #: Built-ins, registered through the same path as third-party plugins.
 DEFAULT_PLUGINS = (
     "infergraft.policies.llama",
+    "infergraft.policies.mistral",
+    "infergraft.policies.gpt2",
     "infergraft.plugins.contiguous",
     "infergraft.plugins.single_device",
 )

@@ -21,6 +21,9 @@ OPS = {
     "rotary": "rotary",
     "silu_mul": "silu_mul",
     "kv_write": "kv_write",
+    "layer_norm": "layer_norm",
+    "add_layer_norm": "layer_norm",
+    "gelu": "gelu",
 }
 BACKENDS = ("auto", "torch", "triton")
 

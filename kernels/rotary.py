@@ -26,9 +26,8 @@ def rotary_torch(q, k, cos, sin, positions):
 if HAVE_TRITON:
 
     @triton.jit
-    def _rotate_heads(x_ptr, o_ptr, tok, stride_t, stride_h, stride_ot, stride_oh,
-                      H, D, c, s, partner, sign, rot, cols,
-                      BLOCK_H: tl.constexpr):
+    def _rotate_heads(x_ptr, o_ptr, tok, stride_t, stride_h, H, D,
+                      c, s, partner, sign, rot, cols, BLOCK_H: tl.constexpr):
         # x: [H, D] of one token; c, s, partner, sign, rot: [BLOCK_D], shared by all heads
         heads = tl.arange(0, BLOCK_H)
         mask = (heads[:, None] < H) & (cols[None, :] < D)                  # [BLOCK_H, BLOCK_D]
@@ -38,14 +37,13 @@ if HAVE_TRITON:
         xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         out = x * c[None, :] + sign[None, :] * xp * s[None, :]
         out = tl.where(rot[None, :], out, x)  # exact pass-through, even for inf/nan
-        optr = o_ptr + tok * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+        optr = o_ptr + (tok * H + heads[:, None]) * D + cols[None, :]  # output is contiguous
         tl.store(optr, out.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotary_kernel(
         q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh,
-        stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
         HQ, HKV, D, HALF,
         BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
@@ -60,10 +58,10 @@ if HAVE_TRITON:
         s = tl.load(sin_ptr + pos * stride_cs + j, mask=rot, other=0.0)
         partner = tl.where(lo, cols + HALF, tl.where(rot, cols - HALF, cols))
         sign = tl.where(lo, -1.0, 1.0)
-        _rotate_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, stride_qot, stride_qoh,
-                      HQ, D, c, s, partner, sign, rot, cols, BLOCK_HQ)
-        _rotate_heads(k_ptr, ko_ptr, tok, stride_kt, stride_kh, stride_kot, stride_koh,
-                      HKV, D, c, s, partner, sign, rot, cols, BLOCK_HKV)
+        _rotate_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, HQ, D,
+                      c, s, partner, sign, rot, cols, BLOCK_HQ)
+        _rotate_heads(k_ptr, ko_ptr, tok, stride_kt, stride_kh, HKV, D,
+                      c, s, partner, sign, rot, cols, BLOCK_HKV)
 
 
 def _check_heads(name, x, t, d, device):
@@ -104,7 +102,7 @@ def rotary_triton(q, k, cos, sin, positions):
     _rotary_kernel[(t,)](
         q, k, q_out, k_out, cos, sin, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
+        cos.stride(0),
         hq, hkv, d, half,
         BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d,
         num_warps=4 if tile <= 2048 else 8 if tile <= 8192 else 16,

@@ -1,6 +1,7 @@
-"""Test-wide setup. Keep the TRITON_INTERPRET line first: ``triton.jit`` reads it when a
-kernel is *defined*, i.e. when ``infergraft.kernels.<op>`` is imported, so it must be set
-before any test module (or infergraft itself) is imported."""
+"""Test-wide setup. Keep the TRITON_INTERPRET line first, before anything imports triton:
+triton decorates its own ``tl`` helpers (``tl.sum``, ``tl.sigmoid``, ...) with ``@jit`` when
+it is imported, and kernels when they are defined, and each reads TRITON_INTERPRET then.
+Set too late, CPU runs fail with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
 import os
 
 import torch  # importing torch does not import triton

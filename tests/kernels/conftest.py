@@ -1,6 +1,6 @@
 """Fixtures shared by the kernel tests: device/dtype grid, seeded inputs, poisoned outputs.
 
-TRITON_INTERPRET is set in tests/conftest.py (it must precede the first triton import).
+TRITON_INTERPRET is set in tests/conftest.py (it must precede the first `import triton`).
 """
 import zlib
 
