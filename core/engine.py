@@ -96,7 +96,7 @@ class Engine:
                 if at >= 0:
                     seq.text = seq.text[:at]
                     return self._finish(seq, "stop", now)
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not p.ignore_eos:
             return self._finish(seq, "stop", now)
         if len(seq.output_ids) >= p.max_new_tokens:
             return self._finish(seq, "length", now)

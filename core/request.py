@@ -44,6 +44,7 @@ class SamplingParams:
     top_p: Optional[float] = None
     seed: Optional[int] = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_stop)
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
 
     def __attrs_post_init__(self):
         _check_params(self)
