@@ -7,7 +7,7 @@ from typing import Any, Iterable, Optional
 import attrs
 import torch
 
-from infergraft.kernels import get_ops
+import infergraft.kernels as _kernels  # module import: kernels imports core.errors
 
 from .engine import Engine
 from .errors import InfergraftError, PlanError, UnknownPluginError, UnsupportedModelError
@@ -134,7 +134,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if spec.position == "learned" and max_seq_len > spec.max_position:
         raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
                         "learned positions")
-    ops = get_ops(device, kernels)
+    ops = _kernels.get_ops(device, kernels)
     elem = torch.empty((), dtype=dtype).element_size()
     plan = Plan(
         model=source.name, architecture=spec.architecture, policy=policy.name,

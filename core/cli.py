@@ -127,6 +127,10 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list registered plugins")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
+    b = sub.add_parser("bench", help="decode/prefill benchmark beside HF transformers")
+    from .bench_cli import add_arguments, run as run_bench
+    add_arguments(b)
+    b.set_defaults(func=run_bench)
     return parser
 
 

@@ -2,6 +2,11 @@
 
 Per layer K and V are ``[max_batch_size, Hkv, max_seq_len, D]``; a sequence owns one
 row for its whole life, and token ``p`` lives at column ``p``.
+
+Sliding-window models (``spec.sliding_window = W < max_seq_len``) get a rolling buffer
+instead: rows are ``W`` columns wide and token ``p`` lives at column ``p % W``, so memory
+stops growing at the window. The query at ``p`` sees keys ``p-W+1 .. p`` (HF's
+convention), which is exactly what the ring holds once ``p`` is written.
 """
 from __future__ import annotations
 
@@ -22,13 +27,21 @@ class ContiguousMeta:
     row_index: torch.Tensor  # [T] row of each new token
     decode: bool  # every sequence adds exactly one token
     row_span: slice | None  # rows form one contiguous range (batched decode)
+    # rolling-buffer mode only (None otherwise):
+    slots: torch.Tensor | None = None  # [T] ring column of each new token (pos % W)
+    keep: torch.Tensor | None = None  # [T'] new tokens to write (the last W of each sequence)
+    row_ids: torch.Tensor | None = None  # [B] rows, for gathering when they are not a span
 
 
 class ContiguousCache(KVCache):
     def __init__(self, spec, max_batch_size, max_seq_len, device, dtype, ops):
         self.spec, self.ops, self.device = spec, ops, torch.device(device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        shape = (max_batch_size, spec.num_kv_heads, max_seq_len, spec.head_dim)
+        w = spec.sliding_window
+        # a window at least max_seq_len long never hides anything: plain full attention
+        self.window = w if w is not None and w < max_seq_len else None
+        self.width = self.window or max_seq_len  # columns per row
+        shape = (max_batch_size, spec.num_kv_heads, self.width, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.scale = spec.head_dim ** -0.5
@@ -72,11 +85,27 @@ class ContiguousCache(KVCache):
         if rows == list(range(rows[0], rows[0] + len(rows))):
             span = slice(rows[0], rows[0] + len(rows))
         dev = self.device
+        decode = all(n == 1 for n in counts)
+        ring = {}
+        if self.window is not None:
+            w, keep = self.window, None
+            if max(counts) > w:
+                # more new tokens than columns would write several to one column: keep
+                # each sequence's last W (the others are outside every later window)
+                keep, off = [], 0
+                for n in counts:
+                    keep.extend(range(off + max(0, n - w), off + n))
+                    off += n
+                keep = torch.tensor(keep, device=dev)
+            ring = dict(slots=(positions % w).to(dev), keep=keep,
+                        row_ids=torch.tensor(rows, device=dev))
         return ContiguousMeta(positions.to(dev), rows, starts, list(counts), row_index.to(dev),
-                              all(n == 1 for n in counts), span)
+                              decode, span, **ring)
 
     def attention(self, layer, q, k, v, meta):
         kc, vc = self.k[layer], self.v[layer]  # [R, Hkv, S, D]
+        if self.window is not None:
+            return self._ring_attention(q, k, v, kc, vc, meta)
         # the write kernel sees the cache as [R, S, Hkv, D]: (row, position) addressing
         self.ops.kv_write(k, v, kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3),
                           meta.row_index, meta.positions)
@@ -92,10 +121,11 @@ class ContiguousCache(KVCache):
             off += n
         return out
 
-    def _decode_batched(self, q, kc, vc, meta):
-        lens = [s + 1 for s in meta.starts]
+    def _decode_batched(self, q, kc, vc, meta, rows=None, lens=None):
+        rows = meta.row_span if rows is None else rows  # a slice, or [B] row ids (a gather)
+        lens = [s + 1 for s in meta.starts] if lens is None else lens
         longest = max(lens)
-        kb, vb = kc[meta.row_span, :, :longest], vc[meta.row_span, :, :longest]  # [B, Hkv, L, D]
+        kb, vb = kc[rows, :, :longest], vc[rows, :, :longest]  # [B, Hkv, L, D]
         mask = None
         if min(lens) != longest:  # ragged: hide each row's unused tail
             mask = torch.arange(longest, device=q.device) < torch.tensor(lens, device=q.device)[:, None]
@@ -113,15 +143,70 @@ class ContiguousCache(KVCache):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                               enable_gqa=True)
 
+    # -- rolling buffer (sliding window) ----------------------------------------
+    def _ring_attention(self, q, k, v, kc, vc, meta):
+        kv = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)  # [R, W, Hkv, D] for kv_write
+        w = self.window
+        if meta.decode:  # write first: the ring then holds exactly positions p-W+1 .. p
+            self.ops.kv_write(k, v, *kv, meta.row_index, meta.slots)
+            rows = meta.row_span if meta.row_span is not None else meta.row_ids
+            return self._decode_batched(q, kc, vc, meta, rows, [min(s + 1, w) for s in meta.starts])
+        # prefill: attend on (ring contents still in the window) + fresh k/v, then write,
+        # since the fresh tokens may overwrite columns that earlier queries still need
+        out = torch.empty_like(q)
+        off = 0
+        for row, start, n in zip(meta.rows, meta.starts, meta.counts):
+            qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            kj = k[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            vj = v[off:off + n].transpose(0, 1).unsqueeze(0)
+            first = max(0, start - w + 1)  # oldest position the first query sees
+            if start > 0:
+                cols = torch.arange(first, start, device=q.device) % w  # oldest first
+                kj = torch.cat([kc[row:row + 1, :, cols], kj], dim=2)  # [1, Hkv, start-first+n, D]
+                vj = torch.cat([vc[row:row + 1, :, cols], vj], dim=2)
+            out[off:off + n] = self._sdpa_window(qj, kj, vj, first, start, n)[0].transpose(0, 1)
+            off += n
+        if meta.keep is None:
+            self.ops.kv_write(k, v, *kv, meta.row_index, meta.slots)
+        else:
+            i = meta.keep
+            self.ops.kv_write(k[i], v[i], *kv, meta.row_index[i], meta.slots[i])
+        return out
+
+    def _sdpa_window(self, q, k, v, first, start, n):
+        """Queries at start .. start+n-1 over keys at first .. start+n-1, banded causal."""
+        if start == 0 and n <= self.window:  # the band never cuts: plain causal
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                  enable_gqa=True)
+        qpos = torch.arange(start, start + n, device=q.device)[:, None]
+        kpos = torch.arange(first, start + n, device=q.device)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - self.window)  # [n, start-first+n]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=True)
+
     # -- inspection ------------------------------------------------------------
+    def _held(self, seq_id) -> int:
+        """Columns a sequence occupies: its length, capped at the ring width."""
+        return min(self._len[seq_id], self.width)
+
     def read(self, seq_id, layer):
+        """K, V of the positions still held, oldest first: ([L, Hkv, D], [L, Hkv, D])."""
         row, n = self._row[seq_id], self._len[seq_id]
-        return (self.k[layer][row, :, :n].transpose(0, 1), self.v[layer][row, :, :n].transpose(0, 1))
+        if self.window is None:
+            return (self.k[layer][row, :, :n].transpose(0, 1),
+                    self.v[layer][row, :, :n].transpose(0, 1))
+        cols = torch.arange(n - self._held(seq_id), n, device=self.device) % self.width
+        return (self.k[layer][row][:, cols].transpose(0, 1),
+                self.v[layer][row][:, cols].transpose(0, 1))
 
     def stats(self):
         per = self.k[0].numel() * self.k[0].element_size()
+        held = [self._held(s) for s in self._row]
         return {"bytes": 2 * per * len(self.k), "sequences": len(self._row),
-                "tokens": sum(self._len.values()), "free_rows": len(self._free_rows)}
+                "tokens": sum(self._len.values()), "free_rows": len(self._free_rows),
+                # storage accounting: K/V columns held (<= slots_per_row per sequence)
+                "slots": sum(held), "max_slots_per_sequence": max(held, default=0),
+                "slots_per_row": self.width}
 
 
 class ContiguousBackend(CacheBackend):

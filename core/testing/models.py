@@ -31,3 +31,28 @@ def random_prompt(n: int, vocab: int, seed: int, avoid=(0, 1, 2)) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n,), generator=g).tolist()
     return [t if t not in avoid else 3 + t for t in ids]
+
+
+def tiny_mistral_config(**overrides):
+    from transformers import MistralConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, sliding_window=16, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = MistralConfig(**kw)
+    cfg.architectures = ["MistralForCausalLM"]
+    return cfg
+
+
+def tiny_gpt2_config(**overrides):
+    from transformers import GPT2Config
+
+    kw = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+              activation_function="gelu_new", layer_norm_epsilon=1e-5,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = GPT2Config(**kw)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    return cfg

@@ -1,0 +1,136 @@
+"""Benchmark harness: our engine beside HF transformers and the memory roofline, one run.
+
+Decode is memory-bound: a step reads every weight and the live K/V once, so the floor
+for TPOT is (weight bytes + K/V bytes) / copy bandwidth, the bandwidth measured here in
+the same run. Times are medians after warm-up runs of identical shapes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import attrs
+import torch
+
+from .request import SamplingParams
+
+
+@attrs.define
+class Result:
+    system: str  # "infergraft", "hf-eager", "hf-static"
+    batch: int
+    ttft_ms: float
+    tpot_ms: float
+    roofline_ms: float  # TPOT floor for this batch: bytes read per step / bandwidth
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * 1e3 / self.tpot_ms
+
+    @property
+    def roofline_fraction(self) -> float:
+        return self.roofline_ms / self.tpot_ms
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes per second of a large device copy, counting bytes read plus written."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / statistics.median(times)
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 1, (batch, length), generator=g).tolist()
+
+
+def step_bytes(spec, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every weight once plus each sequence's K/V."""
+    return weight_bytes + batch * context * kv_bytes_per_token
+
+
+def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1) -> tuple[float, float]:
+    """(TTFT, median TPOT) in seconds for one batch, after ``warmup`` identical runs."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    for run in range(warmup + 1):
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+    # every sequence of the batch steps together: step times are the ITLs of any one
+    ttft = max(s.metrics.ttft for s in seqs)
+    itl = seqs[0].metrics.itl
+    return ttft, statistics.median(itl[min(2, len(itl) - 1):])
+
+
+class _StepClock:
+    """Stopping criterion that records a synchronised timestamp after every token."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores, **kw):
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def bench_hf(model, prompts, new_tokens: int, static: bool = False,
+             warmup: int = 1) -> tuple[float, float]:
+    from transformers import StoppingCriteriaList
+
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              attention_mask=torch.ones_like(ids), pad_token_id=0)
+    if static:
+        kw.update(cache_implementation="static", compile_config=None)
+    for _ in range(warmup + 1):
+        clock = _StepClock(device)
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, stopping_criteria=StoppingCriteriaList([clock]), **kw)
+    t = clock.times
+    itl = [b - a for a, b in zip(t, t[1:])]
+    return t[0] - start, statistics.median(itl[min(2, len(itl) - 1):])
+
+
+def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
+                  systems=("infergraft", "hf-eager"), bandwidth: Optional[float] = None,
+                  log=print) -> tuple[list[Result], float]:
+    """Measure every system at every batch size on the same weights; returns results and
+    the measured copy bandwidth (bytes/s)."""
+    device = engine.device
+    bw = bandwidth or copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 28)
+    log(f"copy bandwidth: {bw / 1e9:.1f} GB/s on {device}")
+    plan, spec = engine.plan, engine.spec
+    results = []
+    for b in batches:
+        prompts = random_prompts(b, prompt_len, spec.vocab_size, seed=b)
+        # mean context over the timed steps
+        floor = step_bytes(spec, plan.weight_bytes, plan.kv_bytes_per_token, b,
+                           prompt_len + new_tokens // 2) / bw
+        for system in systems:
+            if system == "infergraft":
+                ttft, tpot = bench_ours(engine, prompts, new_tokens)
+            else:
+                ttft, tpot = bench_hf(hf_model, prompts, new_tokens, static=system == "hf-static")
+            r = Result(system, b, ttft * 1e3, tpot * 1e3, floor * 1e3)
+            log(f"  batch {b:3d} {system:11s} TTFT {r.ttft_ms:8.2f} ms  TPOT {r.tpot_ms:8.3f} ms"
+                f"  {r.tokens_per_s:9.1f} tok/s  roofline {r.roofline_fraction:5.1%}")
+            results.append(r)
+    return results, bw
