@@ -15,15 +15,16 @@ from .spec import ModelSpec
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. Quantisers swap ``forward`` by replacing the module."""
+    """y = x W^T + b (skinny Triton GEMM at decode on CUDA). Quantisers replace the module."""
 
-    def __init__(self):
+    def __init__(self, ops):
         super().__init__()
+        self.linear = ops.linear
         self.register_buffer("weight", None)
         self.register_buffer("bias", None)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class Norm(nn.Module):
@@ -51,14 +52,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.spec, self.ops = spec, ops
         self.attn_norm = Norm(spec.norm, spec.norm_eps, ops)
-        self.qkv = Linear()
-        self.o = Linear()
+        self.qkv = Linear(ops)
+        self.o = Linear(ops)
         self.mlp_norm = Norm(spec.norm, spec.norm_eps, ops)
         if spec.gated_mlp:
-            self.gate_up = Linear()
+            self.gate_up = Linear(ops)
         else:
-            self.fc_in = Linear()
-        self.down = Linear()
+            self.fc_in = Linear(ops)
+        self.down = Linear(ops)
 
     def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
         s = self.spec
@@ -92,7 +93,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, ops) for _ in range(spec.num_layers))
         self.final_norm = Norm(spec.norm, spec.norm_eps, ops)
         if not spec.tie_embeddings:
-            self.lm_head = Linear()
+            self.lm_head = Linear(ops)
         self.rope = None
         if spec.position == "rope":
             self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,

@@ -21,6 +21,7 @@ OPS = {
     "rotary": "rotary",
     "silu_mul": "silu_mul",
     "kv_write": "kv_write",
+    "linear": "linear",
     "layer_norm": "layer_norm",
     "add_layer_norm": "layer_norm",
     "gelu": "gelu",

@@ -1,0 +1,81 @@
+"""Skinny GEMM for decode: y = x W^T (+ b) with few rows (M <= 64), weight-bandwidth bound.
+
+At decode every weight is read once per step, so the kernel's job is to stream W at
+full HBM bandwidth: tiles of W [BLOCK_N, BLOCK_K] go through a software-pipelined
+tl.dot (rows of x are padded to 16, the tensor-core minimum; the waste is free because
+the GEMM is memory-bound). Larger M goes to cuBLAS (F.linear).
+"""
+import torch
+import torch.nn.functional as F
+
+from ._triton import HAVE_TRITON, next_pow2, tl, triton
+
+MAX_SKINNY_M = 64
+
+
+def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    # x: [M, K], weight: [N, K], bias: [N] -> [M, N]
+    return F.linear(x, weight, bias)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+                            stride_xm, stride_wn, stride_ym,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # one program per BLOCK_N output columns; all M rows at once, so W is read once
+        pid = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]                # [BM, BK]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]   # [BN, BK]
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(rn[:, None] < N) & kmask[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(w))                                       # [BM, BN]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def skinny_config(m: int, n: int, k: int) -> dict:
+    """Tile sizes and pipelining for an [M, K] x [N, K]^T product (tuned on an H200)."""
+    block_m = max(16, next_pow2(m))
+    block_n = 32 if n >= 8192 else 16
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256 if block_m <= 16 else 128,
+                num_warps=4, num_stages=4)
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None) -> torch.Tensor:
+    # x: [M, K] (last dim contiguous), weight: [N, K] contiguous -> new [M, N]
+    assert x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+    # float32 stays on cuBLAS (exact fp32, no tf32): the skinny path is for bf16/fp16
+    if x.shape[0] > MAX_SKINNY_M or x.shape[0] == 0 or x.dtype == torch.float32:
+        return F.linear(x, weight, bias)
+    return skinny_gemm(x, weight, bias, config)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None) -> torch.Tensor:
+    """The Triton kernel itself, any float dtype (tests call it directly in float32)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"x has K={k} but weight is {tuple(weight.shape)}"
+    assert x.dtype == weight.dtype, f"x {x.dtype} != weight {weight.dtype}"
+    assert weight.is_contiguous() and (k <= 1 or x.stride(1) == 1), "weight and x rows must be contiguous"
+    assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
+    assert 0 < m <= MAX_SKINNY_M, f"skinny GEMM takes 1..{MAX_SKINNY_M} rows, got {m}"
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = dict(config or skinny_config(m, n, k))
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+    _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k,
+                              x.stride(0), weight.stride(0), y.stride(0),
+                              HAS_BIAS=bias is not None, **cfg)
+    return y
