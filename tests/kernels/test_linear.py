@@ -7,7 +7,7 @@ from infergraft.kernels.linear import MAX_SKINNY_M, linear_torch, linear_triton,
 from .tolerances import assert_close
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 72), (3, 17, 300), (16, 64, 96), (37, 33, 129)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 72), (3, 17, 300), (16, 64, 96), (11, 33, 129)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_gemm_matches_reference(device, dtype, randn, poisoned_empty, m, n, k, bias):
     if dtype is torch.float32 and device == "cuda":
