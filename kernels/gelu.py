@@ -34,7 +34,8 @@ if HAVE_TRITON:
         if TANH:
             # 0.5 * (1 + tanh(u)) == sigmoid(2u): no tanh needed, saturates cleanly
             u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) * (...)
-            y = x * tl.sigmoid(2.0 * u)
+            # the clamp keeps exp() finite; sigmoid saturates long before |2u| = 80
+            y = x * tl.sigmoid(tl.minimum(tl.maximum(2.0 * u, -80.0), 80.0))
         else:
             y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))  # x / sqrt(2)
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)

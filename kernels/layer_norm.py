@@ -41,7 +41,9 @@ if HAVE_TRITON:
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
         xf = x.to(tl.float32)
-        mean = tl.sum(xf, axis=0) / H
+        # IEEE division: the GPU's default fast `/` can leave a constant row's mean an ulp
+        # off, which rstd (~1/sqrt(eps) there) would blow up
+        mean = tl.div_rn(tl.sum(xf, axis=0), H * 1.0)
         xc = tl.where(mask, xf - mean, 0.0)  # padding lanes must not enter the variance
         var = tl.sum(xc * xc, axis=0) / H
         rstd = 1.0 / tl.sqrt(var + eps)
