@@ -7,10 +7,10 @@ from typing import Any, Iterable, Optional
 import attrs
 import torch
 
-import infergraft.kernels as _kernels  # module import: kernels imports core.errors
 
 from .engine import Engine
 from .errors import InfergraftError, PlanError, UnknownPluginError, UnsupportedModelError
+from .memory import check_fits, device_budget
 from .model import DecoderModel
 from .plan import Plan
 from .plugins import PluginManager, get_plugin_manager
@@ -110,10 +110,26 @@ def _split_options(chosen: list, options: dict) -> dict[int, dict]:
     return per
 
 
+def _kv_quantizer(backend, quantizers):
+    """The chosen K/V quantiser (at most one), checked against the backend's formats."""
+    kv = [q for q in quantizers if q.applies_to == "kv"]
+    if len(kv) > 1:
+        raise PlanError(f"plugins name two K/V quantizers, {kv[0].name!r} and {kv[1].name!r}; "
+                        "choose one")
+    if kv and kv[0].kv_dtype not in getattr(backend, "quantized_kv", ()):
+        raise PlanError(f"cache backend {backend.name!r} cannot store {kv[0].kv_dtype} K/V "
+                        f"(quantizer {kv[0].name!r}); use a backend that can, e.g. "
+                        f"plugins=['paged', {kv[0].name!r}]")
+    return kv[0] if kv else None
+
+
 def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
-          **plugin_options) -> Engine:
-    """Compose plugins around ``model`` and return a ready Engine (see DESIGN §3)."""
+          device_memory=None, **plugin_options) -> Engine:
+    """Compose plugins around ``model`` and return a ready Engine (see DESIGN §3).
+
+    ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V must fit in (default:
+    the free memory of a CUDA device; unchecked on the CPU)."""
     t0 = time.perf_counter()
     pm, sel = select_plugins(get_plugin_manager(), plugins)
     source = resolve_source(model, tokenizer)
@@ -126,6 +142,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     planner = pm.planners().get(sel.planner or DEFAULT_PLANNER)
     quantizers = [pm.quantizers().get(n) for n in sel.quantizers]
     opts = _split_options([backend, planner, *quantizers], plugin_options)
+    kv_quant = _kv_quantizer(backend, quantizers)
 
     max_seq_len = int(max_seq_len or min(spec.max_position, DEFAULT_MAX_SEQ_LEN))
     max_batch_size = int(max_batch_size or DEFAULT_MAX_BATCH_SIZE)
@@ -134,18 +151,25 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if spec.position == "learned" and max_seq_len > spec.max_position:
         raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
                         "learned positions")
-    ops = _kernels.get_ops(device, kernels)
+    from infergraft.kernels import get_ops  # here, not at import: it imports triton
+
+    ops = get_ops(device, kernels)
     elem = torch.empty((), dtype=dtype).element_size()
     plan = Plan(
         model=source.name, architecture=spec.architecture, policy=policy.name,
         dtype=str(dtype).replace("torch.", ""), device=str(device), kernels=ops.backend,
         max_seq_len=max_seq_len, max_batch_size=max_batch_size, cache_backend=backend.name,
-        kv_dtype=str(dtype).replace("torch.", ""), quantizers=tuple(sel.quantizers),
+        kv_dtype=kv_quant.kv_dtype if kv_quant else str(dtype).replace("torch.", ""),
+        quantizers=tuple(sel.quantizers),
         planner=planner.name, parallel=planner.plan(spec, 1, **opts[1]),
         weight_bytes=spec.param_count * elem,
-        kv_bytes_per_token=backend.bytes_per_token(spec, dtype),
+        kv_bytes_per_token=backend.bytes_per_token(spec, dtype, kv_quant) if kv_quant
+        else backend.bytes_per_token(spec, dtype),
         options=tuple(sorted(plugin_options.items())))
     plan = pm.prepare_plan(plan, spec)
+    budget, budget_source = device_budget(device, device_memory)
+    kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
+    check_fits(plan, kv_device, budget, budget_source)  # before any weight is loaded
 
     net = DecoderModel(spec, ops, device, plan.max_seq_len)
     tensors = source.tensors()
@@ -154,6 +178,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
                  device=device, dtype=dtype)
+    if kv_quant is not None:
+        opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec)
     engine.build_seconds = time.perf_counter() - t0

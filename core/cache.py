@@ -23,14 +23,22 @@ class CacheBackend:
     name: str = ""
     #: plugin options this backend accepts in ``core.build(..., **options)``, with defaults
     options: dict[str, Any] = {}
+    #: quantised K/V formats it can store (``Quantizer.kv_dtype``, e.g. "int8"); when a
+    #: K/V quantiser is chosen, ``create`` receives it as ``kv_quantizer=``
+    quantized_kv: tuple[str, ...] = ()
 
     def create(self, spec, plan, *, device, dtype, ops, **options) -> "KVCache":
         raise NotImplementedError
 
-    def bytes_per_token(self, spec, dtype: torch.dtype) -> int:
+    def bytes_per_token(self, spec, dtype: torch.dtype, kv_quantizer=None) -> int:
         """K and V bytes one token occupies across all layers (planner input)."""
-        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * \
-            torch.empty((), dtype=dtype).element_size()
+        from .memory import kv_bytes_per_token
+
+        return kv_bytes_per_token(spec, dtype, kv_quantizer)
+
+    def device_bytes(self, plan, **options) -> int:
+        """K/V bytes the cache will hold on the device for ``plan`` (memory check input)."""
+        return plan.kv_bytes_total
 
 
 class KVCache:
@@ -67,6 +75,32 @@ class KVCache:
         """The K and V a sequence holds for ``layer``: ([L, Hkv, D], [L, Hkv, D])."""
         raise NotImplementedError
 
+    def can_append(self, seq_ids: list, counts: list[int]) -> bool:
+        """True if ``prepare(seq_ids, counts)`` would succeed now (the scheduler asks
+        before a step, and preempts or pauses sequences when it would not). The default
+        checks only a ``max_seq_len`` attribute, if the cache has one."""
+        limit = getattr(self, "max_seq_len", None)
+        return limit is None or all(self.length(s) + n <= limit for s, n in zip(seq_ids, counts))
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """Make ``child`` a new sequence holding a copy of ``parent``'s K/V (prefix
+        sharing: block backends share full blocks, copy-on-write for the partial one).
+        Raises CacheFullError, leaving everything unchanged, when there is no room."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support fork (prefix sharing); the engine "
+            "prefills each sample on its own instead")
+
     def stats(self) -> dict[str, int]:
-        """Accounting: at least ``bytes`` (storage held) and ``sequences``."""
+        """Accounting: at least ``bytes`` (storage held) and ``sequences``. Block
+        backends add ``blocks_total``, ``blocks_free`` and ``blocks_used``
+        (free + used = total; a block shared by several sequences counts once)."""
         raise NotImplementedError
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the accounting is inconsistent (a leaked or doubly
+        freed block, a negative reference count, ...). The conformance state machine
+        (``infergraft.core.testing.cache_machine``) calls it after every step."""
+        st = self.stats()
+        if "blocks_total" in st:
+            assert st["blocks_free"] + st["blocks_used"] == st["blocks_total"], st
+            assert min(st["blocks_free"], st["blocks_used"]) >= 0, st

@@ -72,15 +72,24 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def plugin_rows() -> list[dict]:
-    pm = get_plugin_manager()
-    rows = []
+def plugin_rows(pm=None) -> list[dict]:
+    """One row per registered object (kind, name) and per plugin that registers none
+    (kind "hooks", e.g. a prepare_plan-only plugin), with where it came from."""
+    pm = pm or get_plugin_manager()
+    rows, seen = [], set()
     for kind, reg in pm.registries().items():
         for name in reg.names():
-            info = pm.info[reg.origin(name)]
-            rows.append({"kind": kind, "name": name, "plugin": info.name, "origin": info.origin,
-                         "version": info.version, "contract": info.contract})
+            seen.add(reg.origin(name))
+            rows.append(_row(pm, kind, name, reg.origin(name)))
+    rows += [_row(pm, "hooks", p, p) for p in pm.info if p not in seen]
     return rows
+
+
+def _row(pm, kind: str, name: str, plugin: str) -> dict:
+    info = pm.info[plugin]
+    return {"kind": kind, "name": name, "plugin": plugin, "version": info.version,
+            "contract": info.contract, "origin": info.origin, "module": info.module,
+            "hooks": pm.hook_names(plugin)}
 
 
 def cmd_plugins(args) -> int:
@@ -88,11 +97,13 @@ def cmd_plugins(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    cols = ("kind", "name", "plugin", "origin", "version", "contract")
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
-    print("  ".join(c.upper().ljust(widths[c]) for c in cols))
+    cols = ("kind", "name", "plugin", "version", "contract", "origin")
+    widths = {c: max([len(c)] + [len(str(r[c])) for r in rows]) for c in cols}
+    print("  ".join(c.upper().ljust(widths[c]) for c in cols).rstrip())
     for r in rows:
-        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols).rstrip())
+    if not rows:
+        print("(no plugins registered)")
     return 0
 
 
@@ -131,6 +142,10 @@ def make_parser() -> argparse.ArgumentParser:
     from .bench_cli import add_arguments, run as run_bench
     add_arguments(b)
     b.set_defaults(func=run_bench)
+    m = sub.add_parser("plan", help="memory plan of a model (no weights loaded)")
+    from .plan_cli import add_arguments as plan_arguments, run as run_plan
+    plan_arguments(m)
+    m.set_defaults(func=run_plan)
     return parser
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 import time
 from typing import Iterator, Union
 
+import attrs
 import torch
 
+from .cache import CacheFullError
 from .errors import InvalidRequestError
 from .request import Completion, SamplingParams, Sequence, Status
 from .sampler import sample
-from .scheduler import Scheduler
+from .scheduler import Scheduler, tokens_of
 
 Prompt = Union[str, list]
 
@@ -25,6 +27,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._forks: dict[int, list[Sequence]] = {}  # parent id -> samples forked at its prefill
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -68,9 +71,9 @@ class Engine:
         if step is None:
             return []
         seqs = step.seqs
-        if step.kind == "prefill":
-            counts = [len(s.prompt_ids) for s in seqs]
-            tokens = [t for s in seqs for t in s.prompt_ids]
+        if step.kind == "prefill":  # after a preemption: prompt + output so far
+            counts = [s.num_tokens for s in seqs]
+            tokens = [t for s in seqs for t in tokens_of(s)]
         else:
             counts = [1] * len(seqs)
             tokens = [s.output_ids[-1] for s in seqs]
@@ -80,10 +83,30 @@ class Engine:
         logits = self.model(token_t, self.cache, meta,
                             None if step.kind == "decode" else last.to(self.device))
         new = sample(logits, seqs)
+        forked = self._fork_samples(seqs, logits) if self._forks and step.kind == "prefill" else []
         now = time.perf_counter()
         for seq, tok in zip(seqs, new):
             self._append(seq, tok, now)
-        return seqs
+        for seq, tok in forked:
+            self._append(seq, tok, now)
+        return seqs + [s for s, _ in forked]
+
+    def _fork_samples(self, seqs, logits) -> list[tuple[Sequence, int]]:
+        """Samples 2..n of a just-prefilled prompt share its K/V (cache.fork) and take
+        their first token from its logits; one that cannot fork is queued on its own."""
+        out = []
+        for row, parent in enumerate(seqs):
+            for child in self._forks.pop(parent.id, ()):
+                try:
+                    if not self.scheduler.has_room():
+                        raise CacheFullError("no batch slot")
+                    self.cache.fork(parent.id, child.id)
+                except (CacheFullError, NotImplementedError):
+                    self.scheduler.add(child)  # prefilled later, like any request
+                    continue
+                self.scheduler.adopt(child)
+                out.append((child, sample(logits[row:row + 1], [child])[0]))
+        return out
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         seq.output_ids.append(token)
@@ -116,17 +139,33 @@ class Engine:
                 self.step()
         except BaseException:
             self.scheduler.abort_all()
+            for s in (c for group in self._forks.values() for c in group):
+                s.status, s.finish_reason = Status.FINISHED, "abort"
+            self._forks.clear()
             raise
 
     # -- public API --------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
-                 top_k=None, top_p=None, seed=None, stop=None) -> list[Completion]:
-        """Complete one prompt or a list of them (strings or token-id lists), in order."""
+                 top_k=None, top_p=None, seed=None, stop=None, n: int = 1) -> list[Completion]:
+        """Complete one prompt or a list of them (strings or token-id lists), in order.
+
+        ``n`` samples per prompt come back prompt by prompt (``len(prompts) * n``
+        completions); sample ``i`` uses ``seed + i``. The samples of a prompt share its
+        prefill: the cache forks the prompt's K/V (full blocks shared on paged caches)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
         params = self._params(max_new_tokens, temperature, top_k, top_p, seed, stop)
         batch = [self.encode(p) for p in self._as_batch(prompts)]
         for ids in batch:  # validate everything before queueing anything
             self._check(ids, params)
-        seqs = [self.add_request(ids, params) for ids in batch]
+        seqs = []
+        for ids in batch:
+            parent = self.add_request(ids, params)
+            children = [Sequence(list(ids), params if seed is None else
+                                 attrs.evolve(params, seed=seed + i)) for i in range(1, n)]
+            if children:
+                self._forks[parent.id] = children
+            seqs += [parent, *children]
         self._run(seqs)
         return [self._completion(s) for s in seqs]
 

@@ -7,7 +7,11 @@ can grow arguments later without breaking plugins written against an older one.
 import pluggy
 
 PROJECT = "infergraft"
-#: Version of this contract; plugins may declare ``INFERGRAFT_CONTRACT = ">=1,<2"``.
+#: Version of this contract. A plugin declares the versions it supports as a PEP 440
+#: range, ``INFERGRAFT_CONTRACT = ">=1,<2"`` (module or object attribute); one that
+#: excludes this version is refused at load with an error naming it. Bumped only for an
+#: incompatible change (a hook or argument removed or changing meaning): a hookspec that
+#: gains an argument, or a new hook, keeps old plugins working.
 CONTRACT_VERSION = 1
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -56,6 +60,9 @@ def infergraft_register_planners(register):
 def infergraft_prepare_plan(plan, spec):
     """Adjust the composed plan before weights load.
 
-    Return a new plan (``attrs.evolve(plan, ...)``) or ``None`` to keep it. Called for
-    every plugin in load order; each sees the previous one's result.
+    ``plan`` is the frozen :class:`infergraft.core.plan.Plan`, ``spec`` the ModelSpec.
+    Return a new plan (``attrs.evolve(plan, ...)``) or ``None`` to keep it; anything else
+    is an error naming the plugin. Called for every implementing plugin in pluggy's
+    order (the last loaded first; ``hookimpl(tryfirst=True)`` / ``trylast`` move one);
+    each sees the previous one's result.
     """

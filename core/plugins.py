@@ -5,6 +5,7 @@ implementation one by one, so an exception names the plugin and the hook it came
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
 import os
@@ -25,6 +26,9 @@ DEFAULT_PLUGINS = (
     "infergraft.policies.mistral",
     "infergraft.policies.gpt2",
     "infergraft.plugins.contiguous",
+    "infergraft.plugins.paged",
+    "infergraft.plugins.offload",
+    "infergraft.plugins.kv_int8",
     "infergraft.plugins.single_device",
 )
 ENTRY_POINT_GROUP = "infergraft"
@@ -53,18 +57,27 @@ def _names_from_env(var: str) -> set[str] | None:
     return {n.strip() for n in raw.split(",") if n.strip()}
 
 
-def _check_contract(name: str, plugin: Any) -> str:
+def _check_contract(name: str, plugin: Any, origin: str) -> str:
+    """The contract range the plugin declares (``INFERGRAFT_CONTRACT``), checked against
+    ours; undeclared means "any" (built-ins are always on the current contract)."""
+    current = hookspecs.CONTRACT_VERSION
     declared = getattr(plugin, "INFERGRAFT_CONTRACT", None)
     if declared is None:
-        return f"=={hookspecs.CONTRACT_VERSION}"
+        return f"=={current}" if origin == "built-in" else "any (undeclared)"
+    where = "" if origin in ("built-in", "in-process") else f" (from distribution {origin!r})"
     try:
-        ok = SpecifierSet(str(declared)).contains(str(hookspecs.CONTRACT_VERSION))
+        ok = SpecifierSet(str(declared)).contains(str(current))
     except InvalidSpecifier:
-        raise PluginError(name, "load", f"INFERGRAFT_CONTRACT {declared!r} is not a version range")
+        raise PluginError(name, "load",
+                          f"plugin{where} declares INFERGRAFT_CONTRACT = {declared!r}, which is "
+                          f"not a PEP 440 version range; write e.g. '>={current},<{current + 1}'"
+                          ) from None
     if not ok:
         raise PluginError(name, "load",
-                          f"supports hook contract {declared}, but this infergraft provides "
-                          f"contract version {hookspecs.CONTRACT_VERSION}")
+                          f"plugin{where} supports hook contract {declared}, but this infergraft "
+                          f"provides contract version {current}; install a plugin release "
+                          f"whose INFERGRAFT_CONTRACT includes {current}, or an infergraft "
+                          f"that matches {declared}")
     return str(declared)
 
 
@@ -84,11 +97,16 @@ class PluginManager:
         name = name or getattr(plugin, "INFERGRAFT_PLUGIN_NAME", None) or _default_name(plugin)
         if name in self.info:
             raise PluginError(name, "register", "a plugin of this name is already registered")
-        contract = _check_contract(name, plugin)
+        contract = _check_contract(name, plugin, origin)
         try:
             self._pm.register(plugin, name=name)
         except pluggy.PluginValidationError as e:
             raise PluginError(name, "register", str(e)) from e
+        try:  # a misspelled hook would otherwise be silently never called
+            self._check_pending()
+        except PluginError:
+            self._pm.unregister(name=name)
+            raise
         self.info[name] = PluginInfo(name, origin, version, contract,
                                      getattr(plugin, "__name__", type(plugin).__module__))
         self._registries = None
@@ -113,24 +131,37 @@ class PluginManager:
         for ep in md.entry_points(group=ENTRY_POINT_GROUP):
             if ep.name in blocked or (allowed is not None and ep.name not in allowed):
                 continue
+            dist = ep.dist
+            origin = dist.metadata["Name"] if dist else "unknown distribution"
             if ep.name in self.info:
-                continue
+                raise PluginError(ep.name, "load",
+                                  f"entry point {ep.value!r} of {origin!r} takes the name of "
+                                  f"the plugin already loaded from {self.info[ep.name].origin!r}; "
+                                  "plugin (entry point) names must be unique")
             try:
                 plugin = ep.load()
             except Exception as e:  # a broken install must name itself
                 raise PluginError(ep.name, "load", f"importing {ep.value!r} failed: {e!r}") from e
-            dist = ep.dist
-            self.register(plugin, name=ep.name, origin=dist.metadata["Name"] if dist else "?",
-                          version=dist.version if dist else "")
+            self.register(plugin, name=ep.name, origin=origin, version=dist.version if dist else "")
 
     def check_pending(self) -> None:
-        """Fail loudly on hook implementations that match no hookspec (misspellings)."""
+        """Fail loudly on hook implementations that match no hookspec (misspellings).
+
+        ``register`` already runs it for each plugin; loaders call it again at the end."""
+        self._check_pending()
+
+    def _check_pending(self) -> None:
         try:
             self._pm.check_pending()
         except pluggy.PluginValidationError as e:
             plugin = getattr(e, "plugin", None)
             pname = self._pm.get_name(plugin) if plugin is not None else "?"
-            raise PluginError(pname, "check_pending", str(e)) from e
+            known = sorted(n for n in vars(hookspecs) if n.startswith("infergraft_"))
+            wrong = [n for n in dir(plugin) if n.startswith("infergraft_") and n not in known]
+            close = difflib.get_close_matches(wrong[0], known, 1) if wrong else []
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise PluginError(pname, "check_pending",
+                              f"{e}{hint} (hooks in this contract: {', '.join(known)})") from e
 
     # -- calling -------------------------------------------------------------------
     def _collect(self) -> dict[str, Registry]:
@@ -138,7 +169,8 @@ class PluginManager:
             regs = {}
             for kind, (hook, required) in _KINDS.items():
                 reg = Registry(kind, hook, required)
-                for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):
+                # load order (not pluggy's LIFO): a name clash blames the later plugin
+                for impl in getattr(self._pm.hook, hook).get_hookimpls():
                     def register(obj, _p=impl.plugin_name, _r=reg):
                         _r.add(obj, _p)
                     self._call_one(impl, hook, register=register)
@@ -169,6 +201,11 @@ class PluginManager:
 
     def registries(self) -> dict[str, Registry]:
         return dict(self._collect())
+
+    def hook_names(self, plugin_name: str) -> list[str]:
+        """The hooks a registered plugin implements (for ``infergraft plugins``)."""
+        callers = self._pm.get_hookcallers(self._pm.get_plugin(plugin_name)) or []
+        return sorted(c.name for c in callers)
 
     def prepare_plan(self, plan: Any, spec: Any) -> Any:
         """Let each plugin adjust the plan in turn (infergraft_prepare_plan)."""

@@ -1,8 +1,15 @@
 """Continuous batching: admit waiting requests while the cache has room, else decode.
 
 Each step is either a prefill of newly admitted sequences or one decode token for
-every running sequence; finished sequences leave (and free their cache) between steps,
-so new requests join a running batch without waiting for it to drain.
+running sequences; finished sequences leave (and free their cache) between steps, so
+new requests join a running batch without waiting for it to drain.
+
+When the cache runs short (a paged cache out of blocks, an offloaded one whose fast
+pool cannot hold every running sequence at once) the decode step takes the running
+sequences that fit, oldest first, and the others sit this step out (paused). Only when
+none fits is the newest running sequence preempted by recompute: its cache is freed and
+it goes back to the front of the waiting queue with its tokens so far, to be prefilled
+again (prompt + output) when there is room. No request is ever dropped.
 """
 from __future__ import annotations
 
@@ -10,7 +17,12 @@ import collections
 
 import attrs
 
+from .errors import InfergraftError
 from .request import Sequence, Status
+
+
+class SchedulerError(InfergraftError, RuntimeError):
+    """The cache refuses a sequence even with nothing else running (a backend bug)."""
 
 
 @attrs.frozen
@@ -19,40 +31,92 @@ class Step:
     seqs: list
 
 
+def tokens_of(seq: Sequence) -> list[int]:
+    """What a prefill of ``seq`` feeds: its prompt, plus its output after a preemption."""
+    return seq.prompt_ids + seq.output_ids
+
+
 class Scheduler:
     def __init__(self, cache, max_batch_size: int, max_prefill_tokens: int):
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order (oldest first)
+        self.num_preemptions = 0
+        self.num_paused = 0  # sequence-steps sat out because the cache was short
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def adopt(self, seq: Sequence) -> None:
+        """Run a sequence whose cache is already filled (a fork of a running one)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def has_room(self) -> bool:
+        return len(self.running) < self.max_batch_size
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step | None:
-        admitted, tokens = [], 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            seq = self.waiting[0]
-            n = len(seq.prompt_ids)
-            if admitted and tokens + n > self.max_prefill_tokens:
-                break
-            if not self.cache.can_allocate(n):
-                break
-            self.cache.allocate(seq.id, n)
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            admitted.append(seq)
-            tokens += n
+        admitted = self._admit()
         if admitted:
             self.running.extend(admitted)
             return Step("prefill", admitted)
         if self.running:
-            return Step("decode", list(self.running))
+            return Step("decode", self._decode_batch())
         return None
+
+    def _admit(self) -> list[Sequence]:
+        admitted, ids, counts = [], [], []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = seq.num_tokens
+            if admitted and sum(counts) + n > self.max_prefill_tokens:
+                break
+            if not self.cache.can_allocate(n):
+                break
+            self.cache.allocate(seq.id, n)
+            if not self.cache.can_append(ids + [seq.id], counts + [n]):
+                self.cache.free(seq.id)  # the step as a whole would not fit
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            admitted.append(seq)
+            ids.append(seq.id)
+            counts.append(n)
+        if not admitted and self.waiting and not self.running and \
+                not self.cache.can_allocate(self.waiting[0].num_tokens):
+            raise SchedulerError(
+                f"the cache cannot take a {self.waiting[0].num_tokens}-token sequence even "
+                f"with nothing running (stats: {self.cache.stats()})")
+        return admitted
+
+    def _decode_batch(self) -> list[Sequence]:
+        if self.cache.can_append([s.id for s in self.running], [1] * len(self.running)):
+            return list(self.running)
+        while True:
+            batch = []
+            for seq in self.running:  # oldest first; the rest pause for this step
+                if self.cache.can_append([s.id for s in batch + [seq]], [1] * (len(batch) + 1)):
+                    batch.append(seq)
+            if batch:
+                self.num_paused += len(self.running) - len(batch)
+                return batch
+            if len(self.running) == 1:
+                raise SchedulerError(f"the cache cannot extend its only sequence by one token "
+                                     f"(stats: {self.cache.stats()})")
+            self.preempt(self.running[-1])
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the cache, requeue first, keep the tokens so far."""
+        self.running.remove(seq)
+        self.cache.free(seq.id)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason

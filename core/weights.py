@@ -32,9 +32,11 @@ def check_weight_map(policy_name: str, spec: ModelSpec, wmap: WeightMap) -> dict
             raise WeightLoadError(f"policy {policy_name!r}: {key!r} names part {part} of "
                                   f"{r.slot!r}, which has {len(parts)} parts")
         seen = filled.setdefault(r.slot, set())
-        if part in seen or (part is None and seen) or (None in seen):
+        # part None on a fused slot fills every part at once (GPT-2's c_attn -> qkv)
+        fills = set(range(len(parts))) if parts is not None and part is None else {part}
+        if seen & fills or (part is None and seen):
             raise WeightLoadError(f"policy {policy_name!r} fills {r.slot!r} twice")
-        seen.add(part)
+        seen |= fills
     for slot, (_, parts) in layout.items():
         need = set(range(len(parts))) if parts else {None}
         if filled.get(slot, set()) != need:
@@ -70,11 +72,12 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
         seen.add(key)
         shape, parts = layout[rule.slot]
         t = tensor.t() if rule.transpose else tensor
-        want = shape if parts is None else (parts[rule.part],) + tuple(shape[1:])
+        whole = parts is None or rule.part is None
+        want = shape if whole else (parts[rule.part],) + tuple(shape[1:])
         if tuple(t.shape) != tuple(want):
             raise WeightLoadError(f"weight {key!r} has shape {tuple(t.shape)}, policy "
                                   f"{policy_name!r} expects {tuple(want)} for {rule.slot!r}")
-        if parts is None:
+        if whole:
             _install(model, rule.slot, t.to(device=device, dtype=dtype).contiguous(), on_slot_ready)
             continue
         buf = buffers.get(rule.slot)

@@ -25,6 +25,8 @@ OPS = {
     "layer_norm": "layer_norm",
     "add_layer_norm": "layer_norm",
     "gelu": "gelu",
+    "kv_write_int8": "kv_write",
+    "paged_attention": "paged_attention",
 }
 BACKENDS = ("auto", "torch", "triton")
 

@@ -75,3 +75,110 @@ def kv_write_triton(k, v, k_cache, v_cache, idx0, idx1) -> None:
         num_warps=4 if block_h * block_d <= 2048 else 8,
     )
     return None
+
+
+# -- int8 variant: quantise each (token, head) row of D values on the way in -------------
+# scale = amax(|x|) * fp32(1/127), stored beside the values; q = round_half_even(x /
+# scale) in [-127, 127]; an all-zero row gets scale 0 and q = 0. Dequantise: q * scale.
+# (A multiply, not "/ 127": torch on CUDA divides by a scalar through its reciprocal,
+# so only the multiply rounds the same in torch on every device and in the kernel.)
+INV_127 = 1.0 / 127.0
+
+
+def quantize_int8_torch(x):
+    """x: [..., D] -> (int8 [..., D], float32 scale [...]), the kernel's exact math."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) * INV_127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(xf / safe[..., None]).clamp_(-127, 127)  # round: half to even
+    return q.to(torch.int8), scale
+
+
+def kv_write_int8_torch(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) -> None:
+    # k, v: [T, Hkv, D]; *_cache: int8 [N0, N1, Hkv, D]; *_scale: f32 [N0, N1, Hkv]; idx*: [T]
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        q, s = quantize_int8_torch(x)
+        cache[idx0, idx1] = q
+        scale[idx0, idx1] = s
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _quant_write_heads(src_ptr, dst_ptr, scale_ptr, tok, slot, sslot, stride_t, stride_h,
+                           stride_ch, stride_sh, H, D, BLOCK_H: tl.constexpr,
+                           BLOCK_D: tl.constexpr, INV: tl.constexpr = INV_127):
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < H) & (dims < D)                                  # [BLOCK_H, BLOCK_D]
+        x = tl.load(src_ptr + tok * stride_t + heads * stride_h + dims, mask=mask,
+                    other=0.0).to(tl.float32)
+        scale = tl.max(tl.abs(x), axis=1) * INV                           # [BLOCK_H]
+        safe = tl.where(scale > 0, scale, 1.0)
+        y = tl.math.div_rn(x, safe[:, None])                             # |y| <= 127
+        r = tl.floor(y + 0.5)  # exact for |y| <= 127; then ties go to even, like torch
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0
+        r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+        tl.store(dst_ptr + slot + heads * stride_ch + dims, r.to(tl.int8), mask=mask)
+        h1 = tl.arange(0, BLOCK_H)
+        tl.store(scale_ptr + sslot + h1 * stride_sh, scale, mask=h1 < H)
+
+    @triton.jit
+    def _kv_write_int8_kernel(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, idx0_ptr, idx1_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_k0, stride_k1, stride_kch, stride_v0, stride_v1, stride_vch,
+        stride_ks0, stride_ks1, stride_ksh, stride_vs0, stride_vs1, stride_vsh,
+        H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # One program per token quantises and writes all its K and V heads.
+        tok = tl.program_id(0).to(tl.int64)
+        i0 = tl.load(idx0_ptr + tok).to(tl.int64)
+        i1 = tl.load(idx1_ptr + tok).to(tl.int64)
+        _quant_write_heads(k_ptr, kc_ptr, ks_ptr, tok, i0 * stride_k0 + i1 * stride_k1,
+                           i0 * stride_ks0 + i1 * stride_ks1, stride_kt, stride_kh, stride_kch,
+                           stride_ksh, H, D, BLOCK_H, BLOCK_D)
+        _quant_write_heads(v_ptr, vc_ptr, vs_ptr, tok, i0 * stride_v0 + i1 * stride_v1,
+                           i0 * stride_vs0 + i1 * stride_vs1, stride_vt, stride_vh, stride_vch,
+                           stride_vsh, H, D, BLOCK_H, BLOCK_D)
+
+
+def kv_write_int8_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) -> None:
+    """Same contract as ``kv_write_int8_torch``: writes in place, returns None."""
+    assert k.dim() == 3 and k.shape == v.shape, \
+        f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}"
+    t, h, d = k.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        assert c.dim() == 4 and c.shape[2:] == (h, d), \
+            f"{name} must be [N0, N1, {h}, {d}], got {tuple(c.shape)}"
+        assert c.dtype == torch.int8, f"{name} must be int8, got {c.dtype}"
+        assert d <= 1 or c.stride(3) == 1, f"{name} must be contiguous in its last dim, strides {c.stride()}"
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        assert s.shape == k_cache.shape[:3], \
+            f"{name} must be [{', '.join(map(str, k_cache.shape[:3]))}], got {tuple(s.shape)}"
+        assert s.dtype == torch.float32, f"{name} must be float32, got {s.dtype}"
+    for name, x in (("k", k), ("v", v)):
+        assert d <= 1 or x.stride(2) == 1, f"{name} must be contiguous in its last dim, strides {x.stride()}"
+        assert x.is_floating_point(), f"{name} must be a float tensor, got {x.dtype}"
+    for name, ix in (("idx0", idx0), ("idx1", idx1)):
+        assert ix.shape == (t,), f"{name} must be [{t}], got {tuple(ix.shape)}"
+        assert ix.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {ix.dtype}"
+    for name, x in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
+                    ("v_scale", v_scale), ("idx0", idx0), ("idx1", idx1)):
+        assert x.device == k.device, f"{name} on {x.device} but k on {k.device}"
+    if t == 0 or h == 0 or d == 0:
+        return None
+    idx0, idx1 = idx0.contiguous(), idx1.contiguous()
+    block_h, block_d = next_pow2(h), next_pow2(d)
+    _kv_write_int8_kernel[(t,)](
+        k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        h, d, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d <= 2048 else 8,
+    )
+    return None

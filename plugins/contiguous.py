@@ -33,6 +33,23 @@ class ContiguousMeta:
     row_ids: torch.Tensor | None = None  # [B] rows, for gathering when they are not a span
 
 
+@attrs.frozen
+class DeviceDecodeMeta:
+    """Decode metadata as device tensors only, so a CUDA graph can capture the step.
+
+    ``table`` is [4, B] int64 (one host-to-device copy per step): positions, rows,
+    ring/sequence columns, context lengths.
+    """
+
+    table: torch.Tensor
+    positions: torch.Tensor  # [B] views into table
+    rows: torch.Tensor
+    columns: torch.Tensor
+    context_lens: torch.Tensor
+    host: torch.Tensor  # pinned [4, B] staging buffer
+    decode: bool = True
+
+
 class ContiguousCache(KVCache):
     def __init__(self, spec, max_batch_size, max_seq_len, device, dtype, ops):
         self.spec, self.ops, self.device = spec, ops, torch.device(device)
@@ -41,7 +58,11 @@ class ContiguousCache(KVCache):
         # a window at least max_seq_len long never hides anything: plain full attention
         self.window = w if w is not None and w < max_seq_len else None
         self.width = self.window or max_seq_len  # columns per row
-        shape = (max_batch_size, spec.num_kv_heads, self.width, spec.head_dim)
+        # one extra row is scratch: CUDA-graph padding rows write and read there
+        self.scratch_row = max_batch_size
+        # decode through tensor-only metadata and the paged-attention op (CUDA graphs)
+        self.device_decode = self.device.type == "cuda"
+        shape = (max_batch_size + 1, spec.num_kv_heads, self.width, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.scale = spec.head_dim ** -0.5
@@ -71,8 +92,20 @@ class ContiguousCache(KVCache):
     def length(self, seq_id):
         return self._len[seq_id]
 
+    def fork(self, parent, child):
+        """The child gets its own row, a copy of the parent's (no sharing in this layout)."""
+        self.allocate(child, 1)  # raises CacheFullError when no row is free
+        src, dst = self._row[parent], self._row[child]
+        for t in self.k + self.v:
+            t[dst].copy_(t[src])
+        self._len[child] = self._len[parent]
+
     # -- one forward step ------------------------------------------------------
     def prepare(self, seq_ids, counts):
+        if self.device_decode and all(n == 1 for n in counts):
+            meta = self.static_decode_meta(len(seq_ids))
+            self.prepare_decode_into(meta, seq_ids)
+            return meta
         rows, starts = [self._row[s] for s in seq_ids], [self._len[s] for s in seq_ids]
         for s, start, n in zip(seq_ids, starts, counts):
             if start + n > self.max_seq_len:
@@ -104,6 +137,8 @@ class ContiguousCache(KVCache):
 
     def attention(self, layer, q, k, v, meta):
         kc, vc = self.k[layer], self.v[layer]  # [R, Hkv, S, D]
+        if isinstance(meta, DeviceDecodeMeta):
+            return self._device_decode(q, k, v, kc, vc, meta)
         if self.window is not None:
             return self._ring_attention(q, k, v, kc, vc, meta)
         # the write kernel sees the cache as [R, S, Hkv, D]: (row, position) addressing
@@ -183,6 +218,38 @@ class ContiguousCache(KVCache):
         mask = (kpos <= qpos) & (kpos > qpos - self.window)  # [n, start-first+n]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                               enable_gqa=True)
+
+    # -- CUDA decode (graph-capturable) -------------------------------------------
+    def static_decode_meta(self, batch: int) -> DeviceDecodeMeta:
+        """Metadata tensors for ``batch`` rows, pre-filled as padding (scratch row)."""
+        host = torch.tensor([[0], [self.scratch_row], [0], [1]], dtype=torch.long).repeat(1, batch)
+        host = host.pin_memory() if self.device.type == "cuda" else host
+        table = host.to(self.device)
+        return DeviceDecodeMeta(table, *table.unbind(0), host=host)
+
+    def prepare_decode_into(self, meta: DeviceDecodeMeta, seq_ids) -> None:
+        """Advance each sequence by one token and fill ``meta`` in place (rest: padding)."""
+        n = len(seq_ids)
+        host = meta.host
+        host[:, n:] = torch.tensor([0, self.scratch_row, 0, 1]).unsqueeze(1)
+        for i, s in enumerate(seq_ids):
+            pos = self._len[s]
+            if pos + 1 > self.max_seq_len:
+                raise CacheFullError(f"sequence {s!r} would hold {pos + 1} tokens, "
+                                     f"over max_seq_len={self.max_seq_len}")
+            self._len[s] = pos + 1
+            host[0, i], host[1, i], host[2, i], host[3, i] = pos, self._row[s], pos % self.width, pos + 1
+        meta.table.copy_(host, non_blocking=True)
+
+    def _device_decode(self, q, k, v, kc, vc, meta):
+        # cache as paged blocks [R, W, Hkv, D]: one block per row, repeated along the
+        # table so that position p maps to column p % W (identity without a window)
+        kview, vview = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)
+        self.ops.kv_write(k, v, kview, vview, meta.rows, meta.columns)
+        blocks = -(-self.max_seq_len // self.width)
+        tables = meta.rows[:, None].expand(-1, blocks)  # [B, blocks]
+        return self.ops.paged_attention(q, kview, vview, tables, meta.context_lens, self.scale,
+                                        self.window)
 
     # -- inspection ------------------------------------------------------------
     def _held(self, seq_id) -> int:

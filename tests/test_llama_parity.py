@@ -67,3 +67,17 @@ def test_fused_slots_hold_hf_weights_in_order():
     assert torch.equal(gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
     # the build keeps no HF module: nothing in the engine's tree is an HF layer
     assert not any("transformers" in type(m).__module__ for m in engine.model.modules())
+
+
+def test_device_decode_path_matches_host_path():
+    """The tensor-only decode path that CUDA graphs capture gives the same tokens."""
+    from infergraft.core.testing.models import tiny_mistral_config
+
+    for cfg in (tiny_llama_config(), tiny_mistral_config(sliding_window=8)):
+        hf = random_model(cfg, seed=2, scale=5.0)
+        host = core.build(hf, max_seq_len=64, max_batch_size=4)
+        dev = core.build(hf, max_seq_len=64, max_batch_size=4)
+        dev.cache.device_decode = True
+        prompts = [random_prompt(n, cfg.vocab_size, n) for n in (3, 12, 20)]
+        want = [c.token_ids for c in host.generate(prompts, max_new_tokens=16)]
+        assert [c.token_ids for c in dev.generate(prompts, max_new_tokens=16)] == want

@@ -56,3 +56,17 @@ def tiny_gpt2_config(**overrides):
     cfg = GPT2Config(**kw)
     cfg.architectures = ["GPT2LMHeadModel"]
     return cfg
+
+
+def tiny_qwen2_config(**overrides):
+    """Qwen2 (GQA, q/k/v bias); sliding window off, as Qwen2 checkpoints ship it."""
+    from transformers import Qwen2Config
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Qwen2Config(**kw)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return cfg

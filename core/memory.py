@@ -1,0 +1,190 @@
+"""Memory planner: weight and K/V bytes from the config alone (nothing is loaded).
+
+KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element,
+plus, for quantised K/V, the per-token, per-head scales. ``infergraft plan`` prints
+these numbers; ``core.build`` refuses a configuration whose weights + K/V do not fit.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import attrs
+import torch
+
+from .errors import PlanError
+from .units import fmt_bytes, parse_bytes
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(spec, dtype: torch.dtype, kv_quantizer=None) -> int:
+    """K and V bytes of one token across all layers (scales included when quantised)."""
+    if kv_quantizer is not None:
+        return kv_quantizer.kv_bytes_per_token(spec)
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element_bytes(dtype)
+
+
+def as_bytes(size) -> int:
+    """``80GiB`` / ``512MiB`` / an int -> bytes (PlanError on anything else)."""
+    if isinstance(size, int) and size > 0:
+        return size
+    try:
+        n = parse_bytes(size)
+    except ValueError as e:
+        raise PlanError(f"device_memory: {e}") from None
+    if n <= 0:
+        raise PlanError(f"device_memory must be positive, got {size!r}")
+    return n
+
+
+def device_budget(device, device_memory=None) -> tuple[Optional[int], str]:
+    """(bytes, where they come from): the explicit budget, else free CUDA memory, else
+    None on the CPU (host memory is not checked unless a budget is given)."""
+    if device_memory is not None:
+        return as_bytes(device_memory), "device_memory"
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free), f"free memory on {dev}"
+    return None, "unchecked"
+
+
+def host_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@attrs.frozen
+class MemoryPlan:
+    """The numbers of one configuration; ``str()`` is the table ``infergraft plan`` prints."""
+
+    model: str
+    dtype: str
+    kv_dtype: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    max_seq_len: int
+    max_batch_size: int
+    budget: Optional[int] = None
+    budget_source: str = ""
+
+    @property
+    def kv_bytes_per_sequence(self) -> int:
+        return self.kv_bytes_per_token * self.max_seq_len
+
+    @property
+    def kv_bytes_total(self) -> int:
+        return self.kv_bytes_per_sequence * self.max_batch_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes_total
+
+    @property
+    def max_batch_that_fits(self) -> Optional[int]:
+        """Largest batch of ``max_seq_len`` sequences whose K/V fit beside the weights."""
+        if self.budget is None:
+            return None
+        return max(0, (self.budget - self.weight_bytes) // self.kv_bytes_per_sequence)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.total_bytes <= self.budget
+
+    def rows(self) -> list[tuple[str, str]]:
+        fit = self.max_batch_that_fits
+        rows = [
+            ("model", self.model),
+            ("dtype / K/V dtype", f"{self.dtype} / {self.kv_dtype}"),
+            ("weights", fmt_bytes(self.weight_bytes)),
+            ("KV per token", f"{fmt_bytes(self.kv_bytes_per_token)} ({self.kv_bytes_per_token} B)"),
+            (f"KV per sequence ({self.max_seq_len} tokens)", fmt_bytes(self.kv_bytes_per_sequence)),
+            (f"KV total (batch {self.max_batch_size})", fmt_bytes(self.kv_bytes_total)),
+            ("weights + KV", fmt_bytes(self.total_bytes)),
+        ]
+        if self.budget is None:
+            rows.append(("budget", "not given (--device-memory)"))
+        else:
+            rows += [("budget", f"{fmt_bytes(self.budget)} ({self.budget_source})"),
+                     ("fits", "yes" if self.fits else "NO"),
+                     (f"largest batch at {self.max_seq_len} tokens", str(fit))]
+        return rows
+
+    def __str__(self) -> str:
+        rows = self.rows()
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+    def refusal(self) -> str:
+        return (f"{self.model} does not fit: weights {fmt_bytes(self.weight_bytes)} + K/V "
+                f"{fmt_bytes(self.kv_bytes_total)} ({self.max_batch_size} sequences x "
+                f"{self.max_seq_len} tokens x {fmt_bytes(self.kv_bytes_per_token)} per token) = "
+                f"{fmt_bytes(self.total_bytes)} > {fmt_bytes(self.budget)} "
+                f"({self.budget_source}); the largest batch of {self.max_seq_len}-token "
+                f"sequences that fits is {self.max_batch_that_fits}. Lower max_batch_size or "
+                "max_seq_len, store K/V as int8 (plugins=['paged', 'kv-int8']), or use a "
+                "smaller dtype")
+
+
+def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
+                kv_quantizer=None, max_seq_len: Optional[int] = None,
+                max_batch_size: int = 8, budget: Optional[int] = None,
+                budget_source: str = "") -> MemoryPlan:
+    """The memory plan of ``spec`` (weights from ``spec.param_count``)."""
+    max_seq_len = int(max_seq_len or min(spec.max_position, 4096))
+    if max_seq_len < 1 or max_batch_size < 1:
+        raise PlanError(f"max_seq_len and max_batch_size must be >= 1, got {max_seq_len}, "
+                        f"{max_batch_size}")
+    kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
+    return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
+                      kv_dtype=kv_dtype.replace("torch.", ""),
+                      weight_bytes=spec.param_count * element_bytes(dtype),
+                      kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
+                      max_seq_len=max_seq_len, max_batch_size=int(max_batch_size),
+                      budget=budget, budget_source=budget_source)
+
+
+def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -> None:
+    """Raise PlanError, with the numbers, if weights + K/V exceed ``budget``."""
+    if budget is None:
+        return
+    mem = MemoryPlan(model=plan.model, dtype=plan.dtype, kv_dtype=plan.kv_dtype,
+                     weight_bytes=plan.weight_bytes, kv_bytes_per_token=plan.kv_bytes_per_token,
+                     max_seq_len=plan.max_seq_len, max_batch_size=plan.max_batch_size,
+                     budget=budget, budget_source=source)
+    if plan.weight_bytes + kv_device_bytes > budget:
+        msg = mem.refusal()
+        if kv_device_bytes != plan.kv_bytes_total:  # a backend sized its pool otherwise
+            msg += (f" (the {plan.cache_backend} cache holds {fmt_bytes(kv_device_bytes)} of "
+                    "K/V on the device)")
+        raise PlanError(msg)
+
+
+def spec_of(model, policy: Optional[str] = None):
+    """(name, ModelSpec, HF config) from a local model directory or a demo alias,
+    reading only its config.json (no weights)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from .build import choose_policy
+    from .plugins import get_plugin_manager
+    from .source import ALIASES, ModelSourceError
+
+    name = str(model)
+    if name in ALIASES:
+        from .demo import ensure_demo_model
+
+        path = ensure_demo_model(name)
+    else:
+        path = Path(name).expanduser()
+        if not (path / "config.json").exists():
+            raise ModelSourceError(f"cannot plan {name!r}: give a local model directory with a "
+                                   f"config.json, or one of the aliases {', '.join(ALIASES)}")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return name, choose_policy(get_plugin_manager(), config, policy).describe(config), config

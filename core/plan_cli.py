@@ -1,0 +1,71 @@
+"""``infergraft plan MODEL``: the memory plan (weights, K/V per token / sequence / batch,
+the largest batch that fits) from the model's config alone; no weight is loaded."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import attrs
+import torch
+
+from .build import _DTYPES, resolve_dtype
+from .errors import PlanError
+from .memory import as_bytes, device_budget, host_memory, plan_memory, spec_of
+from .plugins import get_plugin_manager
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="smollm2-135m",
+                   help="local HF model directory (config.json is enough) or alias")
+    p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
+                                                 "(default: the checkpoint's)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="K/V storage (auto: the weights dtype; int8: the kv-int8 quantizer)")
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--device-memory", default=None,
+                   help="budget, e.g. 80GiB (default: free CUDA memory, else host RAM)")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+
+
+def kv_quantizer_for(kv_dtype: str):
+    """The registered K/V quantiser storing ``kv_dtype`` (PlanError if none does)."""
+    found = [q for q in get_plugin_manager().quantizers()
+             if q.applies_to == "kv" and getattr(q, "kv_dtype", None) == kv_dtype]
+    if not found:
+        raise PlanError(f"no registered K/V quantizer stores {kv_dtype!r}")
+    return found[0]
+
+
+def run(args) -> int:
+    name, spec, config = spec_of(args.model)
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    dtype = resolve_dtype(args.dtype, stored if stored in _DTYPES.values() else torch.float32)
+    kv_quant, kv_dtype = None, dtype
+    if args.kv_dtype == "int8":
+        kv_quant = kv_quantizer_for("int8")
+    elif args.kv_dtype != "auto":
+        kv_dtype = resolve_dtype(args.kv_dtype, dtype)
+    if args.device_memory is not None:
+        budget, source = as_bytes(args.device_memory), "--device-memory"
+    else:
+        budget, source = device_budget("cuda" if torch.cuda.is_available() else "cpu")
+        if budget is None:
+            budget, source = host_memory(), "host RAM"
+    mem = plan_memory(spec, model=name, dtype=dtype, kv_quantizer=kv_quant,
+                      max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+                      budget=budget, budget_source=source)
+    if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights
+        kv = plan_memory(spec, dtype=kv_dtype, max_seq_len=mem.max_seq_len)
+        mem = attrs.evolve(mem, kv_dtype=kv.kv_dtype, kv_bytes_per_token=kv.kv_bytes_per_token)
+    if args.json:
+        print(json.dumps({**attrs.asdict(mem), "kv_bytes_per_sequence": mem.kv_bytes_per_sequence,
+                          "kv_bytes_total": mem.kv_bytes_total, "total_bytes": mem.total_bytes,
+                          "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits},
+                         indent=2))
+    else:
+        print(mem)
+    return 0

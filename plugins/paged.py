@@ -1,0 +1,327 @@
+"""Paged KV cache: fixed-size blocks, a ref-counted block allocator, per-sequence tables.
+
+Per layer K and V are ``[num_blocks, block_size, Hkv, D]`` (int8 K/V add float32 scales
+``[num_blocks, block_size, Hkv]``). Token ``p`` of a sequence lives at
+``(table[p // block_size], p % block_size)``. A sequence takes blocks as it grows and
+returns them when freed, so the only waste is its last, partial block. ``fork`` shares
+a parent's full blocks (ref-counted) and copies its partial one, so shared blocks are
+never written (copy-on-write done eagerly, at the fork).
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
+from infergraft.core.errors import PlanError
+from infergraft.core.hookspecs import hookimpl
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class BlockAllocator:
+    """Block ids with reference counts; a block is free exactly when its count is 0."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise CacheFullError(f"need {n} blocks, {len(self._free)} of {self.num_blocks} free")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self.refs[b] = 1
+        return out
+
+    def share(self, b: int) -> None:
+        assert self.refs[b] > 0, f"block {b} is free; it cannot be shared"
+        self.refs[b] += 1
+
+    def release(self, b: int) -> bool:
+        """Drop one reference; True if the block became free."""
+        if self.refs[b] <= 0:
+            raise AssertionError(f"block {b} released while free (double free)")
+        self.refs[b] -= 1
+        if self.refs[b] == 0:
+            self._free.append(b)
+            return True
+        return False
+
+    def check(self, tables) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        counted = [0] * self.num_blocks
+        for table in tables:
+            for b in table:
+                counted[b] += 1
+        for b, (r, c) in enumerate(zip(self.refs, counted)):
+            assert r >= 0, f"block {b} has a negative ref count {r}"
+            assert r == c, f"block {b}: ref count {r} but {c} table entries (leak or double free)"
+            assert (b in free) == (r == 0), f"block {b}: ref count {r} but free={b in free}"
+
+
+@attrs.frozen
+class PagedMeta:
+    positions: torch.Tensor  # [T] absolute positions
+    slot_block: torch.Tensor  # [T] storage block of each new token
+    slot_offset: torch.Tensor  # [T] offset inside it
+    starts: list[int]  # tokens cached before this step
+    counts: list[int]  # new tokens this step
+    tables: list[torch.Tensor]  # per sequence: its storage blocks
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor  # [B] int32, tokens after this step
+    decode: bool  # every sequence adds exactly one token
+
+
+class PagedCache(KVCache):
+    def __init__(self, spec, *, max_seq_len, block_size, num_blocks, device, dtype, ops,
+                 kv_quantizer=None, storage_blocks=None):
+        self.spec, self.ops, self.device, self.dtype = spec, ops, torch.device(device), dtype
+        self.max_seq_len, self.block_size = max_seq_len, block_size
+        self.window = spec.sliding_window
+        self.scale = spec.head_dim ** -0.5
+        self.quant = kv_quantizer is not None
+        self.allocator = BlockAllocator(num_blocks)
+        self.k, self.v, self.k_scale, self.v_scale = self._storage(storage_blocks or num_blocks,
+                                                                   self.device)
+        self._tables: dict = {}
+        self._len: dict = {}
+        self._reserved: dict = {}  # tokens reserved by allocate (the prompt)
+
+    def _storage(self, n, device, pin=False):
+        s = self.spec
+        shape = (n, self.block_size, s.num_kv_heads, s.head_dim)
+        kv_dtype = torch.int8 if self.quant else self.dtype
+        new = lambda shp, dt: [torch.zeros(shp, dtype=dt, device=device, pin_memory=pin)  # noqa: E731
+                               for _ in range(s.num_layers)]
+        scales = (new(shape[:3], torch.float32), new(shape[:3], torch.float32)) if self.quant \
+            else (None, None)
+        return (new(shape, kv_dtype), new(shape, kv_dtype), *scales)
+
+    # -- allocation ------------------------------------------------------------------------
+    def can_allocate(self, num_tokens):
+        return num_tokens <= self.max_seq_len and \
+            blocks_for(num_tokens, self.block_size) <= self.allocator.num_free
+
+    def allocate(self, seq_id, num_tokens):
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if num_tokens > self.max_seq_len:
+            raise CacheFullError(f"{num_tokens} tokens exceed max_seq_len={self.max_seq_len}")
+        self._tables[seq_id] = self.allocator.take(blocks_for(num_tokens, self.block_size))
+        self._len[seq_id], self._reserved[seq_id] = 0, num_tokens
+
+    def free(self, seq_id):
+        for b in self._tables.pop(seq_id):
+            if self.allocator.release(b):
+                self._block_freed(b)
+        del self._len[seq_id], self._reserved[seq_id]
+
+    def length(self, seq_id):
+        return self._len[seq_id]
+
+    def fork(self, parent, child):
+        if child in self._tables:
+            raise ValueError(f"sequence {child!r} is already allocated")
+        n, table = self._len[parent], self._tables[parent]
+        full = n // self.block_size
+        partial = n % self.block_size != 0
+        new = self.allocator.take(1 if partial else 0)  # raises before anything changes
+        for b in table[:full]:
+            self.allocator.share(b)
+        if partial:
+            self._copy_block(table[full], new[0], exclude=set(table))
+        self._tables[child] = table[:full] + new
+        self._len[child], self._reserved[child] = n, n
+
+    # -- one forward step --------------------------------------------------------------------
+    def _step_problem(self, seq_ids, counts):
+        """Why ``prepare(seq_ids, counts)`` cannot run now, or None."""
+        assert len(set(seq_ids)) == len(seq_ids), f"duplicate sequences in a step: {seq_ids}"
+        need = 0
+        for s, n in zip(seq_ids, counts):
+            total = self._len[s] + n
+            if total > self.max_seq_len:
+                return f"sequence {s!r} would hold {total} tokens, over max_seq_len={self.max_seq_len}"
+            need += max(0, blocks_for(total, self.block_size) - len(self._tables[s]))
+        if need > self.allocator.num_free:
+            return (f"the step needs {need} new blocks but {self.allocator.num_free} of "
+                    f"{self.allocator.num_blocks} are free")
+        return None
+
+    def can_append(self, seq_ids, counts):
+        return self._step_problem(seq_ids, counts) is None
+
+    def prepare(self, seq_ids, counts):
+        problem = self._step_problem(seq_ids, counts)
+        if problem:
+            raise CacheFullError(problem)
+        bs, starts = self.block_size, [self._len[s] for s in seq_ids]
+        for s, start, n in zip(seq_ids, starts, counts):
+            grow = blocks_for(start + n, bs) - len(self._tables[s])
+            if grow > 0:
+                self._tables[s] += self.allocator.take(grow)
+            self._len[s] = start + n
+        self._before_step(seq_ids)
+        phys = [self._physical(self._tables[s]) for s in seq_ids]
+        width = max(map(len, phys))
+        tables = torch.tensor([p + [0] * (width - len(p)) for p in phys], dtype=torch.int32)
+        positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, counts)])
+        rows = torch.repeat_interleave(torch.arange(len(phys)), torch.tensor(counts))  # [T]
+        dev = self.device
+        bt = tables.to(dev)  # [B, max_blocks]
+        return PagedMeta(positions.to(dev), tables[rows, positions // bs].to(dev),
+                         (positions % bs).to(dev), starts, list(counts),
+                         [bt[i, :len(p)] for i, p in enumerate(phys)], bt,
+                         torch.tensor([st + n for st, n in zip(starts, counts)],
+                                      dtype=torch.int32).to(dev),
+                         all(n == 1 for n in counts))
+
+    def attention(self, layer, q, k, v, meta):
+        self._wait(layer)
+        kc, vc = self.k[layer], self.v[layer]  # [NB, BS, Hkv, D]
+        ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
+        if self.quant:
+            self.ops.kv_write_int8(k, v, kc, vc, ks, vs, meta.slot_block, meta.slot_offset)
+        else:
+            self.ops.kv_write(k, v, kc, vc, meta.slot_block, meta.slot_offset)
+        if meta.decode:  # q: [B, Hq, D], one token per sequence
+            return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
+                                            self.scale, self.window, ks, vs)
+        out = torch.empty_like(q)
+        off = 0
+        for table, start, n in zip(meta.tables, meta.starts, meta.counts):
+            kj, vj = self._gather(layer, table, start + n)  # [L, Hkv, D]
+            qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            oj = self._sdpa(qj, kj.transpose(0, 1).unsqueeze(0), vj.transpose(0, 1).unsqueeze(0),
+                            start, n)
+            out[off:off + n] = oj[0].transpose(0, 1)
+            off += n
+        return out
+
+    def _gather(self, layer, table, length):
+        """A sequence's K and V ([length, Hkv, D], self.dtype) from its storage blocks."""
+        hkv, d = self.spec.num_kv_heads, self.spec.head_dim
+        k = self.k[layer][table].reshape(-1, hkv, d)[:length]
+        v = self.v[layer][table].reshape(-1, hkv, d)[:length]
+        if self.quant:
+            k = (k.float() * self.k_scale[layer][table].reshape(-1, hkv, 1)[:length]).to(self.dtype)
+            v = (v.float() * self.v_scale[layer][table].reshape(-1, hkv, 1)[:length]).to(self.dtype)
+        return k, v
+
+    def _sdpa(self, q, k, v, start, n):
+        if start == 0 and not self.window:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                  enable_gqa=True)
+        qpos = torch.arange(start, start + n, device=q.device)[:, None]
+        kpos = torch.arange(start + n, device=q.device)[None, :]
+        mask = kpos <= qpos  # [n, start+n]
+        if self.window:
+            mask &= kpos > qpos - self.window
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=True)
+
+    # -- hooks for backends built on this one (offload) -----------------------------------
+    def _physical(self, blocks: list[int]) -> list[int]:
+        """Storage index of each logical block (here: the same)."""
+        return blocks
+
+    def _before_step(self, seq_ids) -> None:
+        """Called by prepare after the tables grew, before metadata is built."""
+
+    def _wait(self, layer: int) -> None:
+        """Called before a layer's storage is read or written."""
+
+    def _block_freed(self, block: int) -> None:
+        """A block's last reference is gone."""
+
+    def _copy_block(self, src: int, dst: int, exclude=()) -> None:
+        s, d = self._physical([src, dst])
+        for pool in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quant else ()):
+            for t in pool:
+                t[d].copy_(t[s])
+
+    # -- inspection --------------------------------------------------------------------------
+    def read(self, seq_id, layer):
+        table = torch.tensor(self._physical(self._tables[seq_id]), dtype=torch.long,
+                             device=self.device)
+        return self._gather(layer, table, self._len[seq_id])
+
+    def _pool_bytes(self, pools) -> int:
+        return sum(t.numel() * t.element_size() for pool in pools if pool for t in pool)
+
+    def stats(self):
+        a = self.allocator
+        return {"bytes": self._pool_bytes((self.k, self.v, self.k_scale, self.v_scale)),
+                "sequences": len(self._tables), "tokens": sum(self._len.values()),
+                "block_size": self.block_size, "blocks_total": a.num_blocks,
+                "blocks_free": a.num_free, "blocks_used": a.num_blocks - a.num_free,
+                "blocks_shared": sum(r > 1 for r in a.refs)}
+
+    def check_invariants(self):
+        super().check_invariants()
+        self.allocator.check(self._tables.values())
+        bs = self.block_size
+        for s, table in self._tables.items():
+            n = self._len[s]
+            assert 0 <= n <= self.max_seq_len, f"sequence {s!r} holds {n} tokens"
+            want = blocks_for(max(n, self._reserved[s]), bs)
+            assert len(table) == want, f"sequence {s!r}: {len(table)} blocks for {n} tokens " \
+                                       f"(reserved {self._reserved[s]}), expected {want}"
+            for b in table[n // bs:]:  # blocks the next tokens go to are never shared
+                assert self.allocator.refs[b] == 1, f"sequence {s!r} would write shared block {b}"
+
+
+def is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def cache_sizes(plan, block_size, num_blocks, name="paged") -> tuple[int, int]:
+    """Validated (block_size, num_blocks): by default one max_seq_len per batch slot."""
+    if not is_count(block_size) or block_size < 1:
+        raise PlanError(f"{name}: block_size must be an integer >= 1, got {block_size!r}")
+    per_seq = blocks_for(plan.max_seq_len, block_size)
+    if num_blocks is None:
+        return block_size, plan.max_batch_size * per_seq
+    if not is_count(num_blocks) or num_blocks < per_seq:
+        raise PlanError(f"{name}: num_blocks must be an integer >= {per_seq} (one "
+                        f"max_seq_len={plan.max_seq_len} sequence in blocks of {block_size}), "
+                        f"got {num_blocks!r}")
+    return block_size, num_blocks
+
+
+def check_kv_quantizer(name, kv_quantizer) -> None:
+    if kv_quantizer is not None and kv_quantizer.kv_dtype not in PagedBackend.quantized_kv:
+        raise PlanError(f"{name}: cannot store K/V as {kv_quantizer.kv_dtype!r} (quantizer "
+                        f"{kv_quantizer.name!r}); supported: {', '.join(PagedBackend.quantized_kv)}")
+
+
+class PagedBackend(CacheBackend):
+    name = "paged"
+    options = {"block_size": 16, "num_blocks": None}
+    quantized_kv = ("int8",)
+
+    def create(self, spec, plan, *, device, dtype, ops, block_size=16, num_blocks=None,
+               kv_quantizer=None):
+        bs, nb = cache_sizes(plan, block_size, num_blocks)
+        check_kv_quantizer(self.name, kv_quantizer)
+        return PagedCache(spec, max_seq_len=plan.max_seq_len, block_size=bs, num_blocks=nb,
+                          device=device, dtype=dtype, ops=ops, kv_quantizer=kv_quantizer)
+
+    def device_bytes(self, plan, block_size=16, num_blocks=None, **_):
+        bs, nb = cache_sizes(plan, block_size, num_blocks)
+        return nb * bs * plan.kv_bytes_per_token
+
+
+@hookimpl
+def infergraft_register_cache_backends(register):
+    register(PagedBackend())

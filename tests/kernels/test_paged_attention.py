@@ -1,0 +1,113 @@
+"""paged_attention: Triton vs the torch reference (and the reference vs plain math),
+random block tables, GQA ratios 1/3/4/8, sliding windows, int8 K/V."""
+import math
+
+import pytest
+import torch
+
+from infergraft.kernels.kv_write import quantize_int8_torch
+from infergraft.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+
+from .tolerances import assert_close
+
+
+def _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device):
+    """A cache whose unused blocks and slots are NaN, and each sequence's K/V in order."""
+    need = [math.ceil(n / bs) for n in lens]
+    nb = sum(need) + 3  # spare blocks: never referenced, poisoned
+    order = torch.randperm(nb, generator=gen)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    k = randn(nb, bs, hkv, d, dtype=dtype)
+    v = randn(nb, bs, hkv, d, dtype=dtype)
+    k[:], v[:] = float("nan"), float("nan")
+    ks = vs = None
+    if int8:
+        kq, vq = (torch.zeros(nb, bs, hkv, d, dtype=torch.int8, device=device) for _ in "kv")
+        ks, vs = (torch.full((nb, bs, hkv), float("nan"), device=device) for _ in "kv")
+    seqs, used = [], 0
+    for b, (n, m) in enumerate(zip(lens, need)):
+        blocks = order[used:used + m]
+        used += m
+        tables[b, :m] = blocks
+        kb, vb = randn(n, hkv, d, dtype=dtype), randn(n, hkv, d, dtype=dtype)
+        pos = torch.arange(n)
+        idx0, idx1 = blocks[pos // bs].to(device), (pos % bs).to(device)
+        if int8:
+            for x, c, s in ((kb, kq, ks), (vb, vq, vs)):
+                qx, sx = quantize_int8_torch(x)
+                c[idx0, idx1], s[idx0, idx1] = qx, sx
+            kb = (quantize_int8_torch(kb)[0].float() * quantize_int8_torch(kb)[1][..., None])
+            vb = (quantize_int8_torch(vb)[0].float() * quantize_int8_torch(vb)[1][..., None])
+        else:
+            k[idx0, idx1], v[idx0, idx1] = kb, vb
+        seqs.append((kb.float().cpu(), vb.float().cpu()))
+    if int8:
+        k, v = kq, vq
+    return k, v, ks, vs, tables.to(device), seqs
+
+
+def _naive(q, seqs, scale, window):
+    """Per sequence and head, softmax(q k^T) v in float64 over the visible keys."""
+    out = []
+    for qb, (kb, vb) in zip(q.double(), seqs):
+        n, group = kb.shape[0], q.shape[1] // kb.shape[1]
+        lo = max(0, n - window) if window else 0
+        kk = kb[lo:].double().repeat_interleave(group, 1)  # [L, Hq, D]
+        vv = vb[lo:].double().repeat_interleave(group, 1)
+        p = (torch.einsum("hd,lhd->hl", qb, kk) * scale).softmax(-1)
+        out.append(torch.einsum("hl,lhd->hd", p, vv))
+    return torch.stack(out)
+
+
+CASES = [  # (Hq, Hkv, D, block_size, lens)
+    (4, 4, 16, 16, [1, 37, 80]),     # MHA
+    (6, 2, 24, 5, [9, 1, 33, 64]),   # GQA 3, odd head_dim and block size
+    (8, 2, 64, 16, [70, 16, 17]),    # GQA 4, lengths at block edges
+    (8, 1, 32, 8, [3, 41]),          # MQA, ratio 8
+]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("window", [None, 7, 1], ids=["full", "window7", "window1"])
+@pytest.mark.parametrize("hq,hkv,d,bs,lens", CASES, ids=["mha", "gqa3", "gqa4", "mqa8"])
+def test_paged_attention_matches_reference(device, dtype, randn, gen, poisoned_empty,
+                                           hq, hkv, d, bs, lens, window, int8):
+    k, v, ks, vs, tables, seqs = _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device)
+    q = randn(len(lens), hq, d, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = d ** -0.5
+    out = paged_attention_triton(q, k, v, tables, ctx, scale, window, ks, vs)
+    ref = paged_attention_torch(q, k, v, tables, ctx, scale, window, ks, vs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, ref, f"Hq={hq} Hkv={hkv} window={window} int8={int8}")
+    # and the reference is the plain math (float64, one sequence and head at a time)
+    torch.testing.assert_close(ref.double().cpu(), _naive(q.cpu(), seqs, scale, window).to(ref.dtype).double(),
+                               atol=2e-3 if dtype != torch.float32 else 1e-5,
+                               rtol=2e-3 if dtype != torch.float32 else 1e-5)
+
+
+def test_window_longer_than_sequence_is_full_attention(device, randn, gen):
+    k, v, _, _, tables, _ = _paged(randn, gen, [5, 12], 2, 16, 4, torch.float32, False, device)
+    q = randn(2, 4, 16)
+    ctx = torch.tensor([5, 12], device=device)
+    full = paged_attention_triton(q, k, v, tables, ctx, 0.25)
+    assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, window=100), full)
+    assert not torch.allclose(paged_attention_triton(q, k, v, tables, ctx, 0.25, window=3), full)
+
+
+def test_paged_attention_rejects_bad_inputs(device, randn, gen):
+    k, v, _, _, tables, _ = _paged(randn, gen, [5, 9], 2, 16, 4, torch.float32, False, device)
+    q = randn(2, 4, 16)
+    ctx = torch.tensor([5, 9], dtype=torch.int32, device=device)
+    with pytest.raises(AssertionError, match="not a multiple of Hkv"):
+        paged_attention_triton(randn(2, 3, 16), k, v, tables, ctx, 0.25)
+    with pytest.raises(AssertionError, match="must equal q dtype"):
+        paged_attention_triton(q.half(), k, v, tables, ctx, 0.25)
+    with pytest.raises(AssertionError, match="int8 K/V need k_scale"):
+        paged_attention_triton(q, k.to(torch.int8), v.to(torch.int8), tables, ctx, 0.25)
+    with pytest.raises(AssertionError, match="block_tables must be"):
+        paged_attention_triton(q, k, v, tables[:1], ctx, 0.25)
+    with pytest.raises(AssertionError, match="context_lens must be"):
+        paged_attention_triton(q, k, v, tables, ctx.float(), 0.25)
+    with pytest.raises(AssertionError, match="window"):
+        paged_attention_triton(q, k, v, tables, ctx, 0.25, window=0)

@@ -1,0 +1,66 @@
+"""``infergraft plugins``: kind, name, version, contract range and origin of each plugin."""
+import json
+
+from infergraft.core.cli import main
+from infergraft.core.hookspecs import CONTRACT_VERSION, hookimpl
+from infergraft.core.plugins import _own_version
+
+KEYS = {"kind", "name", "plugin", "version", "contract", "origin", "module", "hooks"}
+
+
+def rows_from_json(capsys):
+    assert main(["plugins", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_lists_built_ins_and_the_installed_contrib_plugin(capsys):
+    rows = rows_from_json(capsys)
+    assert all(set(r) == KEYS for r in rows)
+    by = {(r["kind"], r["name"]): r for r in rows}
+    llama = by["policy", "llama"]
+    assert (llama["plugin"], llama["origin"], llama["version"], llama["contract"]) == \
+        ("llama", "built-in", _own_version(), f"=={CONTRACT_VERSION}")
+    assert llama["hooks"] == ["infergraft_register_policies"]
+    assert by["cache backend", "contiguous"]["origin"] == "built-in"
+    assert by["planner", "single"]["module"] == "infergraft.plugins.single_device"
+    qwen2 = by["policy", "qwen2"]
+    assert (qwen2["origin"], qwen2["version"], qwen2["contract"], qwen2["module"]) == \
+        ("infergraft-qwen2", "0.1.0", ">=1,<2", "infergraft_qwen2")
+    assert {r["kind"] for r in rows} >= {"policy", "cache backend", "planner"}
+
+
+def test_table_has_one_aligned_line_per_plugin_object(capsys):
+    assert main(["plugins"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["KIND", "NAME", "PLUGIN", "VERSION", "CONTRACT", "ORIGIN"]
+    qwen2 = next(line for line in lines if " qwen2 " in line)
+    assert qwen2.split()[-3:] == ["0.1.0", ">=1,<2", "infergraft-qwen2"]
+    start = lines[0].index("ORIGIN")
+    assert qwen2[start:].strip() == "infergraft-qwen2"  # columns line up
+
+
+def test_inline_and_hook_only_plugins_are_listed(capsys, infergraft_plugin_manager):
+    class Tuner:
+        INFERGRAFT_CONTRACT = ">=1"
+
+        @hookimpl
+        def infergraft_prepare_plan(self, plan, spec):
+            return None
+
+    infergraft_plugin_manager.register(Tuner(), name="tuner", version="2.3")
+    row = next(r for r in rows_from_json(capsys) if r["plugin"] == "tuner")
+    assert (row["kind"], row["name"], row["origin"], row["version"], row["contract"]) == \
+        ("hooks", "tuner", "in-process", "2.3", ">=1")
+    assert row["hooks"] == ["infergraft_prepare_plan"]
+
+
+def test_a_broken_plugin_is_reported_not_a_traceback(capsys, infergraft_plugin_manager):
+    class Broken:
+        @hookimpl
+        def infergraft_register_quantizers(self, register):
+            raise ValueError("bad config")
+
+    infergraft_plugin_manager.register(Broken(), name="broken-quant")
+    assert main(["plugins", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "plugin 'broken-quant' failed in hook 'infergraft_register_quantizers'" in err

@@ -1,0 +1,61 @@
+"""Built-in plugins run the same conformance kit as third-party ones."""
+import pytest
+
+from infergraft import core
+from infergraft.core.testing.models import random_model, tiny_llama_config
+from infergraft.core.testing.cache_kit import CacheBackendTests
+from infergraft.core.testing.planner_kit import PlannerTests
+from infergraft.core.testing.policy_kit import PolicyTests
+
+
+LLAMA_CONFIGS = {"gqa-untied": {}, "mqa-tied": dict(tie_word_embeddings=True, num_key_value_heads=1)}
+
+
+@pytest.fixture(scope="module", params=sorted(LLAMA_CONFIGS))
+def llama_model(request):
+    return random_model(tiny_llama_config(**LLAMA_CONFIGS[request.param]), seed=7, scale=5.0)
+
+
+class TestLlamaPolicy(PolicyTests):
+    @pytest.fixture
+    def policy(self):
+        return core.get_plugin_manager().policies().get("llama")
+
+    @pytest.fixture
+    def hf_model(self, llama_model):
+        return llama_model
+
+
+class TestSinglePlanner(PlannerTests):
+    world_sizes = (1,)
+    bad_world_sizes = (2, 3)
+
+    @pytest.fixture
+    def planner(self):
+        return core.get_plugin_manager().planners().get("single")
+
+
+# tests/test_cache_machine.py runs the state machine >= 200 examples per built-in backend;
+# here the kit's copy of it runs a few, to prove the kit wires it up
+class TestContiguousBackend(CacheBackendTests):
+    machine_examples = 10
+    # contiguous.prepare is not atomic on a refused multi-sequence step (an xfail in
+    # tests/test_cache_machine.py, owned by contiguous.py); the engine never asks for one
+    probe_refused_steps = False
+
+    @pytest.fixture
+    def backend(self):
+        return core.get_plugin_manager().cache_backends().get("contiguous")
+
+
+@pytest.mark.parametrize("name", ["paged", "offload"])
+class TestBlockBackends(CacheBackendTests):
+    machine_examples = 10
+
+    @pytest.fixture
+    def backend(self, name):
+        return core.get_plugin_manager().cache_backends().get(name)
+
+    @pytest.fixture
+    def cache_options(self, name):
+        return dict(block_size=4, num_blocks=16)
