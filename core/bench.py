@@ -96,8 +96,8 @@ def bench_hf(model, prompts, new_tokens: int, static: bool = False,
     ids = torch.tensor(prompts, device=device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               attention_mask=torch.ones_like(ids), pad_token_id=0)
-    if static:
-        kw.update(cache_implementation="static", compile_config=None)
+    if static:  # transformers compiles the static-cache forward (CUDA graphs) itself
+        kw.update(cache_implementation="static")
     for _ in range(warmup + 1):
         clock = _StepClock(device)
         sync(device)

@@ -22,7 +22,7 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
 }
 
 
-def load_models(name: str, device, dtype):
+def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int):
     """(hf_model, engine) on the same weights."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -40,7 +40,9 @@ def load_models(name: str, device, dtype):
 
         path = ensure_demo_model(name) if name in ALIASES else name
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return hf, build(hf, dtype=dtype, device=device, max_batch_size=None)
+    return hf, build(hf, plugins=["paged"] if str(device).startswith("cuda") else None,
+                     dtype=dtype, device=device, max_batch_size=max_batch_size,
+                     max_seq_len=max_seq_len)
 
 
 def markdown_table(results, bw: float) -> str:
@@ -110,13 +112,7 @@ def run(args) -> int:
     prompt_len = args.prompt_len or (512 if gpu else 64)
     new_tokens = args.new_tokens or (64 if gpu else 32)
     systems = (args.systems or ("infergraft,hf-eager,hf-static" if gpu else "infergraft,hf-eager")).split(",")
-    hf, engine = load_models(args.model, args.device, dtype)
-    # the engine must hold the largest batch at the full length
-    need = prompt_len + new_tokens
-    if engine.plan.max_batch_size < max(batches) or engine.plan.max_seq_len < need:
-        from . import build
-        engine = build(hf, dtype=dtype, device=args.device, max_batch_size=max(batches),
-                       max_seq_len=need)
+    hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens)
     print(engine.plan, file=sys.stderr)
     results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, systems,
                                 log=lambda m: print(m, file=sys.stderr))

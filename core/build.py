@@ -125,7 +125,7 @@ def _kv_quantizer(backend, quantizers):
 
 def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
-          device_memory=None, **plugin_options) -> Engine:
+          device_memory=None, cuda_graphs: bool | None = None, **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine (see DESIGN §3).
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V must fit in (default:
@@ -182,5 +182,22 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec)
+    engine.graph_runner = _graph_runner(net, cache, plan, device, cuda_graphs)
     engine.build_seconds = time.perf_counter() - t0
     return engine
+
+
+def _graph_runner(net, cache, plan, device, wanted):
+    """Decode under CUDA graphs on the GPU (default) when the cache supports it."""
+    from .cuda_graph import CudaGraphRunner
+
+    if wanted is None:
+        wanted = device.type == "cuda" and CudaGraphRunner.supported(cache)
+    if not wanted:
+        return None
+    if device.type != "cuda" or not CudaGraphRunner.supported(cache):
+        raise PlanError(f"cuda_graphs=True needs a CUDA device and a cache backend that "
+                        f"supports them (contiguous, paged); got {device} / {plan.cache_backend}")
+    runner = CudaGraphRunner(net, cache, plan.max_batch_size)
+    runner.capture()
+    return runner

@@ -4,7 +4,10 @@ A decode step launches hundreds of small kernels; replaying a captured graph rem
 the CPU launch cost between them. The cache supplies static metadata tensors for each
 bucket (positions, write slots, block tables, context lengths: the graph's inputs) and
 fills them in place before each replay; rows past the live batch are padding that the
-cache points at a scratch slot.
+cache fills by repeating the last live row (identical writes to the same slot).
+
+``use_graphs=False`` runs the same static-buffer path eagerly: that is how the graph
+inputs are tested on machines without CUDA.
 """
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class CudaGraphRunner:
-    def __init__(self, model, cache, max_batch_size: int, buckets=DEFAULT_BUCKETS):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, max_batch_size: int, buckets=DEFAULT_BUCKETS,
+                 use_graphs: bool = True):
+        self.model, self.cache, self.use_graphs = model, cache, use_graphs
+        self.replays = 0
         self.device = next(iter(model.buffers())).device
         sizes = sorted({b for b in buckets if b < max_batch_size} | {max_batch_size})
         self.buckets = sizes
@@ -27,7 +32,7 @@ class CudaGraphRunner:
 
     @staticmethod
     def supported(cache) -> bool:
-        return hasattr(cache, "static_decode_meta") and hasattr(cache, "prepare_decode_into")
+        return bool(getattr(cache, "supports_cuda_graphs", False))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -35,6 +40,9 @@ class CudaGraphRunner:
         for bs in sorted(self.buckets, reverse=True):
             tokens = torch.zeros(bs, dtype=torch.long, device=self.device)
             meta = self.cache.static_decode_meta(bs)
+            if not self.use_graphs:
+                self.tokens[bs], self.metas[bs] = tokens, meta
+                continue
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
@@ -48,7 +56,8 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs], self.tokens[bs], self.metas[bs], self.logits[bs] = \
                 graph, tokens, meta, logits
-        torch.cuda.synchronize()
+        if self.use_graphs:
+            torch.cuda.synchronize()
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
@@ -57,8 +66,11 @@ class CudaGraphRunner:
         """One decode token for each sequence: logits [B, V] float32."""
         n = len(seq_ids)
         bs = self.bucket(n)
-        static = self.tokens[bs]
-        static[:n].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        padded = tokens + [tokens[-1]] * (bs - n)  # padding rows repeat the last live row
+        self.tokens[bs].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
         self.cache.prepare_decode_into(self.metas[bs], seq_ids)
+        self.replays += 1
+        if not self.use_graphs:
+            return self.model(self.tokens[bs], self.cache, self.metas[bs])[:n]
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -28,6 +28,7 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._forks: dict[int, list[Sequence]] = {}  # parent id -> samples forked at its prefill
+        self.graph_runner = None  # core.cuda_graph.CudaGraphRunner, set by build() on CUDA
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -77,11 +78,15 @@ class Engine:
         else:
             counts = [1] * len(seqs)
             tokens = [s.output_ids[-1] for s in seqs]
-        meta = self.cache.prepare([s.id for s in seqs], counts)
-        last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
-        token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = self.model(token_t, self.cache, meta,
-                            None if step.kind == "decode" else last.to(self.device))
+        runner = self.graph_runner
+        if step.kind == "decode" and runner is not None and runner.bucket(len(seqs)):
+            logits = runner.decode([s.id for s in seqs], tokens)  # [B, V], graph replay
+        else:
+            meta = self.cache.prepare([s.id for s in seqs], counts)
+            last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
+            token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            logits = self.model(token_t, self.cache, meta,
+                                None if step.kind == "decode" else last.to(self.device))
         new = sample(logits, seqs)
         forked = self._fork_samples(seqs, logits) if self._forks and step.kind == "prefill" else []
         now = time.perf_counter()

@@ -58,11 +58,9 @@ class ContiguousCache(KVCache):
         # a window at least max_seq_len long never hides anything: plain full attention
         self.window = w if w is not None and w < max_seq_len else None
         self.width = self.window or max_seq_len  # columns per row
-        # one extra row is scratch: CUDA-graph padding rows write and read there
-        self.scratch_row = max_batch_size
         # decode through tensor-only metadata and the paged-attention op (CUDA graphs)
         self.device_decode = self.device.type == "cuda"
-        shape = (max_batch_size + 1, spec.num_kv_heads, self.width, spec.head_dim)
+        shape = (max_batch_size, spec.num_kv_heads, self.width, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.scale = spec.head_dim ** -0.5
@@ -220,18 +218,21 @@ class ContiguousCache(KVCache):
                                               enable_gqa=True)
 
     # -- CUDA decode (graph-capturable) -------------------------------------------
+    supports_cuda_graphs = True
+
     def static_decode_meta(self, batch: int) -> DeviceDecodeMeta:
-        """Metadata tensors for ``batch`` rows, pre-filled as padding (scratch row)."""
-        host = torch.tensor([[0], [self.scratch_row], [0], [1]], dtype=torch.long).repeat(1, batch)
+        """Metadata tensors for ``batch`` rows (row 0, position 0 until filled)."""
+        host = torch.tensor([[0], [0], [0], [1]], dtype=torch.long).repeat(1, batch)
         host = host.pin_memory() if self.device.type == "cuda" else host
         table = host.to(self.device)
         return DeviceDecodeMeta(table, *table.unbind(0), host=host)
 
     def prepare_decode_into(self, meta: DeviceDecodeMeta, seq_ids) -> None:
-        """Advance each sequence by one token and fill ``meta`` in place (rest: padding)."""
+        """Advance each sequence by one token and fill ``meta`` in place. Padding rows
+        repeat the last live row: they write the same values to the same slot (a benign
+        duplicate) and their outputs are dropped, so no scratch storage is needed."""
         n = len(seq_ids)
         host = meta.host
-        host[:, n:] = torch.tensor([0, self.scratch_row, 0, 1]).unsqueeze(1)
         for i, s in enumerate(seq_ids):
             pos = self._len[s]
             if pos + 1 > self.max_seq_len:
@@ -239,6 +240,7 @@ class ContiguousCache(KVCache):
                                      f"over max_seq_len={self.max_seq_len}")
             self._len[s] = pos + 1
             host[0, i], host[1, i], host[2, i], host[3, i] = pos, self._row[s], pos % self.width, pos + 1
+        host[:, n:] = host[:, n - 1:n]
         meta.table.copy_(host, non_blocking=True)
 
     def _device_decode(self, q, k, v, kc, vc, meta):

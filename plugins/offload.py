@@ -24,6 +24,8 @@ from .paged import (PagedBackend, PagedCache, blocks_for, cache_sizes, check_kv_
 
 
 class OffloadCache(PagedCache):
+    supports_cuda_graphs = False  # per-layer copy-stream waits stay outside graphs
+
     def __init__(self, spec, *, fast_blocks, num_blocks, device, **kw):
         super().__init__(spec, num_blocks=num_blocks, device=device, storage_blocks=fast_blocks, **kw)
         self.fast_blocks = fast_blocks

@@ -186,6 +186,43 @@ class PagedCache(KVCache):
                                       dtype=torch.int32).to(dev),
                          all(n == 1 for n in counts))
 
+    # -- CUDA-graph decode: static metadata filled in place --------------------------------
+    supports_cuda_graphs = True
+
+    def static_decode_meta(self, batch: int) -> PagedMeta:
+        """Decode metadata for ``batch`` rows; ``prepare_decode_into`` refills it."""
+        width = blocks_for(self.max_seq_len, self.block_size)
+        pin = self.device.type == "cuda"
+        host = (torch.zeros(4, batch, dtype=torch.long, pin_memory=pin),
+                torch.zeros(batch, width, dtype=torch.int32, pin_memory=pin))
+        scalars, tables = host[0].to(self.device), host[1].to(self.device)
+        self._graph_buffers = getattr(self, "_graph_buffers", {})
+        self._graph_buffers[batch] = (*host, scalars)
+        positions, blocks, offsets, lens = scalars.unbind(0)  # views of one [4, B] tensor
+        return PagedMeta(positions, blocks, offsets, [], [], [], tables, lens, True)
+
+    def prepare_decode_into(self, meta: PagedMeta, seq_ids) -> None:
+        """One more token for each sequence (blocks grow as in ``prepare``); rows past
+        the live batch repeat the last one (same slot, same values: benign)."""
+        problem = self._step_problem(seq_ids, [1] * len(seq_ids))
+        if problem:
+            raise CacheFullError(problem)
+        scalars, tables, device_scalars = self._graph_buffers[meta.positions.shape[0]]
+        bs, n = self.block_size, len(seq_ids)
+        for s in seq_ids:
+            if blocks_for(self._len[s] + 1, bs) > len(self._tables[s]):
+                self._tables[s] += self.allocator.take(1)
+        self._before_step(seq_ids)
+        for i, s in enumerate(seq_ids):
+            pos, phys = self._len[s], self._physical(self._tables[s])
+            self._len[s] = pos + 1
+            scalars[:, i] = torch.tensor([pos, phys[pos // bs], pos % bs, pos + 1])
+            tables[i, :len(phys)] = torch.tensor(phys, dtype=torch.int32)
+        scalars[:, n:] = scalars[:, n - 1:n]
+        tables[n:] = tables[n - 1]
+        device_scalars.copy_(scalars, non_blocking=True)  # positions, slots, lengths at once
+        meta.block_tables.copy_(tables, non_blocking=True)
+
     def attention(self, layer, q, k, v, meta):
         self._wait(layer)
         kc, vc = self.k[layer], self.v[layer]  # [NB, BS, Hkv, D]
