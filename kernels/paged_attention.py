@@ -97,8 +97,11 @@ if HAVE_TRITON:
                 vsc = tl.load(vs_ptr + blk * stride_vsb + off * stride_vss + hkv * stride_vsh,
                               mask=valid, other=0.0)
                 p = p * vsc[None, :]
-            # P.V in float32: rounding p to 16 bits costs ~1e-3 relative against the reference
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")      # [G, D]
+            if IEEE:  # float32 K/V: exact float32 product
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [G, D]
+            else:  # 16-bit: p rounded to q's dtype, on tensor cores (an fp32 IEEE dot runs
+                # on the FMA units and made the kernel compute-bound: 1.6 TB/s at batch 32)
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))                  # [G, D]
             acc = acc * alpha[:, None] + pv
             m = m_new
         out = acc / l[:, None]

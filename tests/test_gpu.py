@@ -47,23 +47,26 @@ def test_fp32_mistral_sliding_window_greedy_matches_hf(backend):
 
 
 def test_bf16_llama7b_shape_logits_and_first_divergence():
+    """bf16 error against float32 is no worse than HF's own bf16 error (same weights)."""
     from infergraft.core.bench_cli import SHAPES
-    from transformers import LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(**SHAPES["llama2-7b"], rms_norm_eps=1e-5)
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = __import__("transformers").AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     engine = core.build(hf, plugins=["paged"], device="cuda", dtype="bfloat16",
                         max_seq_len=1024, max_batch_size=4)
     ids = random_prompt(200, cfg.vocab_size, 1)
-    err = relative_error(engine.logits(ids), hf_logits(hf, ids))
-    print(f"\n7B bf16 logits: relative error vs HF bf16 {err:.2e}")
-    assert err < 2e-2
-    bf16 = engine.generate(ids, max_new_tokens=32)[0].token_ids
+    ours16, hf16 = engine.logits(ids), hf_logits(hf, ids)
+    tokens16 = engine.generate(ids, max_new_tokens=32)[0].token_ids
     del engine
-    hf32 = hf.float()
-    ref32 = hf_greedy(hf32, ids, 32)
-    first = next((i for i, (a, b) in enumerate(zip(bf16, ref32)) if a != b), None)
-    print(f"7B bf16 greedy vs float32 HF: first divergence at token {first} (None = all 32 equal)")
+    hf.float()
+    ref32 = hf_logits(hf, ids)
+    err_ours, err_hf = relative_error(ours16, ref32), relative_error(hf16, ref32)
+    first = next((i for i, (a, b) in enumerate(zip(tokens16, hf_greedy(hf, ids, 32))) if a != b), None)
+    print(f"\n7B bf16 logits vs float32: ours {err_ours:.2e}, HF bf16 {err_hf:.2e}, ours vs HF bf16 "
+          f"{relative_error(ours16, hf16):.2e}; greedy vs float32: first divergence at token "
+          f"{first} (None = all 32 equal)")
+    assert err_ours <= 1.5 * err_hf + 1e-3
