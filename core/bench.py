@@ -63,17 +63,20 @@ def step_bytes(spec, weight_bytes: int, kv_bytes_per_token: int, batch: int, con
     return weight_bytes + batch * context * kv_bytes_per_token
 
 
-def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1) -> tuple[float, float]:
-    """(TTFT, median TPOT) in seconds for one batch, after ``warmup`` identical runs."""
+def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
+               repeats: int = 3) -> tuple[float, float]:
+    """(median TTFT, median TPOT) in seconds over ``repeats`` runs after ``warmup``."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    for run in range(warmup + 1):
+    ttfts, itls = [], []
+    for run in range(warmup + repeats):
         seqs = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
-    # every sequence of the batch steps together: step times are the ITLs of any one
-    ttft = max(s.metrics.ttft for s in seqs)
-    itl = seqs[0].metrics.itl
-    return ttft, statistics.median(itl[min(2, len(itl) - 1):])
+        if run >= warmup:  # the batch steps together: any sequence's ITLs are the step times
+            ttfts.append(max(s.metrics.ttft for s in seqs))
+            itl = seqs[0].metrics.itl
+            itls += itl[min(2, len(itl) - 1):]
+    return statistics.median(ttfts), statistics.median(itls)
 
 
 class _StepClock:
@@ -89,7 +92,7 @@ class _StepClock:
 
 
 def bench_hf(model, prompts, new_tokens: int, static: bool = False,
-             warmup: int = 1) -> tuple[float, float]:
+             warmup: int = 1, repeats: int = 3) -> tuple[float, float]:
     from transformers import StoppingCriteriaList
 
     device = next(model.parameters()).device
@@ -98,15 +101,18 @@ def bench_hf(model, prompts, new_tokens: int, static: bool = False,
               attention_mask=torch.ones_like(ids), pad_token_id=0)
     if static:  # transformers compiles the static-cache forward (CUDA graphs) itself
         kw.update(cache_implementation="static")
-    for _ in range(warmup + 1):
+    ttfts, itls = [], []
+    for run in range(warmup + repeats):
         clock = _StepClock(device)
         sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, stopping_criteria=StoppingCriteriaList([clock]), **kw)
-    t = clock.times
-    itl = [b - a for a, b in zip(t, t[1:])]
-    return t[0] - start, statistics.median(itl[min(2, len(itl) - 1):])
+        if run >= warmup:
+            t = clock.times
+            ttfts.append(t[0] - start)
+            itls += [b - a for a, b in zip(t[2:], t[3:])]
+    return statistics.median(ttfts), statistics.median(itls)
 
 
 def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
