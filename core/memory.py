@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from .errors import PlanError
+from .units import KVSizes
 from .units import fmt_bytes, parse_bytes
 
 
@@ -60,7 +61,7 @@ def host_memory() -> Optional[int]:
 
 
 @attrs.frozen
-class MemoryPlan:
+class MemoryPlan(KVSizes):
     """The numbers of one configuration; ``str()`` is the table ``infergraft plan`` prints."""
 
     model: str
@@ -72,14 +73,6 @@ class MemoryPlan:
     max_batch_size: int
     budget: Optional[int] = None
     budget_source: str = ""
-
-    @property
-    def kv_bytes_per_sequence(self) -> int:
-        return self.kv_bytes_per_token * self.max_seq_len
-
-    @property
-    def kv_bytes_total(self) -> int:
-        return self.kv_bytes_per_sequence * self.max_batch_size
 
     @property
     def total_bytes(self) -> int:

@@ -5,7 +5,7 @@ from typing import Any
 
 import attrs
 
-from .units import fmt_bytes
+from .units import KVSizes, fmt_bytes
 
 
 @attrs.frozen
@@ -29,7 +29,7 @@ class Planner:
 
 
 @attrs.frozen
-class Plan:
+class Plan(KVSizes):
     model: str
     architecture: str
     policy: str
@@ -46,14 +46,6 @@ class Plan:
     weight_bytes: int
     kv_bytes_per_token: int
     options: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def kv_bytes_per_sequence(self) -> int:
-        return self.kv_bytes_per_token * self.max_seq_len
-
-    @property
-    def kv_bytes_total(self) -> int:
-        return self.kv_bytes_per_sequence * self.max_batch_size
 
     def rows(self) -> list[tuple[str, str]]:
         p = self.parallel

@@ -18,3 +18,16 @@ def parse_bytes(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MiB or 1e9")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class KVSizes:
+    """K/V totals derived from ``kv_bytes_per_token``, ``max_seq_len``, ``max_batch_size``
+    (shared by the build's Plan and the weight-free MemoryPlan)."""
+
+    @property
+    def kv_bytes_per_sequence(self) -> int:
+        return self.kv_bytes_per_token * self.max_seq_len
+
+    @property
+    def kv_bytes_total(self) -> int:
+        return self.kv_bytes_per_sequence * self.max_batch_size

@@ -18,3 +18,26 @@ def interpreting() -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def norm_buffers(x, residual, weight):
+    """Outputs of a row-norm launcher (one program per row): returns (out, h, r, block).
+
+    ``out`` has the dtype of ``weight * x`` like the references; ``h`` receives
+    x + residual (``out`` itself when there is no residual, never written); ``r`` is what
+    the kernel reads as the residual.
+    """
+    import torch
+
+    n, h = x.shape
+    block = next_pow2(h)
+    assert block <= 65536, f"hidden size {h} too large for a one-block row"
+    out = torch.empty((n, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if residual is None:
+        return out, out, x, block
+    assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
+    assert residual.dtype == x.dtype, f"residual dtype {residual.dtype} != x dtype {x.dtype}"
+    assert residual.device == x.device, f"residual on {residual.device} but x on {x.device}"
+    assert h <= 1 or residual.stride(1) == 1, \
+        f"residual must be contiguous in its last dim, strides {residual.stride()}"
+    return out, torch.empty((n, h), dtype=x.dtype, device=x.device), residual, block

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, next_pow2, tl, triton
+from ._triton import HAVE_TRITON, norm_buffers, tl, triton
 
 
 def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -68,21 +68,9 @@ def _launch(x, residual, weight, bias, eps):
         assert h <= 1 or p.stride(0) == 1, f"{name} must be contiguous"
     assert x.is_floating_point(), f"x must be floating point, got {x.dtype}"
     assert h <= 1 or x.stride(1) == 1, f"x must be contiguous in its last dim, strides {x.stride()}"
-    block = next_pow2(h)
-    assert block <= 65536, f"hidden size {h} too large for a one-block row"
-    # same result dtype as the reference (the input dtype when x and weight match)
-    out = torch.empty((n, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    hbuf = out
-    if residual is not None:
-        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
-        assert residual.dtype == x.dtype, f"residual dtype {residual.dtype} != x dtype {x.dtype}"
-        assert residual.device == x.device, f"residual on {residual.device} but x on {x.device}"
-        assert h <= 1 or residual.stride(1) == 1, \
-            f"residual must be contiguous in its last dim, strides {residual.stride()}"
-        hbuf = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    out, hbuf, r, block = norm_buffers(x, residual, weight)
     if n == 0 or h == 0:
         return out, hbuf
-    r = residual if residual is not None else x
     _layer_norm_kernel[(n,)](
         x, r, weight, bias, out, hbuf,
         x.stride(0), r.stride(0), out.stride(0), hbuf.stride(0),

@@ -1,7 +1,7 @@
 """RMSNorm, optionally fused with the residual add (LLaMA-style pre-norm)."""
 import torch
 
-from ._triton import HAVE_TRITON, next_pow2, tl, triton
+from ._triton import HAVE_TRITON, norm_buffers, tl, triton
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,21 +59,9 @@ def _launch(x, residual, weight, eps):
     assert x.is_floating_point() and weight.is_floating_point(), "x and weight must be floating point"
     assert h <= 1 or x.stride(1) == 1, f"x must be contiguous in its last dim, strides {x.stride()}"
     assert weight.stride(0) == 1 or h <= 1, "weight must be contiguous"
-    block = next_pow2(h)
-    assert block <= 65536, f"hidden size {h} too large for a one-block row"
-    # same result dtype as `weight * x` in the reference (the input dtype when they match)
-    out = torch.empty((n, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    hbuf = out
-    if residual is not None:
-        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
-        assert residual.dtype == x.dtype, f"residual dtype {residual.dtype} != x dtype {x.dtype}"
-        assert residual.device == x.device, f"residual on {residual.device} but x on {x.device}"
-        assert h <= 1 or residual.stride(1) == 1, \
-            f"residual must be contiguous in its last dim, strides {residual.stride()}"
-        hbuf = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    out, hbuf, r, block = norm_buffers(x, residual, weight)
     if n == 0 or h == 0:
         return out, hbuf
-    r = residual if residual is not None else x
     _rms_norm_kernel[(n,)](
         x, r, weight, out, hbuf,
         x.stride(0), r.stride(0), out.stride(0), hbuf.stride(0),
