@@ -232,10 +232,15 @@ class Engine:
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         if len(ids) + params.max_new_tokens > self.plan.max_seq_len:
+            limit = self.plan.max_seq_len
+            if self.spec.position == "learned" and limit >= self.spec.max_position:
+                advice = (f"the model has {self.spec.max_position} learned positions, so "
+                          "shorten the prompt or lower max_new_tokens")
+            else:
+                advice = "shorten the prompt, lower max_new_tokens, or build with a larger max_seq_len"
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} = "
-                f"{len(ids) + params.max_new_tokens} exceeds max_seq_len={self.plan.max_seq_len}; "
-                "shorten the prompt, lower max_new_tokens, or build with a larger max_seq_len")
+                f"{len(ids) + params.max_new_tokens} exceeds max_seq_len={limit}; {advice}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
 

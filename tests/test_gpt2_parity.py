@@ -46,8 +46,10 @@ def test_batch_of_three_equals_each_alone(pair):
 def test_too_long_prompt_is_refused_clearly(pair):
     hf, engine = pair
     assert engine.plan.max_seq_len == 64  # n_positions, taken by default
-    with pytest.raises(InvalidRequestError, match=r"prompt of 70 tokens .* exceeds max_seq_len=64"):
+    with pytest.raises(InvalidRequestError, match=r"prompt of 70 tokens .* exceeds max_seq_len=64; "
+                                                  r"the model has 64 learned positions") as e:
         engine.generate([random_prompt(70, 256, 1)], max_new_tokens=1)
+    assert "larger max_seq_len" not in str(e.value)  # that advice cannot work here
     with pytest.raises(InvalidRequestError, match=r"60 tokens \+ max_new_tokens=5 = 65 exceeds "
                                                   r"max_seq_len=64"):
         engine.generate([random_prompt(60, 256, 1)], max_new_tokens=5)
