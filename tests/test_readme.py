@@ -1,0 +1,33 @@
+"""The README's code must run as written."""
+import importlib.util
+import re
+from pathlib import Path
+
+from infergraft import core
+from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_starts_with_the_two_commands():
+    text = README.read_text()
+    first_two = _blocks("bash")[:2]
+    assert len(first_two) == 2 and text.index("```bash") < text.index("```python")
+    assert "infergraft generate" in first_two[0] and "pytest" in first_two[1]
+
+
+def test_ten_line_plugin_example_registers_and_builds(tmp_path):
+    snippet = next(b for b in _blocks("python") if "infergraft_register_cache_backends" in b)
+    path = tmp_path / "my_cache.py"
+    path.write_text(snippet)
+    spec = importlib.util.spec_from_file_location("my_cache", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    hf = random_model(tiny_llama_config(), seed=1)
+    engine = core.build(hf, plugins=[module], max_seq_len=32, max_batch_size=2)
+    assert engine.plan.cache_backend == "my-cache"
+    assert len(engine.generate(random_prompt(5, 256, 0), max_new_tokens=4)[0].token_ids) >= 1
