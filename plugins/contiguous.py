@@ -1,7 +1,8 @@
 """Contiguous KV cache (the default backend): one preallocated row per sequence.
 
 Per layer K and V are ``[max_batch_size, Hkv, max_seq_len, D]``; a sequence owns one
-row for its whole life, and token ``p`` lives at column ``p``.
+row for its whole life, and token ``p`` lives at column ``p``. With ``kv-int8`` they are
+int8 plus float32 scales ``[max_batch_size, Hkv, max_seq_len]`` (``contiguous_store``).
 
 Sliding-window models (``spec.sliding_window = W < max_seq_len``) get a rolling buffer
 instead: rows are ``W`` columns wide and token ``p`` lives at column ``p % W``, so memory
@@ -10,12 +11,17 @@ convention), which is exactly what the ring holds once ``p`` is written.
 """
 from __future__ import annotations
 
+import numbers
+
 import attrs
 import torch
 import torch.nn.functional as F
 
 from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
+from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
+
+from .contiguous_store import RowStore
 
 
 @attrs.frozen
@@ -51,7 +57,7 @@ class DeviceDecodeMeta:
 
 
 class ContiguousCache(KVCache):
-    def __init__(self, spec, max_batch_size, max_seq_len, device, dtype, ops):
+    def __init__(self, spec, max_batch_size, max_seq_len, device, dtype, ops, kv_quantizer=None):
         self.spec, self.ops, self.device = spec, ops, torch.device(device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         w = spec.sliding_window
@@ -61,8 +67,8 @@ class ContiguousCache(KVCache):
         # decode through tensor-only metadata and the paged-attention op (CUDA graphs)
         self.device_decode = self.device.type == "cuda"
         shape = (max_batch_size, spec.num_kv_heads, self.width, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.kv = RowStore(spec.num_layers, shape, dtype=dtype, device=self.device, ops=ops,
+                           quant=kv_quantizer is not None)
         self.scale = spec.head_dim ** -0.5
         self._free_rows = list(range(max_batch_size))
         self._row: dict = {}
@@ -92,23 +98,37 @@ class ContiguousCache(KVCache):
 
     def fork(self, parent, child):
         """The child gets its own row, a copy of the parent's (no sharing in this layout)."""
+        src = self._row[parent]  # KeyError for an unknown parent, before anything changes
         self.allocate(child, 1)  # raises CacheFullError when no row is free
-        src, dst = self._row[parent], self._row[child]
-        for t in self.k + self.v:
-            t[dst].copy_(t[src])
+        self.kv.copy_row(src, self._row[child])  # K, V and scales
         self._len[child] = self._len[parent]
 
     # -- one forward step ------------------------------------------------------
+    def _check_step(self, seq_ids, counts):
+        """Raise for a step that cannot run, before anything changes (a refused step
+        leaves the cache as it was)."""
+        if len(seq_ids) != len(counts) or not seq_ids:
+            raise ValueError(f"a step needs one count per sequence and at least one "
+                             f"sequence, got {len(seq_ids)} ids and {len(counts)} counts")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"duplicate sequences in a step: {list(seq_ids)}")
+        for s, n in zip(seq_ids, counts):
+            if s not in self._len:
+                raise KeyError(f"sequence {s!r} is not allocated")
+            if not isinstance(n, numbers.Integral) or n < 1:
+                raise ValueError(f"sequence {s!r}: a step adds an integer >= 1 tokens, got {n!r}")
+            if self._len[s] + n > self.max_seq_len:
+                raise CacheFullError(f"sequence {s!r} would hold {self._len[s] + n} tokens, "
+                                     f"over max_seq_len={self.max_seq_len}")
+
     def prepare(self, seq_ids, counts):
+        self._check_step(seq_ids, counts)
         if self.device_decode and all(n == 1 for n in counts):
             meta = self.static_decode_meta(len(seq_ids))
             self.prepare_decode_into(meta, seq_ids)
             return meta
         rows, starts = [self._row[s] for s in seq_ids], [self._len[s] for s in seq_ids]
         for s, start, n in zip(seq_ids, starts, counts):
-            if start + n > self.max_seq_len:
-                raise CacheFullError(f"sequence {s!r} would hold {start + n} tokens, "
-                                     f"over max_seq_len={self.max_seq_len}")
             self._len[s] = start + n
         positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, counts)])
         row_index = torch.repeat_interleave(torch.tensor(rows), torch.tensor(counts))
@@ -134,31 +154,28 @@ class ContiguousCache(KVCache):
                               decode, span, **ring)
 
     def attention(self, layer, q, k, v, meta):
-        kc, vc = self.k[layer], self.v[layer]  # [R, Hkv, S, D]
         if isinstance(meta, DeviceDecodeMeta):
-            return self._device_decode(q, k, v, kc, vc, meta)
+            return self._device_decode(layer, q, k, v, meta)
         if self.window is not None:
-            return self._ring_attention(q, k, v, kc, vc, meta)
-        # the write kernel sees the cache as [R, S, Hkv, D]: (row, position) addressing
-        self.ops.kv_write(k, v, kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3),
-                          meta.row_index, meta.positions)
+            return self._ring_attention(layer, q, k, v, meta)
+        self.kv.write(layer, k, v, meta.row_index, meta.positions)  # (row, position)
         if meta.decode and meta.row_span is not None:
-            return self._decode_batched(q, kc, vc, meta)
+            return self._decode_batched(layer, q, meta)
         out = torch.empty_like(q)
         off = 0
         for row, start, n in zip(meta.rows, meta.starts, meta.counts):
             qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            kj = kc[row:row + 1, :, :start + n]  # [1, Hkv, start+n, D]
-            vj = vc[row:row + 1, :, :start + n]
+            # [1, Hkv, start+n, D] each, in the model dtype
+            kj, vj = self.kv.load(layer, slice(row, row + 1), slice(0, start + n))
             out[off:off + n] = self._sdpa(qj, kj, vj, start, n)[0].transpose(0, 1)
             off += n
         return out
 
-    def _decode_batched(self, q, kc, vc, meta, rows=None, lens=None):
+    def _decode_batched(self, layer, q, meta, rows=None, lens=None):
         rows = meta.row_span if rows is None else rows  # a slice, or [B] row ids (a gather)
         lens = [s + 1 for s in meta.starts] if lens is None else lens
         longest = max(lens)
-        kb, vb = kc[rows, :, :longest], vc[rows, :, :longest]  # [B, Hkv, L, D]
+        kb, vb = self.kv.load(layer, rows, slice(0, longest))  # [B, Hkv, L, D]
         mask = None
         if min(lens) != longest:  # ragged: hide each row's unused tail
             mask = torch.arange(longest, device=q.device) < torch.tensor(lens, device=q.device)[:, None]
@@ -177,33 +194,31 @@ class ContiguousCache(KVCache):
                                               enable_gqa=True)
 
     # -- rolling buffer (sliding window) ----------------------------------------
-    def _ring_attention(self, q, k, v, kc, vc, meta):
-        kv = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)  # [R, W, Hkv, D] for kv_write
+    def _ring_attention(self, layer, q, k, v, meta):
         w = self.window
         if meta.decode:  # write first: the ring then holds exactly positions p-W+1 .. p
-            self.ops.kv_write(k, v, *kv, meta.row_index, meta.slots)
+            self.kv.write(layer, k, v, meta.row_index, meta.slots)
             rows = meta.row_span if meta.row_span is not None else meta.row_ids
-            return self._decode_batched(q, kc, vc, meta, rows, [min(s + 1, w) for s in meta.starts])
+            return self._decode_batched(layer, q, meta, rows, [min(s + 1, w) for s in meta.starts])
         # prefill: attend on (ring contents still in the window) + fresh k/v, then write,
-        # since the fresh tokens may overwrite columns that earlier queries still need
+        # since the fresh tokens may overwrite columns that earlier queries still need;
+        # fresh k/v as they will be stored (int8: quantised), like the other paths see them
+        fresh_k, fresh_v = self.kv.as_stored(k), self.kv.as_stored(v)  # [T, Hkv, D]
         out = torch.empty_like(q)
         off = 0
         for row, start, n in zip(meta.rows, meta.starts, meta.counts):
             qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            kj = k[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
-            vj = v[off:off + n].transpose(0, 1).unsqueeze(0)
+            kj = fresh_k[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            vj = fresh_v[off:off + n].transpose(0, 1).unsqueeze(0)
             first = max(0, start - w + 1)  # oldest position the first query sees
             if start > 0:
                 cols = torch.arange(first, start, device=q.device) % w  # oldest first
-                kj = torch.cat([kc[row:row + 1, :, cols], kj], dim=2)  # [1, Hkv, start-first+n, D]
-                vj = torch.cat([vc[row:row + 1, :, cols], vj], dim=2)
+                kr, vr = self.kv.load(layer, slice(row, row + 1), cols)  # [1, Hkv, start-first, D]
+                kj, vj = torch.cat([kr, kj], dim=2), torch.cat([vr, vj], dim=2)
             out[off:off + n] = self._sdpa_window(qj, kj, vj, first, start, n)[0].transpose(0, 1)
             off += n
-        if meta.keep is None:
-            self.ops.kv_write(k, v, *kv, meta.row_index, meta.slots)
-        else:
-            i = meta.keep
-            self.ops.kv_write(k[i], v[i], *kv, meta.row_index[i], meta.slots[i])
+        i = slice(None) if meta.keep is None else meta.keep
+        self.kv.write(layer, k[i], v[i], meta.row_index[i], meta.slots[i])
         return out
 
     def _sdpa_window(self, q, k, v, first, start, n):
@@ -232,26 +247,24 @@ class ContiguousCache(KVCache):
         repeat the last live row: they write the same values to the same slot (a benign
         duplicate) and their outputs are dropped, so no scratch storage is needed."""
         n = len(seq_ids)
+        self._check_step(seq_ids, [1] * n)
         host = meta.host
         for i, s in enumerate(seq_ids):
             pos = self._len[s]
-            if pos + 1 > self.max_seq_len:
-                raise CacheFullError(f"sequence {s!r} would hold {pos + 1} tokens, "
-                                     f"over max_seq_len={self.max_seq_len}")
             self._len[s] = pos + 1
             host[0, i], host[1, i], host[2, i], host[3, i] = pos, self._row[s], pos % self.width, pos + 1
         host[:, n:] = host[:, n - 1:n]
         meta.table.copy_(host, non_blocking=True)
 
-    def _device_decode(self, q, k, v, kc, vc, meta):
-        # cache as paged blocks [R, W, Hkv, D]: one block per row, repeated along the
-        # table so that position p maps to column p % W (identity without a window)
-        kview, vview = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)
-        self.ops.kv_write(k, v, kview, vview, meta.rows, meta.columns)
+    def _device_decode(self, layer, q, k, v, meta):
+        # cache as paged blocks [R, W, Hkv, D] (int8 scales [R, W, Hkv]): one block per
+        # row, repeated along the table so that position p maps to column p % W
+        self.kv.write(layer, k, v, meta.rows, meta.columns)
+        kview, vview, k_scale, v_scale = self.kv.views(layer)
         blocks = -(-self.max_seq_len // self.width)
         tables = meta.rows[:, None].expand(-1, blocks)  # [B, blocks]
         return self.ops.paged_attention(q, kview, vview, tables, meta.context_lens, self.scale,
-                                        self.window)
+                                        self.window, k_scale, v_scale)
 
     # -- inspection ------------------------------------------------------------
     def _held(self, seq_id) -> int:
@@ -259,19 +272,17 @@ class ContiguousCache(KVCache):
         return min(self._len[seq_id], self.width)
 
     def read(self, seq_id, layer):
-        """K, V of the positions still held, oldest first: ([L, Hkv, D], [L, Hkv, D])."""
+        """K, V of the positions still held, oldest first, in the model dtype (int8
+        dequantised): ([L, Hkv, D], [L, Hkv, D])."""
         row, n = self._row[seq_id], self._len[seq_id]
-        if self.window is None:
-            return (self.k[layer][row, :, :n].transpose(0, 1),
-                    self.v[layer][row, :, :n].transpose(0, 1))
-        cols = torch.arange(n - self._held(seq_id), n, device=self.device) % self.width
-        return (self.k[layer][row][:, cols].transpose(0, 1),
-                self.v[layer][row][:, cols].transpose(0, 1))
+        cols = slice(0, n) if self.window is None else \
+            torch.arange(n - self._held(seq_id), n, device=self.device) % self.width
+        k, v = self.kv.load(layer, slice(row, row + 1), cols)  # [1, Hkv, L, D]
+        return k[0].transpose(0, 1), v[0].transpose(0, 1)
 
     def stats(self):
-        per = self.k[0].numel() * self.k[0].element_size()
         held = [self._held(s) for s in self._row]
-        return {"bytes": 2 * per * len(self.k), "sequences": len(self._row),
+        return {"bytes": self.kv.nbytes, "sequences": len(self._row),
                 "tokens": sum(self._len.values()), "free_rows": len(self._free_rows),
                 # storage accounting: K/V columns held (<= slots_per_row per sequence)
                 "slots": sum(held), "max_slots_per_sequence": max(held, default=0),
@@ -281,9 +292,15 @@ class ContiguousCache(KVCache):
 class ContiguousBackend(CacheBackend):
     name = "contiguous"
     options = {}
+    quantized_kv = ("int8",)  # bytes_per_token (base class) then counts int8 + scales
 
-    def create(self, spec, plan, *, device, dtype, ops, **options):
-        return ContiguousCache(spec, plan.max_batch_size, plan.max_seq_len, device, dtype, ops)
+    def create(self, spec, plan, *, device, dtype, ops, kv_quantizer=None):
+        if kv_quantizer is not None and kv_quantizer.kv_dtype not in self.quantized_kv:
+            raise PlanError(f"{self.name}: cannot store K/V as {kv_quantizer.kv_dtype!r} "
+                            f"(quantizer {kv_quantizer.name!r}); supported: "
+                            f"{', '.join(self.quantized_kv)}")
+        return ContiguousCache(spec, plan.max_batch_size, plan.max_seq_len, device, dtype, ops,
+                               kv_quantizer=kv_quantizer)
 
 
 @hookimpl

@@ -1,4 +1,4 @@
-"""K/V int8 quantiser (name ``kv-int8``): ``plugins=["paged", "kv-int8"]``.
+"""K/V int8 quantiser (name ``kv-int8``): ``plugins=["kv-int8"]`` (contiguous) or ``["paged", "kv-int8"]``.
 
 K and V are stored as int8 with one float32 scale per token and head (symmetric,
 ``scale = amax / 127``), quantised inside the KV-write kernel (``kv_write_int8``) and

@@ -39,9 +39,6 @@ class TestSinglePlanner(PlannerTests):
 # here the kit's copy of it runs a few, to prove the kit wires it up
 class TestContiguousBackend(CacheBackendTests):
     machine_examples = 10
-    # contiguous.prepare is not atomic on a refused multi-sequence step (an xfail in
-    # tests/test_cache_machine.py, owned by contiguous.py); the engine never asks for one
-    probe_refused_steps = False
 
     @pytest.fixture
     def backend(self):
