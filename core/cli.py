@@ -8,6 +8,7 @@ import sys
 from . import build
 from .errors import InfergraftError
 from .plugins import get_plugin_manager
+from .request import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -26,10 +27,11 @@ def _prompt_text(engine, text: str, raw: bool) -> str:
 
 
 def cmd_generate(args) -> int:
-    engine = _build(args)
-    prompt = _prompt_text(engine, args.prompt, args.raw)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None)
+    SamplingParams(**kw)  # bad sampling values fail before the model loads
+    engine = _build(args)
+    prompt = _prompt_text(engine, args.prompt, args.raw)
     if args.stream:
         for delta in engine.stream(prompt, **kw):
             print(delta, end="", flush=True)
