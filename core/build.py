@@ -9,7 +9,7 @@ import torch
 
 
 from .engine import Engine
-from .errors import InfergraftError, PlanError, UnknownPluginError, UnsupportedModelError
+from .errors import PlanError, UnknownPluginError, UnsupportedModelError
 from .memory import check_fits, device_budget
 from .model import DecoderModel
 from .plan import Plan

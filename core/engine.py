@@ -9,7 +9,7 @@ import torch
 
 from .cache import CacheFullError
 from .errors import InvalidRequestError
-from .request import Completion, SamplingParams, Sequence, Status
+from .request import Completion, SamplingParams, Sequence
 from .sampler import sample
 from .scheduler import Scheduler, tokens_of
 
@@ -142,11 +142,10 @@ class Engine:
         try:
             while not all(s.finished for s in seqs):
                 self.step()
-        except BaseException:
-            self.scheduler.abort_all()
-            for s in (c for group in self._forks.values() for c in group):
-                s.status, s.finish_reason = Status.FINISHED, "abort"
-            self._forks.clear()
+        except BaseException:  # drop this call's requests (forks included), not others'
+            self.scheduler.abort(seqs)
+            for s in seqs:
+                self._forks.pop(s.id, None)
             raise
 
     # -- public API --------------------------------------------------------------
@@ -194,10 +193,9 @@ class Engine:
                 if len(text) > len(sent_text) and text.startswith(sent_text):
                     yield text[len(sent_text):]
                     sent_text = text
-        except BaseException:
+        finally:  # the consumer stopped early (or failed): free this request only
             if not seq.finished:
-                self.scheduler.abort_all()
-            raise
+                self.scheduler.abort([seq])
 
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:

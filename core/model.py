@@ -6,7 +6,6 @@ step (all sequences concatenated), H = hidden, D = head_dim.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -10,7 +10,7 @@ import importlib
 import importlib.metadata as md
 import os
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import attrs
 import pluggy

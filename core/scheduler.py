@@ -123,10 +123,12 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq.id)
 
-    def abort_all(self) -> None:
-        """Drop every request (after an unexpected error) so the engine stays usable."""
-        for seq in list(self.running):
-            self.finish(seq, "abort")
-        for seq in self.waiting:
-            seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        self.waiting.clear()
+    def abort(self, seqs) -> None:
+        """Drop these requests (their caller gave up or failed); others keep running."""
+        for seq in seqs:
+            if seq in self.running:
+                self.finish(seq, "abort")
+            elif seq.status is not Status.FINISHED:
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"

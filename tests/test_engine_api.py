@@ -155,3 +155,18 @@ def test_model_argument_errors(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
     with pytest.raises(core.InfergraftError, match="pickle"):
         core.build(str(tmp_path))
+
+
+def test_abandoned_stream_frees_only_its_own_request(tiny):
+    _, engine = tiny
+    other_prompt = random_prompt(6, 256, 12)
+    expected = engine.generate(other_prompt, max_new_tokens=8)[0].token_ids
+    other = engine.add_request(other_prompt, core.SamplingParams(max_new_tokens=8))
+    stream = engine.stream(random_prompt(5, 256, 13), max_new_tokens=20)
+    next(stream)
+    stream.close()  # the consumer walks away mid-generation
+    assert other.status.value != "finished" or other.finish_reason != "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert other.output_ids == expected and other.finish_reason in ("length", "stop")
+    assert engine.cache.stats()["sequences"] == 0  # the abandoned stream's cache was freed

@@ -1,6 +1,5 @@
 """silu_mul: Triton vs the torch reference."""
 import pytest
-import torch
 
 from infergraft.kernels.silu_mul import silu_mul_torch, silu_mul_triton
 
