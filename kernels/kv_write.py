@@ -48,20 +48,7 @@ if HAVE_TRITON:
 def kv_write_triton(k, v, k_cache, v_cache, idx0, idx1) -> None:
     """Same contract as ``kv_write_torch``: writes in place, returns None."""
     # k, v: [T, Hkv, D]; k_cache, v_cache: [N0, N1, Hkv, D] any strides; idx0, idx1: [T] int
-    assert k.dim() == 3 and k.shape == v.shape, \
-        f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}"
-    t, h, d = k.shape
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        assert c.dim() == 4 and c.shape[2:] == (h, d), \
-            f"{name} must be [N0, N1, {h}, {d}], got {tuple(c.shape)}"
-        assert d <= 1 or c.stride(3) == 1, f"{name} must be contiguous in its last dim, strides {c.stride()}"
-    for name, x in (("k", k), ("v", v)):
-        assert d <= 1 or x.stride(2) == 1, f"{name} must be contiguous in its last dim, strides {x.stride()}"
-    for name, ix in (("idx0", idx0), ("idx1", idx1)):
-        assert ix.shape == (t,), f"{name} must be [{t}], got {tuple(ix.shape)}"
-        assert ix.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {ix.dtype}"
-    for name, x in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("idx0", idx0), ("idx1", idx1)):
-        assert x.device == k.device, f"{name} on {x.device} but k on {k.device}"
+    t, h, d = _check_kv_write(k, v, k_cache, v_cache, idx0, idx1)
     if t == 0 or h == 0 or d == 0:
         return None
     idx0, idx1 = idx0.contiguous(), idx1.contiguous()
@@ -146,27 +133,12 @@ if HAVE_TRITON:
 
 def kv_write_int8_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) -> None:
     """Same contract as ``kv_write_int8_torch``: writes in place, returns None."""
-    assert k.dim() == 3 and k.shape == v.shape, \
-        f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}"
-    t, h, d = k.shape
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        assert c.dim() == 4 and c.shape[2:] == (h, d), \
-            f"{name} must be [N0, N1, {h}, {d}], got {tuple(c.shape)}"
-        assert c.dtype == torch.int8, f"{name} must be int8, got {c.dtype}"
-        assert d <= 1 or c.stride(3) == 1, f"{name} must be contiguous in its last dim, strides {c.stride()}"
+    t, h, d = _check_kv_write(k, v, k_cache, v_cache, idx0, idx1, int8=True)
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         assert s.shape == k_cache.shape[:3], \
             f"{name} must be [{', '.join(map(str, k_cache.shape[:3]))}], got {tuple(s.shape)}"
         assert s.dtype == torch.float32, f"{name} must be float32, got {s.dtype}"
-    for name, x in (("k", k), ("v", v)):
-        assert d <= 1 or x.stride(2) == 1, f"{name} must be contiguous in its last dim, strides {x.stride()}"
-        assert x.is_floating_point(), f"{name} must be a float tensor, got {x.dtype}"
-    for name, ix in (("idx0", idx0), ("idx1", idx1)):
-        assert ix.shape == (t,), f"{name} must be [{t}], got {tuple(ix.shape)}"
-        assert ix.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {ix.dtype}"
-    for name, x in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
-                    ("v_scale", v_scale), ("idx0", idx0), ("idx1", idx1)):
-        assert x.device == k.device, f"{name} on {x.device} but k on {k.device}"
+        assert s.device == k.device, f"{name} on {s.device} but k on {k.device}"
     if t == 0 or h == 0 or d == 0:
         return None
     idx0, idx1 = idx0.contiguous(), idx1.contiguous()
@@ -182,3 +154,25 @@ def kv_write_int8_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) -
         num_warps=4 if block_h * block_d <= 2048 else 8,
     )
     return None
+
+
+def _check_kv_write(k, v, k_cache, v_cache, idx0, idx1, int8: bool = False):
+    """Shape/stride/dtype/device checks shared by both launchers; returns (T, Hkv, D)."""
+    # k, v: [T, Hkv, D]; k_cache, v_cache: [N0, N1, Hkv, D] any strides; idx0, idx1: [T] int
+    assert k.dim() == 3 and k.shape == v.shape, \
+        f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}"
+    t, h, d = k.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        assert c.dim() == 4 and c.shape[2:] == (h, d), \
+            f"{name} must be [N0, N1, {h}, {d}], got {tuple(c.shape)}"
+        assert not int8 or c.dtype == torch.int8, f"{name} must be int8, got {c.dtype}"
+        assert d <= 1 or c.stride(3) == 1, f"{name} must be contiguous in its last dim, strides {c.stride()}"
+    for name, x in (("k", k), ("v", v)):
+        assert d <= 1 or x.stride(2) == 1, f"{name} must be contiguous in its last dim, strides {x.stride()}"
+        assert not int8 or x.is_floating_point(), f"{name} must be a float tensor, got {x.dtype}"
+    for name, ix in (("idx0", idx0), ("idx1", idx1)):
+        assert ix.shape == (t,), f"{name} must be [{t}], got {tuple(ix.shape)}"
+        assert ix.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {ix.dtype}"
+    for name, x in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("idx0", idx0), ("idx1", idx1)):
+        assert x.device == k.device, f"{name} on {x.device} but k on {k.device}"
+    return t, h, d
