@@ -1,6 +1,8 @@
 """Optional Triton import: kernels are defined only where Triton is installed."""
 import os
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -9,6 +11,24 @@ try:
 except ImportError:  # e.g. macOS / Windows wheels without Triton
     triton = tl = None
     HAVE_TRITON = False
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def load_row_add_residual(x_ptr, r_ptr, h_ptr, row, stride_x, stride_r, stride_h, cols,
+                              mask, HAS_RESIDUAL: tl.constexpr):
+        """Row ``row`` of x, plus the residual when given (then also stored to h), in x's
+        dtype: the prologue every pre-norm kernel (RMSNorm, LayerNorm) shares."""
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            # h is rounded to the input dtype first, like `x + residual` in torch
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
+        return x
+else:
+    load_row_add_residual = None
 
 
 def interpreting() -> bool:
@@ -27,8 +47,6 @@ def norm_buffers(x, residual, weight):
     x + residual (``out`` itself when there is no residual, never written); ``r`` is what
     the kernel reads as the residual.
     """
-    import torch
-
     n, h = x.shape
     block = next_pow2(h)
     assert block <= 65536, f"hidden size {h} too large for a one-block row"
@@ -41,3 +59,10 @@ def norm_buffers(x, residual, weight):
     assert h <= 1 or residual.stride(1) == 1, \
         f"residual must be contiguous in its last dim, strides {residual.stride()}"
     return out, torch.empty((n, h), dtype=x.dtype, device=x.device), residual, block
+
+
+def row_chunk_launch(rows: int, width: int) -> tuple[tuple[int, int], dict]:
+    """Grid and meta-parameters for elementwise row kernels (SiLU*mul, GELU): a program
+    per (row, 1024-wide chunk), so wide MLP rows (I ~ 14k) split over several programs."""
+    block = min(next_pow2(width), 1024)
+    return (rows, -(-width // block)), dict(BLOCK=block, num_warps=4 if block <= 512 else 8)

@@ -3,7 +3,7 @@ or the exact erf form."""
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, next_pow2, tl, triton
+from ._triton import HAVE_TRITON, row_chunk_launch, tl, triton
 
 #: ModelSpec.activation -> F.gelu's ``approximate``
 APPROXIMATIONS = {"gelu_tanh": "tanh", "gelu": "none"}
@@ -51,8 +51,6 @@ def gelu_triton(x: torch.Tensor, approximate: str = "gelu_tanh") -> torch.Tensor
     out = torch.empty((t, i), dtype=x.dtype, device=x.device)
     if t == 0 or i == 0:
         return out
-    block = min(next_pow2(i), 1024)
-    grid = (t, triton.cdiv(i, block))
-    _gelu_kernel[grid](x, out, x.stride(0), out.stride(0), i,
-                       TANH=tanh, BLOCK=block, num_warps=4 if block <= 512 else 8)
+    grid, meta = row_chunk_launch(t, i)
+    _gelu_kernel[grid](x, out, x.stride(0), out.stride(0), i, TANH=tanh, **meta)
     return out

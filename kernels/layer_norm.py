@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, norm_buffers, tl, triton
+from ._triton import HAVE_TRITON, load_row_add_residual, norm_buffers, tl, triton
 
 
 def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -34,12 +34,8 @@ if HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2**31
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-            # h is rounded to the input dtype first, like `x + residual` in torch
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
+        x = load_row_add_residual(x_ptr, r_ptr, h_ptr, row, stride_x, stride_r, stride_h,
+                                  cols, mask, HAS_RESIDUAL)
         xf = x.to(tl.float32)
         # IEEE division: the GPU's default fast `/` can leave a constant row's mean an ulp
         # off, which rstd (~1/sqrt(eps) there) would blow up

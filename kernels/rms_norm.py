@@ -1,7 +1,7 @@
 """RMSNorm, optionally fused with the residual add (LLaMA-style pre-norm)."""
 import torch
 
-from ._triton import HAVE_TRITON, norm_buffers, tl, triton
+from ._triton import HAVE_TRITON, load_row_add_residual, norm_buffers, tl, triton
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,12 +30,8 @@ if HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2**31
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-            # h is rounded to the input dtype first, like `x + residual` in torch
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
+        x = load_row_add_residual(x_ptr, r_ptr, h_ptr, row, stride_x, stride_r, stride_h,
+                                  cols, mask, HAS_RESIDUAL)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / H
         rstd = 1.0 / tl.sqrt(var + eps)

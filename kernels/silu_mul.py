@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, next_pow2, tl, triton
+from ._triton import HAVE_TRITON, row_chunk_launch, tl, triton
 
 
 def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
@@ -39,8 +39,6 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, i), dtype=x.dtype, device=x.device)
     if t == 0 or i == 0:
         return out
-    block = min(next_pow2(i), 1024)
-    grid = (t, triton.cdiv(i, block))
-    _silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), i,
-                           BLOCK=block, num_warps=4 if block <= 512 else 8)
+    grid, meta = row_chunk_launch(t, i)
+    _silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), i, **meta)
     return out
