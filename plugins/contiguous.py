@@ -249,10 +249,12 @@ class ContiguousCache(KVCache):
         n = len(seq_ids)
         self._check_step(seq_ids, [1] * n)
         host = meta.host
-        for i, s in enumerate(seq_ids):
+        cols = []  # one host write per step, not four per sequence
+        for s in seq_ids:
             pos = self._len[s]
             self._len[s] = pos + 1
-            host[0, i], host[1, i], host[2, i], host[3, i] = pos, self._row[s], pos % self.width, pos + 1
+            cols.append((pos, self._row[s], pos % self.width, pos + 1))
+        host[:, :n] = torch.tensor(cols, dtype=torch.long).T
         host[:, n:] = host[:, n - 1:n]
         meta.table.copy_(host, non_blocking=True)
 

@@ -164,11 +164,15 @@ class PagedCache(KVCache):
             if blocks_for(self._len[s] + 1, bs) > len(self._tables[s]):
                 self._tables[s] += self.allocator.take(1)
         self._before_step(seq_ids)
-        for i, s in enumerate(seq_ids):
+        cols, rows = [], []  # one host write each per step, not two per sequence
+        width = tables.shape[1]
+        for s in seq_ids:
             pos, phys = self._len[s], self._physical(self._tables[s])
             self._len[s] = pos + 1
-            scalars[:, i] = torch.tensor([pos, phys[pos // bs], pos % bs, pos + 1])
-            tables[i, :len(phys)] = torch.tensor(phys, dtype=torch.int32)
+            cols.append((pos, phys[pos // bs], pos % bs, pos + 1))
+            rows.append(phys + [0] * (width - len(phys)))  # padded like prepare's tables
+        scalars[:, :n] = torch.tensor(cols, dtype=torch.long).T
+        tables[:n] = torch.tensor(rows, dtype=torch.int32)
         scalars[:, n:] = scalars[:, n - 1:n]
         tables[n:] = tables[n - 1]
         device_scalars.copy_(scalars, non_blocking=True)  # positions, slots, lengths at once
