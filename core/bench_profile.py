@@ -1,0 +1,91 @@
+"""Where a decode step's time goes: ``python -m infergraft.core.bench_profile``.
+
+For each batch size: the engine's step time (what TPOT measures), the CUDA-graph replay
+alone (GPU time), the difference (host work between replays), and the per-kernel GPU
+time of one decode step from the torch profiler (run eagerly on the graph's static
+buffers, so the kernels and shapes are the graph's). CUDA only.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from .bench import random_prompts
+from .bench_cli import load_models
+from .request import SamplingParams
+
+
+def replay_ms(runner, bs: int, repeats: int = 30) -> float:
+    graph = runner.graphs[bs]
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def kernel_table(model, runner, cache, bs: int, top: int = 25) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens, meta = runner.tokens[bs], runner.metas[bs]
+    with torch.inference_mode():
+        model(tokens, cache, meta)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(tokens, cache, meta)
+            torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            total[ev.name[:60]] += ev.device_time
+            count[ev.name[:60]] += 1
+    s = sum(total.values())
+    lines = [f"    sum of kernel time {s / 1e3:.3f} ms over {sum(count.values())} kernels"]
+    for name, t in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"    {t / 1e3:8.3f} ms {100 * t / s:5.1f}%  x{count[name]:4d}  {name}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="llama2-7b")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=32)
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    _, engine = load_models(args.model, "cuda", torch.bfloat16, max(batches),
+                            args.prompt_len + args.new_tokens)
+    runner = engine.graph_runner
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    for bs in batches:
+        prompts = random_prompts(bs, args.prompt_len, engine.spec.vocab_size, seed=bs)
+        seqs = [engine.add_request(q, params) for q in prompts]
+        steps = []
+        while engine.has_unfinished():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            got = engine.step()
+            steps.append((len(got), time.perf_counter() - t))
+            if len(steps) == args.new_tokens // 2:  # mid-generation: K/V at the mean context
+                bucket = runner.bucket(bs)
+                g = replay_ms(runner, bucket)
+                table = kernel_table(engine.model, runner, engine.cache, bucket)
+        step = statistics.median(t for n, t in steps[3:]) * 1e3
+        itl = statistics.median(s.metrics.itl[-1] for s in seqs) * 1e3
+        print(f"batch {bs}: engine step {step:.3f} ms (last ITL {itl:.3f}), graph replay "
+              f"{g:.3f} ms, host gap {step - g:.3f} ms\n{table}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
