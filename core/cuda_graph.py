@@ -6,6 +6,11 @@ bucket (positions, write slots, block tables, context lengths: the graph's input
 fills them in place before each replay; rows past the live batch are padding that the
 cache fills by repeating the last live row (identical writes to the same slot).
 
+``launch`` is the asynchronous form used by greedy batches (core/pipeline.py): each graph
+also computes the argmax of its logits, copies it to pinned host memory behind an event,
+and the next replay can take its input tokens straight from that device buffer, so the
+host need not wait for a step before launching the next one.
+
 ``use_graphs=False`` runs the same static-buffer path eagerly: that is how the graph
 inputs are tested on machines without CUDA.
 """
@@ -28,6 +33,9 @@ class CudaGraphRunner:
         self.tokens: dict[int, torch.Tensor] = {}
         self.metas: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.next_tokens: dict[int, torch.Tensor] = {}  # [bs] argmax of each replay's logits
+        self.host_tokens: dict[int, list[torch.Tensor]] = {}  # two pinned [bs] per bucket
+        self._flip = 0
         self.pool = None
 
     @staticmethod
@@ -40,6 +48,9 @@ class CudaGraphRunner:
         for bs in sorted(self.buckets, reverse=True):
             tokens = torch.zeros(bs, dtype=torch.long, device=self.device)
             meta = self.cache.static_decode_meta(bs)
+            pin = self.device.type == "cuda"
+            self.host_tokens[bs] = [torch.zeros(bs, dtype=torch.long, pin_memory=pin)
+                                    for _ in range(2)]
             if not self.use_graphs:
                 self.tokens[bs], self.metas[bs] = tokens, meta
                 continue
@@ -52,6 +63,7 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = self.model(tokens, self.cache, meta)  # [bs, V] float32
+                self.next_tokens[bs] = logits.argmax(-1)  # [bs] greedy choice
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs], self.tokens[bs], self.metas[bs], self.logits[bs] = \
@@ -65,12 +77,50 @@ class CudaGraphRunner:
     def decode(self, seq_ids: list, tokens: list[int]) -> torch.Tensor:
         """One decode token for each sequence: logits [B, V] float32."""
         n = len(seq_ids)
+        bs = self._run(seq_ids, tokens)
+        return self.logits[bs][:n]
+
+    def launch(self, seq_ids: list, tokens: list[int] | None) -> "PendingTokens":
+        """Start one greedy decode step without waiting for it. ``tokens=None`` feeds each
+        row the token the previous replay of this bucket chose; the caller guarantees that
+        replay ran the same sequences in the same order."""
+        bs = self._run(seq_ids, tokens)
+        host = self.host_tokens[bs][self._flip]  # double-buffered: the previous one may be unread
+        self._flip ^= 1
+        host.copy_(self.next_tokens[bs], non_blocking=True)
+        event = None
+        if self.use_graphs:
+            event = torch.cuda.Event()
+            event.record()
+        return PendingTokens(host, len(seq_ids), event)
+
+    def _run(self, seq_ids, tokens) -> int:
+        n = len(seq_ids)
         bs = self.bucket(n)
-        padded = tokens + [tokens[-1]] * (bs - n)  # padding rows repeat the last live row
-        self.tokens[bs].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        if tokens is None:  # on-device feedback; padding rows again repeat the last live row
+            self.tokens[bs][:n].copy_(self.next_tokens[bs][:n])
+            if n < bs:
+                self.tokens[bs][n:].copy_(self.next_tokens[bs][n - 1:n].expand(bs - n))
+        else:
+            padded = tokens + [tokens[-1]] * (bs - n)  # padding rows repeat the last live row
+            self.tokens[bs].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
         self.cache.prepare_decode_into(self.metas[bs], seq_ids)
         self.replays += 1
-        if not self.use_graphs:
-            return self.model(self.tokens[bs], self.cache, self.metas[bs])[:n]
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        if self.use_graphs:
+            self.graphs[bs].replay()
+        else:
+            self.logits[bs] = self.model(self.tokens[bs], self.cache, self.metas[bs])
+            self.next_tokens[bs] = self.logits[bs].argmax(-1)
+        return bs
+
+
+class PendingTokens:
+    """The greedy tokens of a launched step; ``get`` waits for that step only."""
+
+    def __init__(self, host: torch.Tensor, n: int, event):
+        self.host, self.n, self.event = host, n, event
+
+    def get(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[:self.n].tolist()

@@ -9,6 +9,7 @@ import torch
 
 from .cache import CacheFullError
 from .errors import InvalidRequestError
+from .pipeline import DecodePipeline
 from .request import Completion, SamplingParams, Sequence
 from .sampler import sample
 from .scheduler import Scheduler, tokens_of
@@ -29,6 +30,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._forks: dict[int, list[Sequence]] = {}  # parent id -> samples forked at its prefill
         self.graph_runner = None  # core.cuda_graph.CudaGraphRunner, set by build() on CUDA
+        self.pipeline = DecodePipeline(self)  # greedy graph decode, one step ahead
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -68,6 +70,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one scheduler step; returns the sequences that got a token."""
+        if self.pipeline.inflight is not None:  # a greedy decode step already launched
+            return self.pipeline.advance()
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -79,7 +83,10 @@ class Engine:
             counts = [1] * len(seqs)
             tokens = [s.output_ids[-1] for s in seqs]
         runner = self.graph_runner
-        if step.kind == "decode" and runner is not None and runner.bucket(len(seqs)):
+        graphed = step.kind == "decode" and runner is not None and runner.bucket(len(seqs))
+        if graphed and self.pipeline.eligible(seqs):
+            return self.pipeline.run(seqs, tokens)
+        if graphed:
             logits = runner.decode([s.id for s in seqs], tokens)  # [B, V], graph replay
         else:
             meta = self.cache.prepare([s.id for s in seqs], counts)

@@ -1,0 +1,64 @@
+"""Pipelined greedy decode: launch step N+1 before reading step N's tokens.
+
+Between two graph replays the host samples, appends, checks stop conditions and
+schedules: about 0.4 ms on an H200 host, during which the GPU would sit idle. For a
+greedy batch the next step's inputs are already on the device (each graph computes its
+argmax), and its metadata (one more position per sequence) is known in advance. So
+while step N runs, the engine launches step N+1 for the same sequences, then reads N's
+tokens and does the host work while N+1 runs.
+
+The look-ahead is taken only when the next step would be exactly the same batch: no
+request waiting to be admitted, every sequence still running and greedy, none at its
+token limit, and room in the cache. A sequence that stops at step N (EOS, stop string,
+abort) wasted one row of step N+1: its cache is freed on the host, and the GPU's write
+into its old slot is stream-ordered before any later reuse of that memory.
+"""
+from __future__ import annotations
+
+import time
+
+from .request import Status
+
+
+class DecodePipeline:
+    def __init__(self, engine):
+        self.engine = engine
+        self.inflight = None  # (seqs, PendingTokens) launched but not yet read
+
+    @staticmethod
+    def eligible(seqs) -> bool:
+        return all(s.params.greedy for s in seqs)
+
+    def run(self, seqs, tokens: list[int]):
+        """A scheduled greedy decode step: launch it, maybe launch the next, read it."""
+        runner = self.engine.graph_runner
+        self.inflight = (seqs, runner.launch([s.id for s in seqs], tokens))
+        return self.advance()
+
+    def advance(self):
+        """Read the step in flight (launching the next one first when it may)."""
+        seqs, pending = self.inflight
+        self.inflight = None
+        if self._can_look_ahead(seqs):
+            self.inflight = (seqs, self.engine.graph_runner.launch([s.id for s in seqs], None))
+        new = pending.get()  # waits for that step only
+        now = time.perf_counter()
+        got = []
+        for seq, tok in zip(seqs, new):
+            if seq.status is Status.FINISHED:  # aborted while its step ran
+                continue
+            self.engine._append(seq, tok, now)
+            got.append(seq)
+        return got
+
+    def _can_look_ahead(self, seqs) -> bool:
+        scheduler = self.engine.scheduler
+        running = scheduler.running
+        if scheduler.waiting or len(running) != len(seqs):
+            return False
+        if any(a is not b for a, b in zip(running, seqs)):
+            return False
+        # after the step in flight each has one more token; the next must stay in bounds
+        if any(len(s.output_ids) + 2 > s.params.max_new_tokens for s in seqs):
+            return False
+        return self.engine.cache.can_append([s.id for s in seqs], [1] * len(seqs))

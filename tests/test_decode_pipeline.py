@@ -1,0 +1,89 @@
+"""Pipelined greedy decode (core/pipeline.py): step N+1 is launched before step N is read.
+
+Run eagerly on the CPU through the CUDA-graph runner's static buffers
+(``use_graphs=False``): tokens must equal the plain engine's whatever stops a sequence
+(EOS, token limit, abort, a new request arriving), and no cache memory may leak.
+"""
+import pytest
+
+from infergraft import core
+from infergraft.core.cuda_graph import CudaGraphRunner
+from infergraft.core.request import SamplingParams
+from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
+
+CFG = tiny_llama_config()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return random_model(CFG, seed=5, scale=5.0)
+
+
+def pipelined(hf, backend, batch=4):
+    engine = core.build(hf, plugins=[backend], max_seq_len=96, max_batch_size=batch)
+    engine.cache.device_decode = True  # contiguous: tensor-only decode metadata
+    runner = CudaGraphRunner(engine.model, engine.cache, batch, buckets=(2,), use_graphs=False)
+    runner.capture()
+    engine.graph_runner = runner
+    launches = []
+    launch = runner.launch
+    runner.launch = lambda ids, tokens: launches.append(tokens is None) or launch(ids, tokens)
+    return engine, launches
+
+
+def alone(hf, prompt, new, eos=()):
+    engine = core.build(hf, max_seq_len=96, max_batch_size=1)
+    engine.eos_token_ids = frozenset(eos)
+    return engine.generate(prompt, max_new_tokens=new)[0].token_ids
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_pipelined_greedy_equals_plain_with_eos_and_limits(hf, backend):
+    prompts = [random_prompt(n, CFG.vocab_size, n) for n in (5, 13, 9)]
+    news = [20, 7, 14]
+    eos = alone(hf, prompts[0], 20)[6]  # the first prompt meets it mid-generation
+    engine, launches = pipelined(hf, backend)
+    engine.eos_token_ids = frozenset({eos})
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, news)]
+    while engine.has_unfinished():
+        engine.step()
+    for seq, p, n in zip(seqs, prompts, news):
+        assert seq.output_ids == alone(hf, p, n, eos={eos})
+    assert seqs[0].finish_reason == "stop" and seqs[1].finish_reason == "length"
+    assert any(launches), "no step was launched ahead from device tokens"
+    assert engine.pipeline.inflight is None
+    assert engine.cache.stats()["tokens"] == 0
+    engine.cache.check_invariants()
+
+
+def test_request_arriving_and_abort_while_a_step_is_in_flight(hf):
+    engine, launches = pipelined(hf, "paged")
+    a, b, c = (random_prompt(n, CFG.vocab_size, 40 + n) for n in (6, 11, 8))
+    sa = engine.add_request(a, SamplingParams(max_new_tokens=24))
+    sb = engine.add_request(b, SamplingParams(max_new_tokens=24))
+    for _ in range(5):
+        engine.step()
+    assert engine.pipeline.inflight is not None  # steady state: one step ahead
+    sc = engine.add_request(c, SamplingParams(max_new_tokens=10))  # joins the running batch
+    for _ in range(4):
+        engine.step()
+    engine.scheduler.abort([sb])
+    n_b = len(sb.output_ids)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(sb.output_ids) == n_b and sb.finish_reason == "abort"
+    assert sa.output_ids == alone(hf, a, 24)
+    assert sc.output_ids == alone(hf, c, 10)
+    assert sb.output_ids == alone(hf, b, 24)[:n_b]
+    assert engine.cache.stats()["blocks_used"] == 0
+    engine.cache.check_invariants()
+
+
+def test_sampled_requests_take_the_unpipelined_path(hf):
+    engine, launches = pipelined(hf, "paged")
+    plain = core.build(hf, plugins=["paged"], max_seq_len=96, max_batch_size=4)
+    prompts = [random_prompt(n, CFG.vocab_size, n) for n in (7, 10)]
+    kw = dict(max_new_tokens=12, temperature=0.8, top_k=20, seed=3)
+    want = [c.token_ids for c in plain.generate(prompts, **kw)]
+    assert [c.token_ids for c in engine.generate(prompts, **kw)] == want
+    assert launches == []
