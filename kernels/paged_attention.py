@@ -4,8 +4,13 @@ Token ``p`` of sequence ``b`` lives at ``cache[block_tables[b, p // BS], p % BS]
 GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)`` (HF ``repeat_kv`` order).
 Sliding window ``W``: the query at position ``p = len - 1`` sees keys in ``(p - W, p]``.
 int8 K/V carry float32 scales per (token, head): ``k = k_int8 * k_scale``.
+
+Flash-decoding: the Triton path splits each sequence's keys over S programs per (sequence,
+kv head) so small batches fill the GPU; a second kernel merges the partial softmaxes.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -47,17 +52,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr,
+        q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
         stride_btb, stride_ob, stride_oh,
-        scale, window, BS, GROUP, D,
-        QUANT: tl.constexpr, IEEE: tl.constexpr,
+        scale, window, split_len, BS, GROUP, D,
+        QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        # One program per (sequence, kv head) serves the GROUP query heads sharing it.
+        # One program per (sequence, kv head, split) serves the GROUP query heads sharing
+        # the kv head over its split's tokens. SPLIT=False: one split, normalised output;
+        # SPLIT=True: un-normalised acc and (m, l) per query head for the combine kernel.
         b = tl.program_id(0).to(tl.int64)
         hkv = tl.program_id(1).to(tl.int64)
+        sp = tl.program_id(2)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         gmask, dmask = g < GROUP, d < D
@@ -66,12 +74,16 @@ if HAVE_TRITON:
                     mask=gmask[:, None] & dmask[None, :], other=0.0)   # [G, D]
         length = tl.load(lens_ptr + b).to(tl.int32)
         start = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+        # split sp covers [start + sp * P, start + (sp + 1) * P) of the visible keys
+        # [start, length) (start = 0 without a window); past the length it runs no tile
+        lo = start + sp * split_len
+        hi = tl.minimum(lo + split_len, length)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.full([BLOCK_G], 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
         acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
-        for n0 in range((start // BLOCK_N) * BLOCK_N, length, BLOCK_N):
+        for n0 in range(lo, hi, BLOCK_N):  # every tile holds >= 1 valid key: m stays finite
             pos = n0 + tl.arange(0, BLOCK_N)
-            valid = (pos >= start) & (pos < length)                      # [N]
+            valid = pos < hi                                               # [N]
             blk = tl.load(bt_ptr + b * stride_btb + pos // BS, mask=valid, other=0).to(tl.int64)
             off = (pos % BS).to(tl.int64)
             kv_mask = valid[:, None] & dmask[None, :]
@@ -104,14 +116,78 @@ if HAVE_TRITON:
                 pv = tl.dot(p.to(q.dtype), v.to(q.dtype))                  # [G, D]
             acc = acc * alpha[:, None] + pv
             m = m_new
-        out = acc / l[:, None]
-        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+        gd_mask = gmask[:, None] & dmask[None, :]
+        if SPLIT:  # scratch rows ((b * Hq + qh) * S + sp): an empty split stores m=-inf, l=0, acc=0
+            row = (b * (tl.num_programs(1) * GROUP) + qh) * tl.num_programs(2) + sp  # [G]
+            tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gd_mask)
+            tl.store(m_ptr + row, m, mask=gmask)
+            tl.store(l_ptr + row, l, mask=gmask)
+        else:
+            out = acc / l[:, None]
+            tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+
+    @triton.jit
+    def _paged_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh, NSPLIT, D,
+                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program per (sequence, query head): merge its splits' partial softmaxes.
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        smask, dmask = s < NSPLIT, d < D
+        row = (b * tl.num_programs(1) + h) * NSPLIT + s                    # [S]
+        m = tl.load(m_ptr + row, mask=smask, other=float("-inf"))         # [S]
+        l = tl.load(l_ptr + row, mask=smask, other=0.0)                   # [S]
+        acc = tl.load(acc_ptr + row[:, None] * D + d[None, :],
+                      mask=smask[:, None] & dmask[None, :], other=0.0)    # [S, D]
+        w = tl.exp(m - tl.max(m, 0))  # empty splits (m = -inf) weigh 0; >= 1 split is not empty
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)              # [D]
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=dmask)
+
+
+#: the automatic split count aims for at least this many programs per SM (a few resident
+#: per SM hide memory latency; more, smaller programs shrink the last wave's tail)
+PROGRAMS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: small, so tests exercise splitting
+
+
+def split_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int,
+               block_n: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(S, P): S splits of P tokens (a multiple of block_n) of the sequence axis.
+
+    From shapes only, never from context_lens: the call is captured into a CUDA graph once
+    per batch size and replayed with other lengths. The span split is the window (at most
+    the table's width) or the table's width; splits are no shorter than one tile."""
+    span = max(1, min(window, max_tokens) if window else max_tokens)
+    tiles = -(-span // block_n)
+    if num_splits is None:
+        want = -(-PROGRAMS_PER_SM * sms // max(1, bsz * hkv))
+        s = max(1, min(want, tiles))
+    else:
+        s = num_splits
+    p = -(-tiles // s) * block_n if s <= tiles else block_n
+    # automatic: drop splits that could never hold a token; forced: keep S as asked
+    return (-(-span // p) if num_splits is None else s), p
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                           window: int | None = None, k_scale=None, v_scale=None):
-    """Same contract as ``paged_attention_torch``; returns a new [B, Hq, D] tensor."""
+                           window: int | None = None, k_scale=None, v_scale=None, *,
+                           num_splits: int | None = None, block_n: int = 64,
+                           num_warps: int = 4, num_stages: int | None = None):
+    """Same contract as ``paged_attention_torch``; returns a new [B, Hq, D] tensor.
+
+    Flash-decoding: with S > 1 splits of the sequence (``num_splits``, automatic when
+    None) a first kernel writes per-split partial softmaxes to scratch and a second one
+    combines them; S = 1 is one kernel. ``block_n`` (keys per tile), ``num_warps`` and
+    ``num_stages`` are tuning knobs."""
     assert q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}"
     bsz, hq, d = q.shape
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
@@ -138,6 +214,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     assert context_lens.shape == (bsz,) and context_lens.dtype in (torch.int32, torch.int64), \
         f"context_lens must be int [{bsz}], got {tuple(context_lens.shape)} {context_lens.dtype}"
     assert window is None or (isinstance(window, int) and window >= 1), f"window {window!r}"
+    assert num_splits is None or (isinstance(num_splits, int) and num_splits >= 1), \
+        f"num_splits {num_splits!r}"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of 2 >= 16"
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         assert x.stride(-1) == 1, f"{name} must be contiguous in its last dim, strides {x.stride()}"
     others = [("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
@@ -151,14 +230,27 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     ks, vs = (k_scale, v_scale) if quant else (k_cache, v_cache)  # unused when not QUANT
     sks = ks.stride() if quant else (0, 0, 0)
     svs = vs.stride() if quant else (0, 0, 0)
-    _paged_decode_kernel[(bsz, hkv)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, out,
+    group, block_d = hq // hkv, max(16, next_pow2(d))
+    nsplit, split_len = split_plan(bsz, hkv, block_tables.shape[1] * bs, window,
+                                   _sm_count(q.device), block_n, num_splits)
+    if nsplit > 1:  # scratch: acc [B, Hq, S, D], m and l [B, Hq, S] (float32)
+        acc = torch.empty((bsz, hq, nsplit, d), dtype=torch.float32, device=q.device)
+        ml = torch.empty((2, bsz, hq, nsplit), dtype=torch.float32, device=q.device)
+        m, l = ml[0], ml[1]
+    else:
+        acc = m = l = out  # unused when not SPLIT
+    tune = dict(num_warps=num_warps) | ({} if num_stages is None else dict(num_stages=num_stages))
+    _paged_decode_kernel[(bsz, hkv, nsplit)](
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, out, acc, m, l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
         block_tables.stride(0), out.stride(0), out.stride(1),
-        float(scale), int(window or 0), bs, hq // hkv, d,
-        QUANT=quant, IEEE=q.dtype == torch.float32,
-        BLOCK_G=max(16, next_pow2(hq // hkv)), BLOCK_D=max(16, next_pow2(d)), BLOCK_N=64,
-        num_warps=4,
+        float(scale), int(window or 0), split_len, bs, group, d,
+        QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, **tune,
     )
+    if nsplit > 1:
+        _paged_combine_kernel[(bsz, hq)](
+            acc, m, l, out, out.stride(0), out.stride(1), nsplit, d,
+            BLOCK_S=next_pow2(nsplit), BLOCK_D=block_d, num_warps=4)
     return out

@@ -1,22 +1,24 @@
 """paged_attention: Triton vs the torch reference (and the reference vs plain math),
-random block tables, GQA ratios 1/3/4/8, sliding windows, int8 K/V."""
+random block tables, GQA ratios 1/3/4/8, sliding windows, int8 K/V, and split-KV
+(flash-decoding) with forced and automatic split counts."""
 import math
 
 import pytest
 import torch
 
 from infergraft.kernels.kv_write import quantize_int8_torch
-from infergraft.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from infergraft.kernels.paged_attention import paged_attention_torch, paged_attention_triton, split_plan
 
 from .tolerances import assert_close
 
 
-def _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device):
-    """A cache whose unused blocks and slots are NaN, and each sequence's K/V in order."""
+def _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device, width=0):
+    """A cache whose unused blocks and slots are NaN, and each sequence's K/V in order;
+    table entries past a sequence's blocks (at least ``width`` columns) name a NaN block."""
     need = [math.ceil(n / bs) for n in lens]
     nb = sum(need) + 3  # spare blocks: never referenced, poisoned
     order = torch.randperm(nb, generator=gen)
-    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    tables = torch.full((len(lens), max(max(need), width)), int(order[-1]), dtype=torch.int32)
     k = randn(nb, bs, hkv, d, dtype=dtype)
     v = randn(nb, bs, hkv, d, dtype=dtype)
     k[:], v[:] = float("nan"), float("nan")
@@ -111,3 +113,59 @@ def test_paged_attention_rejects_bad_inputs(device, randn, gen):
         paged_attention_triton(q, k, v, tables, ctx.float(), 0.25)
     with pytest.raises(AssertionError, match="window"):
         paged_attention_triton(q, k, v, tables, ctx, 0.25, window=0)
+    with pytest.raises(AssertionError, match="num_splits"):
+        paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=0)
+    with pytest.raises(AssertionError, match="block_n"):
+        paged_attention_triton(q, k, v, tables, ctx, 0.25, block_n=24)
+
+
+SPLIT_CASES = [  # (Hq, Hkv, D, block_size, lens, table width in blocks, block_n)
+    (4, 4, 16, 4, [1, 5, 37], 40, 16),           # MHA; contexts much shorter than the table
+    (8, 2, 32, 16, [1, 17, 63, 100], 8, 32),     # GQA 4; lengths off block and tile edges
+    (6, 2, 24, 5, [2, 49], 20, 64),              # GQA 3, odd head_dim and block size
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, None], ids=lambda s: f"S{s or 'auto'}")
+@pytest.mark.parametrize("window", [None, 5, 37], ids=["full", "window5", "window37"])
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("hq,hkv,d,bs,lens,width,block_n", SPLIT_CASES, ids=["mha", "gqa4", "gqa3"])
+def test_split_kv_matches_reference(device, dtype, randn, gen, poisoned_empty, hq, hkv, d, bs,
+                                    lens, width, block_n, window, int8, num_splits):
+    # unused cache blocks, table padding and the (torch.empty) scratch are all NaN
+    k, v, ks, vs, tables, seqs = _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device, width)
+    q = randn(len(lens), hq, d, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = d ** -0.5
+    out = paged_attention_triton(q, k, v, tables, ctx, scale, window, ks, vs,
+                                 num_splits=num_splits, block_n=block_n)
+    ref = paged_attention_torch(q, k, v, tables, ctx, scale, window, ks, vs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, ref, f"S={num_splits} block_n={block_n} window={window} int8={int8}")
+
+
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 8, 2), (128, 4, 1)])
+def test_tuning_knobs(device, randn, gen, poisoned_empty, block_n, num_warps, num_stages):
+    k, v, _, _, tables, _ = _paged(randn, gen, [3, 150], 2, 32, 16, torch.float32, False, device, 12)
+    q = randn(2, 4, 32)
+    ctx = torch.tensor([3, 150], dtype=torch.int32, device=device)
+    out = paged_attention_triton(q, k, v, tables, ctx, 0.2, block_n=block_n, num_warps=num_warps,
+                                 num_stages=num_stages)
+    assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.2))
+
+
+def test_split_plan_depends_on_shapes_only():
+    # LLaMA-2-7B decode on an H200 (132 SMs): table of 576 tokens, BLOCK_N 64 -> 9 tiles
+    assert split_plan(1, 32, 576, None, 132, 64) == (9, 64)      # one tile per split
+    assert split_plan(8, 32, 576, None, 132, 64) == (3, 192)     # 768 programs
+    assert split_plan(64, 32, 576, None, 132, 64) == (1, 576)    # enough programs already
+    assert split_plan(1, 8, 576, 100, 132, 64) == (2, 64)        # splits the window length
+    assert split_plan(1, 8, 40, 4096, 132, 64) == (1, 64)        # window wider than the table
+    assert split_plan(4, 2, 576, None, 4, 64, num_splits=7) == (7, 128)  # forced S kept
+    assert split_plan(4, 2, 64, None, 4, 64, num_splits=3) == (3, 64)    # even if some are empty
+    for bsz in (1, 3, 8, 32, 64, 256):
+        for width in (16, 100, 576, 4096):
+            for window in (None, 1, 37, 1000):
+                s, p = split_plan(bsz, 8, width, window, 132, 32)
+                span = min(window, width) if window else width
+                assert s >= 1 and p % 32 == 0 and s * p >= span and (s - 1) * p < span

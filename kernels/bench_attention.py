@@ -1,0 +1,119 @@
+"""Paged decode attention on CUDA: ``python -m infergraft.kernels.bench_attention``.
+
+LLaMA-2-7B-shaped decode (bf16, D=128, block size 16, 32 query heads with 32 kv heads
+and with 8), context 544 tokens in a block table wide enough for 576: achieved K/V
+bandwidth inside a CUDA graph for fixed split counts and the automatic one, plus a
+BLOCK_N x num_warps sweep at the automatic split count, against a measured copy.
+``TRITON_INTERPRET=1 ... --dry`` runs the same loop on the CPU (Triton interpreter, one
+call each, no timing, float16: the 3.9 interpreter's bf16 tl.dot is wrong) to check the
+plumbing without a GPU; use small --context with it.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+
+D, BLOCK_SIZE, TABLE_TOKENS = 128, 16, 576
+SWEEP = list(itertools.product((32, 64, 128), (4, 8)))  # (BLOCK_N, num_warps)
+L2_BYTES = 256 << 20  # cycle through distinct caches worth this much so replays miss L2
+
+
+def make_inputs(bsz, hq, hkv, context, device, dtype=torch.bfloat16, table_tokens=TABLE_TOKENS):
+    """q, one K/V pool, ``copies`` block tables over disjoint random blocks, lengths."""
+    mb = -(-max(table_tokens, context) // BLOCK_SIZE)
+    kv_bytes = 2 * bsz * context * hkv * D * torch.finfo(dtype).bits // 8
+    copies = max(1, min(128, math.ceil(L2_BYTES / kv_bytes))) if device == "cuda" else 1
+    nb = copies * bsz * mb
+    k = torch.randn(nb, BLOCK_SIZE, hkv, D, device=device, dtype=dtype)
+    v = torch.randn(nb, BLOCK_SIZE, hkv, D, device=device, dtype=dtype)
+    perm = torch.randperm(nb, device=device).to(torch.int32)
+    tables = list(perm.view(copies, bsz, mb))
+    q = torch.randn(bsz, hq, D, device=device, dtype=dtype)
+    lens = torch.full((bsz,), context, dtype=torch.int32, device=device)
+    return q, k, v, tables, lens, kv_bytes
+
+
+def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep):
+    from .paged_attention import _sm_count, paged_attention_torch, paged_attention_triton, split_plan
+
+    q, k, v, tables, lens, kv_bytes = make_inputs(bsz, hq, hkv, context, device, dtype)
+    scale = D ** -0.5
+
+    def tbs(**kw):  # TB/s, or None where the config does not compile (shared memory...)
+        it = itertools.cycle(tables)
+        try:
+            t = timer(lambda: paged_attention_triton(q, k, v, next(it), lens, scale, **kw),
+                      len(tables))
+        except Exception as e:  # noqa: BLE001 - report and go on with the sweep
+            if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
+                print(f"  ({hq}/{hkv} B={bsz} {kw}: {type(e).__name__}: {e})")
+            return None, None
+        return kv_bytes / t / 1e12, t
+
+    auto_s, auto_p = split_plan(bsz, hkv, tables[0].shape[1] * BLOCK_SIZE, None,
+                                _sm_count(q.device), 64)
+    row = {f"S={s}": tbs(num_splits=s)[0] for s in splits}
+    row["auto"], t_auto = tbs()
+    best = (None, None)
+    for bn, nw in (SWEEP if sweep else []):
+        bw = tbs(block_n=bn, num_warps=nw)[0]
+        if bw is not None and (best[0] is None or bw > best[0]):
+            best = (bw, f"N{bn}w{nw}")
+    ref = paged_attention_torch(q, k, v, tables[0], lens, scale).float()
+    err = (paged_attention_triton(q, k, v, tables[0], lens, scale).float() - ref).abs().max().item()
+    return row, auto_s, auto_p, t_auto, best, kv_bytes, err
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--heads", default="32/32,32/8", help="Hq/Hkv pairs")
+    p.add_argument("--context", type=int, default=544)
+    p.add_argument("--splits", default="1,2,4,8", help="fixed num_splits (auto is always run)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the BLOCK_N x num_warps sweep")
+    p.add_argument("--dry", action="store_true", help="CPU interpreter, one call per config, no timing")
+    a = p.parse_args(argv)
+    if a.dry:
+        from ._triton import interpreting
+
+        if not interpreting():  # must be set before triton is first imported
+            raise SystemExit("--dry needs TRITON_INTERPRET=1 in the environment")
+        device, dtype = "cpu", torch.float16
+
+        def timer(fn, inner):
+            fn()
+            return 1.0
+        bw = None
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_attention needs CUDA (or --dry)")
+        from .benchmarks import copy_bw, graph_time
+
+        device, dtype = "cuda", torch.bfloat16
+
+        def timer(fn, inner):  # one graph replays every cache copy once
+            return graph_time(fn, replays=10, inner=inner)
+        bw = copy_bw()
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    splits = [int(s) for s in a.splits.split(",") if s]
+    cols = [f"S={s}" for s in splits] + ["auto"]
+    print(f"{str(dtype)[6:]} D={D} block={BLOCK_SIZE} context={a.context} table={TABLE_TOKENS}; TB/s of K/V read")
+    print(f"{'Hq/Hkv':>6} {'B':>3} {'KV MB':>6} " + " ".join(f"{c:>6}" for c in cols)
+          + f" {'auto S x P':>10} {'auto us':>8} {'%copy':>5} {'best tile':>16} {'max err':>8}")
+    for heads, bsz in itertools.product(a.heads.split(","), (int(b) for b in a.batches.split(","))):
+        hq, hkv = (int(x) for x in heads.split("/"))
+        row, s, plen, t, best, nbytes, err = bench_shape(timer, bsz, hq, hkv, a.context, device,
+                                                         dtype, splits, not a.no_sweep)
+        fmt = lambda x: f"{x:6.2f}" if x is not None else f"{'-':>6}"  # noqa: E731
+        pct = f"{100 * nbytes / t / bw:5.0f}" if bw and t else f"{'-':>5}"
+        tile = f"{fmt(best[0]).strip()} {best[1]}" if best[0] is not None else "-"
+        print(f"{heads:>6} {bsz:3d} {nbytes / 1e6:6.1f} " + " ".join(fmt(row[c]) for c in cols)
+              + f" {f'{s}x{plen}':>10} {(t or 0) * 1e6:8.1f} {pct} {tile:>16} {err:8.1e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
