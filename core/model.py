@@ -60,18 +60,40 @@ class DecoderLayer(nn.Module):
             self.fc_in = Linear(ops)
         self.down = Linear(ops)
 
-    def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
+    @property
+    def fusable(self) -> bool:
+        """RMSNorm + gated MLP over plain Linear modules: norms, SiLU*mul and residual adds
+        fold into the GEMMs (``ops.fused_linear``)."""
+        linears = (self.qkv, self.o, self.down) + ((self.gate_up,) if self.spec.gated_mlp else ())
+        return self.spec.norm == "rms" and self.spec.gated_mlp and \
+            all(type(m) is Linear for m in linears)
+
+    def forward_fused(self, h, layer_idx, positions, rope, cache, meta):
+        """h: the residual stream [T, H] -> the next layer's residual stream."""
+        fl, eps = self.ops.fused_linear, self.spec.norm_eps
+        qkv = fl(h, self.qkv.weight, self.qkv.bias, norm_weight=self.attn_norm.weight, eps=eps)
+        attn = self._attention(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
+        h = fl(attn, self.o.weight, self.o.bias, residual=h)  # [T, H]
+        x = fl(h, self.gate_up.weight, self.gate_up.bias, norm_weight=self.mlp_norm.weight,
+               eps=eps)  # [T, 2I]
+        return fl(x, self.down.weight, self.down.bias, gated=True, residual=h)  # [T, H]
+
+    def _attention(self, qkv, layer_idx, positions, rope, cache, meta):
         s = self.spec
-        x, residual = self.attn_norm(h, residual)  # [T, H]
-        qkv = self.qkv(x)  # [T, q + 2kv]
         t = qkv.shape[0]
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
         if rope is not None:
             q, k = self.ops.rotary(q, k, rope[0], rope[1], positions)
-        attn = cache.attention(layer_idx, q, k, v, meta)  # [T, Hq, D]
-        h = self.o(attn.reshape(t, s.q_size))
+        return cache.attention(layer_idx, q, k, v, meta).reshape(t, s.q_size)  # [T, Hq*D]
+
+    def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
+        s = self.spec
+        x, residual = self.attn_norm(h, residual)  # [T, H]
+        qkv = self.qkv(x)  # [T, q + 2kv]
+        t = qkv.shape[0]
+        h = self.o(self._attention(qkv, layer_idx, positions, rope, cache, meta))
         x, residual = self.mlp_norm(h, residual)
         if s.gated_mlp:
             x = self.ops.silu_mul(self.gate_up(x))  # [T, 2I] -> [T, I]
@@ -108,6 +130,13 @@ class DecoderModel(nn.Module):
         h = F.embedding(tokens, self.embed.weight)  # [T, H]
         if self.spec.position == "learned":
             h = h + F.embedding(positions, self.pos_embed.weight)
+        if self.fused:  # h is the whole residual stream
+            for i, layer in enumerate(self.layers):
+                h = layer.forward_fused(h, i, positions, self.rope, cache, meta)
+            if logits_index is not None:  # only the rows we sample from
+                h = h[logits_index]
+            return self.ops.fused_linear(h, self.lm_head_weight, norm_weight=self.final_norm.weight,
+                                         eps=self.spec.norm_eps).float()  # [n, V]
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
@@ -115,6 +144,10 @@ class DecoderModel(nn.Module):
             h, residual = h[logits_index], residual[logits_index]
         x, _ = self.final_norm(h, residual)
         return F.linear(x, self.lm_head_weight).float()  # [n, V]
+
+    @property
+    def fused(self) -> bool:
+        return all(layer.fusable for layer in self.layers)
 
 
 def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
