@@ -6,6 +6,7 @@ step (all sequences concatenated), H = hidden, D = head_dim.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -68,14 +69,22 @@ class DecoderLayer(nn.Module):
         return self.spec.norm == "rms" and self.spec.gated_mlp and \
             all(type(m) is Linear for m in linears)
 
+    @torch.no_grad()
+    def fold_norm_weights(self) -> None:
+        """W[:, k] *= norm_weight[k] for qkv and gate_up: what remains of each pre-norm is
+        a per-row scale the fused GEMM applies (kernels/fused_linear.py)."""
+        for norm, linear in ((self.attn_norm, self.qkv), (self.mlp_norm, self.gate_up)):
+            w = linear.weight
+            w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))  # [N, K]
+            norm.weight = None  # folded: nothing may apply it again
+
     def forward_fused(self, h, layer_idx, positions, rope, cache, meta):
         """h: the residual stream [T, H] -> the next layer's residual stream."""
         fl, eps = self.ops.fused_linear, self.spec.norm_eps
-        qkv = fl(h, self.qkv.weight, self.qkv.bias, norm_weight=self.attn_norm.weight, eps=eps)
+        qkv = fl(h, self.qkv.weight, self.qkv.bias, rms_eps=eps)  # [T, q + 2kv]
         attn = self._attention(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
         h = fl(attn, self.o.weight, self.o.bias, residual=h)  # [T, H]
-        x = fl(h, self.gate_up.weight, self.gate_up.bias, norm_weight=self.mlp_norm.weight,
-               eps=eps)  # [T, 2I]
+        x = fl(h, self.gate_up.weight, self.gate_up.bias, rms_eps=eps)  # [T, 2I]
         return fl(x, self.down.weight, self.down.bias, gated=True, residual=h)  # [T, H]
 
     def _attention(self, qkv, layer_idx, positions, rope, cache, meta):
@@ -115,6 +124,7 @@ class DecoderModel(nn.Module):
         self.final_norm = Norm(spec.norm, spec.norm_eps, ops)
         if not spec.tie_embeddings:
             self.lm_head = Linear(ops)
+        self.norms_folded = False  # set by fuse(): layers run forward_fused
         self.rope = None
         if spec.position == "rope":
             self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,
@@ -130,13 +140,13 @@ class DecoderModel(nn.Module):
         h = F.embedding(tokens, self.embed.weight)  # [T, H]
         if self.spec.position == "learned":
             h = h + F.embedding(positions, self.pos_embed.weight)
-        if self.fused:  # h is the whole residual stream
+        if self.norms_folded:  # h is the whole residual stream
             for i, layer in enumerate(self.layers):
                 h = layer.forward_fused(h, i, positions, self.rope, cache, meta)
             if logits_index is not None:  # only the rows we sample from
                 h = h[logits_index]
-            return self.ops.fused_linear(h, self.lm_head_weight, norm_weight=self.final_norm.weight,
-                                         eps=self.spec.norm_eps).float()  # [n, V]
+            x, _ = self.final_norm(h)  # the LM head may be the (unfolded) embedding
+            return self.ops.linear(x, self.lm_head_weight, None).float()  # [n, V]
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
@@ -145,9 +155,14 @@ class DecoderModel(nn.Module):
         x, _ = self.final_norm(h, residual)
         return F.linear(x, self.lm_head_weight).float()  # [n, V]
 
-    @property
-    def fused(self) -> bool:
-        return all(layer.fusable for layer in self.layers)
+    def fuse(self) -> bool:
+        """After the weights are loaded: fold the pre-norms into the GEMMs if every layer
+        can take the fused path (then it always does). Returns whether it did."""
+        if not self.norms_folded and all(layer.fusable for layer in self.layers):
+            for layer in self.layers:
+                layer.fold_norm_weights()
+            self.norms_folded = True
+        return self.norms_folded
 
 
 def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:

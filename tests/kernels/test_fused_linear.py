@@ -1,13 +1,14 @@
-"""Skinny GEMM with a folded RMSNorm / SiLU*mul prologue and residual epilogue vs the reference."""
+"""Skinny GEMM with a folded RMSNorm (row scale) / SiLU*mul prologue and residual epilogue
+vs the reference."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import infergraft.kernels.fused_linear as fl
 from infergraft.kernels import get_ops
-from infergraft.kernels.fused_linear import fused_linear_torch, fused_linear_triton, fused_skinny_gemm
+from infergraft.kernels.fused_linear import (fused_linear_torch, fused_linear_triton,
+                                             fused_skinny_gemm, rstd_torch)
 from infergraft.kernels.linear import MAX_SKINNY_M
-from infergraft.kernels.rms_norm import rms_norm_torch
 from infergraft.kernels.silu_mul import silu_mul_torch
 
 from .tolerances import assert_close
@@ -24,17 +25,19 @@ def small_config(m):
 def make_inputs(randn, dtype, m, mode, bias, residual, n=N, k=K):
     """x, weight and the keyword arguments of one call; mode is plain, norm or gated."""
     x = randn(m, 2 * k if mode == "gated" else k, dtype=dtype)
+    if mode == "norm":  # rows of very different scales: the row scale must be per row
+        x = x * (2.0 ** (torch.arange(m, device=x.device) - m // 2)).to(dtype)[:, None]
     w = randn(n, k, dtype=dtype) / k ** 0.5  # keeps y ~ N(0, 1)
     kw = dict(bias=randn(n, dtype=dtype) if bias else None, gated=mode == "gated",
-              norm_weight=randn(k, dtype=dtype) if mode == "norm" else None, eps=EPS,
+              rms_eps=EPS if mode == "norm" else None,
               residual=randn(m, n, dtype=dtype) if residual else None)
     return x, w, kw
 
 
-def unfused(x, w, bias=None, *, norm_weight=None, eps=1e-6, gated=False, residual=None):
+def unfused(x, w, bias=None, *, rms_eps=None, gated=False, residual=None):
     """The layer before fusion: norm / silu_mul, F.linear, then the add (rounds y twice)."""
     a = silu_mul_torch(x) if gated else \
-        rms_norm_torch(x, norm_weight, eps).to(x.dtype) if norm_weight is not None else x
+        (x.float() * rstd_torch(x, rms_eps)).to(x.dtype) if rms_eps is not None else x
     y = F.linear(a, w, bias)
     return y if residual is None else y + residual
 
@@ -88,15 +91,15 @@ def test_fp32_takes_the_unfused_path(device, randn, monkeypatch):
 def test_rejects_bad_arguments(device, randn, fn):
     x, w = randn(2, 8, dtype=torch.float16), randn(5, 8, dtype=torch.float16)
     with pytest.raises(AssertionError, match="mutually exclusive"):
-        fn(randn(2, 16, dtype=torch.float16), w, gated=True, norm_weight=randn(8, dtype=torch.float16))
+        fn(randn(2, 16, dtype=torch.float16), w, gated=True, rms_eps=1e-6)
     with pytest.raises(AssertionError, match="K=8"):
         fn(x, randn(5, 9, dtype=torch.float16))
     with pytest.raises(AssertionError, match=r"gated: x must be \[M, 2K\]"):
         fn(x, w, gated=True)
     with pytest.raises(AssertionError, match=r"bias must be \[5\]"):
         fn(x, w, randn(4, dtype=torch.float16))
-    with pytest.raises(AssertionError, match=r"norm_weight must be \[8\]"):
-        fn(x, w, norm_weight=randn(16, dtype=torch.float16))
+    with pytest.raises(AssertionError, match="rms_eps must be > 0"):
+        fn(x, w, rms_eps=0.0)
     with pytest.raises(AssertionError, match=r"residual must be \[2, 5\]"):
         fn(x, w, residual=randn(5, 2, dtype=torch.float16))
     with pytest.raises(AssertionError, match="!= weight"):
