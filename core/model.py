@@ -84,8 +84,8 @@ class DecoderLayer(nn.Module):
         qkv = fl(h, self.qkv.weight, self.qkv.bias, rms_eps=eps)  # [T, q + 2kv]
         attn = self._attention(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
         h = fl(attn, self.o.weight, self.o.bias, residual=h)  # [T, H]
-        x = fl(h, self.gate_up.weight, self.gate_up.bias, rms_eps=eps)  # [T, 2I]
-        return fl(x, self.down.weight, self.down.bias, gated=True, residual=h)  # [T, H]
+        x = fl(h, self.gate_up.weight, self.gate_up.bias, rms_eps=eps, swiglu=True)  # [T, I]
+        return fl(x, self.down.weight, self.down.bias, residual=h)  # [T, H]
 
     def _attention(self, qkv, layer_idx, positions, rope, cache, meta):
         s = self.spec

@@ -97,28 +97,25 @@ def bench_fused(ms=(1, 8), dtype=torch.bfloat16, eps=1e-6) -> None:
     from .rms_norm import rms_norm_triton
     from .silu_mul import silu_mul_triton
 
-    # GEMM, prologue, residual: qkv/gate_up after the pre-norm, down after silu_mul,
-    # o and down adding the residual stream
-    cases = [("qkv", "norm", False), ("gate_up", "norm", False),
-             ("down", "gated", True), ("o", None, True)]
-    for name, prologue, res in cases:
+    # GEMM, norm, swiglu, residual as the fused decoder layer calls them
+    cases = [("qkv", True, False, False), ("gate_up", True, True, False),
+             ("down", False, False, True), ("o", False, False, True)]
+    for name, norm, swiglu, res in cases:
         n, k = LLAMA7B_GEMMS[name]
         # several weight copies so consecutive calls do not hit L2 (o is 32 MB)
         ws = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for _ in range(4)]
         nw = torch.ones(k, device="cuda", dtype=dtype)  # folded into W: the same maths
         for m in ms:
-            x = torch.randn(m, 2 * k if prologue == "gated" else k, device="cuda", dtype=dtype)
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
             r = torch.randn(m, n, device="cuda", dtype=dtype) if res else None
-            kw = dict(rms_eps=eps if prologue == "norm" else None,
-                      gated=prologue == "gated", residual=r)
+            kw = dict(rms_eps=eps if norm else None, swiglu=swiglu, residual=r)
 
             def fused(w, config=None):
                 return fused_linear_triton(x, w, **kw, config=config)
 
             def chain(w):  # the launches the fused kernel replaces
-                a = (rms_norm_triton(x, nw, eps) if prologue == "norm" else
-                     silu_mul_triton(x) if prologue == "gated" else x)
-                y = linear_triton(a, w)
+                y = linear_triton(rms_norm_triton(x, nw, eps) if norm else x, w)
+                y = silu_mul_triton(y) if swiglu else y
                 return y if r is None else y + r
 
             nbytes = n * k * ws[0].element_size()
@@ -128,9 +125,9 @@ def bench_fused(ms=(1, 8), dtype=torch.bfloat16, eps=1e-6) -> None:
             t_chain = graph_time(lambda: chain(next(it)))
             ref = chain(ws[0]).float()
             err = (fused(ws[0]).float() - ref).norm() / ref.norm()
-            what = "+".join(p for p in (prologue, "residual" if res else None) if p)
+            what = "+".join(p for p, on in (("norm", norm), ("swiglu", swiglu), ("residual", res)) if on)
             best = (0.0, None)
-            for bn, bk, ns in itertools.product((32, 64), (64, 128, 256), (3, 4)):
+            for bn, bk, ns in itertools.product((16, 32, 64), (128, 256), (3, 4)):
                 cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=ns)
                 try:
                     it = itertools.cycle(ws)

@@ -1,5 +1,5 @@
-"""Skinny GEMM with a folded RMSNorm (row scale) / SiLU*mul prologue and residual epilogue
-vs the reference."""
+"""Skinny GEMM with a folded RMSNorm (row scale), a SwiGLU epilogue (gate | up weight) and
+a residual epilogue vs the reference."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,26 +23,29 @@ def small_config(m):
 
 
 def make_inputs(randn, dtype, m, mode, bias, residual, n=N, k=K):
-    """x, weight and the keyword arguments of one call; mode is plain, norm or gated."""
-    x = randn(m, 2 * k if mode == "gated" else k, dtype=dtype)
-    if mode == "norm":  # rows of very different scales: the row scale must be per row
+    """x, weight and the keyword arguments of one call; mode is one of MODES."""
+    x = randn(m, k, dtype=dtype)
+    if mode in ("norm", "norm+swiglu"):  # rows of very different scales: the row scale must be per row
         x = x * (2.0 ** (torch.arange(m, device=x.device) - m // 2)).to(dtype)[:, None]
-    w = randn(n, k, dtype=dtype) / k ** 0.5  # keeps y ~ N(0, 1)
-    kw = dict(bias=randn(n, dtype=dtype) if bias else None, gated=mode == "gated",
-              rms_eps=EPS if mode == "norm" else None,
-              residual=randn(m, n, dtype=dtype) if residual else None)
+    swiglu = mode.endswith("swiglu")
+    n_w = 2 * n if swiglu else n
+    w = randn(n_w, k, dtype=dtype) / k ** 0.5  # keeps y ~ N(0, 1)
+    kw = dict(bias=randn(n_w, dtype=dtype) if bias else None, swiglu=swiglu,
+              rms_eps=EPS if mode.startswith("norm") else None,
+              residual=randn(m, n, dtype=dtype) if residual and not swiglu else None)
     return x, w, kw
 
 
-def unfused(x, w, bias=None, *, rms_eps=None, gated=False, residual=None):
-    """The layer before fusion: norm / silu_mul, F.linear, then the add (rounds y twice)."""
-    a = silu_mul_torch(x) if gated else \
-        (x.float() * rstd_torch(x, rms_eps)).to(x.dtype) if rms_eps is not None else x
+def unfused(x, w, bias=None, *, rms_eps=None, swiglu=False, residual=None):
+    """The layer before fusion: norm, F.linear, silu_mul, then the add (rounds y twice)."""
+    a = (x.float() * rstd_torch(x, rms_eps)).to(x.dtype) if rms_eps is not None else x
     y = F.linear(a, w, bias)
+    if swiglu:
+        return silu_mul_torch(y)
     return y if residual is None else y + residual
 
 
-MODES = ["plain", "norm", "gated"]
+MODES = ["plain", "norm", "swiglu", "norm+swiglu"]
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["", "res"])
@@ -56,6 +59,8 @@ def test_fused_skinny_gemm_matches_reference(device, dtype, randn, poisoned_empt
     out = fused_skinny_gemm(x, w, **kw, config=small_config(m))
     assert out.shape == (m, N) and out.dtype == dtype
     assert_close(out, ref, f"{mode} M={m} bias={bias} residual={residual}")
+    if mode.startswith("norm") and dtype is torch.float32:  # the norm really is per row
+        assert_close(out, unfused(x, w, **kw), f"{mode} M={m} vs unfused")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,12 +95,12 @@ def test_fp32_takes_the_unfused_path(device, randn, monkeypatch):
 @pytest.mark.parametrize("fn", [fused_linear_torch, fused_linear_triton, fused_skinny_gemm])
 def test_rejects_bad_arguments(device, randn, fn):
     x, w = randn(2, 8, dtype=torch.float16), randn(5, 8, dtype=torch.float16)
-    with pytest.raises(AssertionError, match="mutually exclusive"):
-        fn(randn(2, 16, dtype=torch.float16), w, gated=True, rms_eps=1e-6)
+    with pytest.raises(AssertionError, match="do not combine"):
+        fn(x, randn(6, 8, dtype=torch.float16), swiglu=True, residual=randn(2, 3, dtype=torch.float16))
     with pytest.raises(AssertionError, match="K=8"):
         fn(x, randn(5, 9, dtype=torch.float16))
-    with pytest.raises(AssertionError, match=r"gated: x must be \[M, 2K\]"):
-        fn(x, w, gated=True)
+    with pytest.raises(AssertionError, match=r"swiglu: weight must be \[2N, K\]"):
+        fn(x, w, swiglu=True)
     with pytest.raises(AssertionError, match=r"bias must be \[5\]"):
         fn(x, w, randn(4, dtype=torch.float16))
     with pytest.raises(AssertionError, match="rms_eps must be > 0"):
