@@ -6,7 +6,6 @@ step (all sequences concatenated), H = hidden, D = head_dim.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -61,48 +60,18 @@ class DecoderLayer(nn.Module):
             self.fc_in = Linear(ops)
         self.down = Linear(ops)
 
-    @property
-    def fusable(self) -> bool:
-        """RMSNorm + gated MLP over plain Linear modules: norms, SiLU*mul and residual adds
-        fold into the GEMMs (``ops.fused_linear``)."""
-        linears = (self.qkv, self.o, self.down) + ((self.gate_up,) if self.spec.gated_mlp else ())
-        return self.spec.norm == "rms" and self.spec.gated_mlp and \
-            all(type(m) is Linear for m in linears)
-
-    @torch.no_grad()
-    def fold_norm_weights(self) -> None:
-        """W[:, k] *= norm_weight[k] for qkv and gate_up: what remains of each pre-norm is
-        a per-row scale the fused GEMM applies (kernels/fused_linear.py)."""
-        for norm, linear in ((self.attn_norm, self.qkv), (self.mlp_norm, self.gate_up)):
-            w = linear.weight
-            w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))  # [N, K]
-            norm.weight = None  # folded: nothing may apply it again
-
-    def forward_fused(self, h, layer_idx, positions, rope, cache, meta):
-        """h: the residual stream [T, H] -> the next layer's residual stream."""
-        fl, eps = self.ops.fused_linear, self.spec.norm_eps
-        qkv = fl(h, self.qkv.weight, self.qkv.bias, rms_eps=eps)  # [T, q + 2kv]
-        attn = self._attention(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
-        h = fl(attn, self.o.weight, self.o.bias, residual=h)  # [T, H]
-        x = fl(h, self.gate_up.weight, self.gate_up.bias, rms_eps=eps, swiglu=True)  # [T, I]
-        return fl(x, self.down.weight, self.down.bias, residual=h)  # [T, H]
-
-    def _attention(self, qkv, layer_idx, positions, rope, cache, meta):
+    def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
         s = self.spec
+        x, residual = self.attn_norm(h, residual)  # [T, H]
+        qkv = self.qkv(x)  # [T, q + 2kv]
         t = qkv.shape[0]
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
         if rope is not None:
             q, k = self.ops.rotary(q, k, rope[0], rope[1], positions)
-        return cache.attention(layer_idx, q, k, v, meta).reshape(t, s.q_size)  # [T, Hq*D]
-
-    def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
-        s = self.spec
-        x, residual = self.attn_norm(h, residual)  # [T, H]
-        qkv = self.qkv(x)  # [T, q + 2kv]
-        t = qkv.shape[0]
-        h = self.o(self._attention(qkv, layer_idx, positions, rope, cache, meta))
+        attn = cache.attention(layer_idx, q, k, v, meta)  # [T, Hq, D]
+        h = self.o(attn.reshape(t, s.q_size))
         x, residual = self.mlp_norm(h, residual)
         if s.gated_mlp:
             x = self.ops.silu_mul(self.gate_up(x))  # [T, 2I] -> [T, I]
@@ -124,7 +93,6 @@ class DecoderModel(nn.Module):
         self.final_norm = Norm(spec.norm, spec.norm_eps, ops)
         if not spec.tie_embeddings:
             self.lm_head = Linear(ops)
-        self.norms_folded = False  # set by fuse(): layers run forward_fused
         self.rope = None
         if spec.position == "rope":
             self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,
@@ -140,13 +108,6 @@ class DecoderModel(nn.Module):
         h = F.embedding(tokens, self.embed.weight)  # [T, H]
         if self.spec.position == "learned":
             h = h + F.embedding(positions, self.pos_embed.weight)
-        if self.norms_folded:  # h is the whole residual stream
-            for i, layer in enumerate(self.layers):
-                h = layer.forward_fused(h, i, positions, self.rope, cache, meta)
-            if logits_index is not None:  # only the rows we sample from
-                h = h[logits_index]
-            x, _ = self.final_norm(h)  # the LM head may be the (unfolded) embedding
-            return self.ops.linear(x, self.lm_head_weight, None).float()  # [n, V]
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
@@ -154,15 +115,6 @@ class DecoderModel(nn.Module):
             h, residual = h[logits_index], residual[logits_index]
         x, _ = self.final_norm(h, residual)
         return F.linear(x, self.lm_head_weight).float()  # [n, V]
-
-    def fuse(self) -> bool:
-        """After the weights are loaded: fold the pre-norms into the GEMMs if every layer
-        can take the fused path (then it always does). Returns whether it did."""
-        if not self.norms_folded and all(layer.fusable for layer in self.layers):
-            for layer in self.layers:
-                layer.fold_norm_weights()
-            self.norms_folded = True
-        return self.norms_folded
 
 
 def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:

@@ -2,8 +2,8 @@
 
 Reports achieved bandwidth against a measured device copy, for the decode GEMMs of a
 LLaMA-2-7B-shaped layer (cuBLAS vs the skinny Triton GEMM over a config sweep), and the
-per-kernel cost inside a CUDA graph. ``--fused`` instead times the GEMMs with the norm /
-SiLU*mul prologue and residual epilogue folded in against the unfused kernel chains.
+per-kernel cost inside a CUDA graph. ``--wide 32,64`` sweeps the skinny kernel above its
+dispatch limit against cuBLAS.
 """
 from __future__ import annotations
 
@@ -90,59 +90,6 @@ def kernel_gap() -> None:
     print(f"tiny kernel in a CUDA graph: {t * 1e6:.2f} us each")
 
 
-def bench_fused(ms=(1, 8), dtype=torch.bfloat16, eps=1e-6) -> None:
-    """fused_linear vs the kernels it replaces, per decode GEMM, inside a CUDA graph."""
-    from .fused_linear import fused_linear_triton
-    from .linear import linear_triton
-    from .rms_norm import rms_norm_triton
-    from .silu_mul import silu_mul_triton
-
-    # GEMM, norm, swiglu, residual as the fused decoder layer calls them
-    cases = [("qkv", True, False, False), ("gate_up", True, True, False),
-             ("down", False, False, True), ("o", False, False, True)]
-    for name, norm, swiglu, res in cases:
-        n, k = LLAMA7B_GEMMS[name]
-        # several weight copies so consecutive calls do not hit L2 (o is 32 MB)
-        ws = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for _ in range(4)]
-        nw = torch.ones(k, device="cuda", dtype=dtype)  # folded into W: the same maths
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=dtype)
-            r = torch.randn(m, n, device="cuda", dtype=dtype) if res else None
-            kw = dict(rms_eps=eps if norm else None, swiglu=swiglu, residual=r)
-
-            def fused(w, config=None):
-                return fused_linear_triton(x, w, **kw, config=config)
-
-            def chain(w):  # the launches the fused kernel replaces
-                y = linear_triton(rms_norm_triton(x, nw, eps) if norm else x, w)
-                y = silu_mul_triton(y) if swiglu else y
-                return y if r is None else y + r
-
-            nbytes = n * k * ws[0].element_size()
-            it = itertools.cycle(ws)
-            t_fused = graph_time(lambda: fused(next(it)))
-            it = itertools.cycle(ws)
-            t_chain = graph_time(lambda: chain(next(it)))
-            ref = chain(ws[0]).float()
-            err = (fused(ws[0]).float() - ref).norm() / ref.norm()
-            what = "+".join(p for p, on in (("norm", norm), ("swiglu", swiglu), ("residual", res)) if on)
-            best = (0.0, None)
-            for bn, bk, ns in itertools.product((16, 32, 64), (128, 256), (3, 4)):
-                cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=ns)
-                try:
-                    it = itertools.cycle(ws)
-                    t = graph_time(lambda: fused(next(it), cfg), replays=5)
-                except Exception:  # out of shared memory etc.
-                    continue
-                best = max(best, (nbytes / t, cfg), key=lambda b: b[0])
-            what += f" (best {best[0] / 1e12:.2f} TB/s at N{best[1]['BLOCK_N']}K{best[1]['BLOCK_K']}s{best[1]['num_stages']})"
-            print(f"{name:8s} {what:15s} M={m:2d}  fused {t_fused * 1e6:6.1f} us "
-                  f"{nbytes / t_fused / 1e12:5.2f} TB/s  unfused {t_chain * 1e6:6.1f} us "
-                  f"{nbytes / t_chain / 1e12:5.2f} TB/s  saved {(t_chain - t_fused) * 1e6:5.1f} us  "
-                  f"err {err:.1e}", flush=True)
-        del ws
-
-
 def sweep_wide(ms, dtype=torch.bfloat16) -> None:
     """The skinny kernel beyond its dispatch limit (M > MAX_SKINNY_M) against cuBLAS."""
     from . import linear
@@ -175,16 +122,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default="1,8,32,64")
     p.add_argument("--no-sweep", action="store_true")
-    p.add_argument("--fused", action="store_true",
-                   help="only the fused norm/SiLU/residual GEMMs vs unfused, at M=1 and 8 (--m ignored)")
     p.add_argument("--wide", default=None, help="e.g. 32,64: the skinny kernel above its limit")
     a = p.parse_args(argv)
     kernel_gap()
     if a.wide:
         sweep_wide([int(m) for m in a.wide.split(",")])
-        return 0
-    if a.fused:
-        bench_fused()
         return 0
     sweep_linear([int(m) for m in a.m.split(",")], sweep=not a.no_sweep)
     return 0
