@@ -67,6 +67,17 @@ def main(argv=None) -> int:
                             args.prompt_len + args.new_tokens)
     runner = engine.graph_runner
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    prompt = random_prompts(1, args.prompt_len, engine.spec.vocab_size, seed=99)[0]
+    ttft = []
+    for _ in range(6):  # one prefill step alone (the first is a warm-up)
+        seq = engine.add_request(prompt, params)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        ttft.append((time.perf_counter() - t) * 1e3)
+        engine.scheduler.abort([seq])
+    print(f"prefill of {args.prompt_len} tokens: {', '.join(f'{t:.1f}' for t in ttft)} ms", flush=True)
     for bs in batches:
         prompts = random_prompts(bs, args.prompt_len, engine.spec.vocab_size, seed=bs)
         seqs = [engine.add_request(q, params) for q in prompts]
