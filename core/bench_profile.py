@@ -34,15 +34,20 @@ def replay_ms(runner, bs: int, repeats: int = 30) -> float:
 
 
 def kernel_table(model, runner, cache, bs: int, top: int = 25) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
     tokens, meta = runner.tokens[bs], runner.metas[bs]
     with torch.inference_mode():
         model(tokens, cache, meta)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model(tokens, cache, meta)
-            torch.cuda.synchronize()
+        return profiled(lambda: model(tokens, cache, meta), top)
+
+
+def profiled(fn, top: int = 25) -> str:
+    """Per-kernel GPU time of one call of ``fn`` (synchronised)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
     total, count = defaultdict(float), defaultdict(int)
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
@@ -77,7 +82,11 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         ttft.append((time.perf_counter() - t) * 1e3)
         engine.scheduler.abort([seq])
-    print(f"prefill of {args.prompt_len} tokens: {', '.join(f'{t:.1f}' for t in ttft)} ms", flush=True)
+    print(f"prefill of {args.prompt_len} tokens: {', '.join(f'{t:.1f}' for t in ttft)} ms "
+          "(wall, one step)", flush=True)
+    seq = engine.add_request(prompt, params)  # the same step's GPU time, kernel by kernel
+    print(profiled(engine.step, top=12), flush=True)
+    engine.scheduler.abort([seq])
     for bs in batches:
         prompts = random_prompts(bs, args.prompt_len, engine.spec.vocab_size, seed=bs)
         seqs = [engine.add_request(q, params) for q in prompts]
