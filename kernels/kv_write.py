@@ -5,7 +5,7 @@ The cache is any 4-D view ``[N0, N1, Hkv, D]`` (strides free): contiguous caches
 """
 import torch
 
-from ._triton import HAVE_TRITON, next_pow2, tl, triton
+from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 
 
 def kv_write_torch(k, v, k_cache, v_cache, idx0, idx1) -> None:
@@ -32,8 +32,8 @@ if HAVE_TRITON:
         k_ptr, v_ptr, kc_ptr, vc_ptr, idx0_ptr, idx1_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_k0, stride_k1, stride_kch, stride_v0, stride_v1, stride_vch,
-        H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
+        H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # One program per token writes all its K and V heads.
         tok = tl.program_id(0).to(tl.int64)
         # int64 offsets: a large cache holds more than 2**31 elements
@@ -60,7 +60,7 @@ def kv_write_triton(k, v, k_cache, v_cache, idx0, idx1) -> None:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         h, d, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4 if block_h * block_d <= 2048 else 8,
-    )
+        **pdl_launch(k.device))
     return None
 
 
@@ -117,8 +117,8 @@ if HAVE_TRITON:
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_k0, stride_k1, stride_kch, stride_v0, stride_v1, stride_vch,
         stride_ks0, stride_ks1, stride_ksh, stride_vs0, stride_vs1, stride_vsh,
-        H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
+        H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # One program per token quantises and writes all its K and V heads.
         tok = tl.program_id(0).to(tl.int64)
         i0 = tl.load(idx0_ptr + tok).to(tl.int64)
@@ -152,7 +152,7 @@ def kv_write_int8_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) -
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         h, d, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4 if block_h * block_d <= 2048 else 8,
-    )
+        **pdl_launch(k.device))
     return None
 
 

@@ -8,7 +8,7 @@ the GEMM is memory-bound). Larger M goes to cuBLAS (F.linear).
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, next_pow2, tl, triton
+from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 
 MAX_SKINNY_M = 16  # above this cuBLAS streams the weights as fast (H200 sweep)
 
@@ -24,7 +24,8 @@ if HAVE_TRITON:
     def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                             stride_xm, stride_wn, stride_ym,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # one program per BLOCK_N output columns; all M rows at once, so W is read once
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
@@ -81,5 +82,5 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None) -
     grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
     _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k,
                               x.stride(0), weight.stride(0), y.stride(0),
-                              HAS_BIAS=bias is not None, **cfg)
+                              HAS_BIAS=bias is not None, **cfg, **pdl_launch(x.device))
     return y

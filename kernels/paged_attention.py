@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, next_pow2, tl, triton
+from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float,
@@ -58,8 +58,8 @@ if HAVE_TRITON:
         stride_btb, stride_ob, stride_oh,
         scale, window, split_len, BS, GROUP, D,
         QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # One program per (sequence, kv head, split) serves the GROUP query heads sharing
         # the kv head over its split's tokens. SPLIT=False: one split, normalised output;
         # SPLIT=True: un-normalised acc and (m, l) per query head for the combine kernel.
@@ -129,7 +129,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _paged_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh, NSPLIT, D,
-                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # One program per (sequence, query head): merge its splits' partial softmaxes.
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -248,9 +249,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         float(scale), int(window or 0), split_len, bs, group, d,
         QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, **tune,
-    )
+        **pdl_launch(q.device))
     if nsplit > 1:
         _paged_combine_kernel[(bsz, hq)](
             acc, m, l, out, out.stride(0), out.stride(1), nsplit, d,
-            BLOCK_S=next_pow2(nsplit), BLOCK_D=block_d, num_warps=4)
+            BLOCK_S=next_pow2(nsplit), BLOCK_D=block_d, num_warps=4, **pdl_launch(acc.device))
     return out

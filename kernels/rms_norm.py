@@ -1,7 +1,8 @@
 """RMSNorm, optionally fused with the residual add (LLaMA-style pre-norm)."""
 import torch
 
-from ._triton import HAVE_TRITON, load_row_add_residual, norm_buffers, tl, triton
+from ._triton import (HAVE_TRITON, load_row_add_residual, norm_buffers, pdl_enter, pdl_launch,
+                      tl, triton)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,8 +25,8 @@ if HAVE_TRITON:
         x_ptr, r_ptr, w_ptr, out_ptr, h_ptr,
         stride_x, stride_r, stride_out, stride_h,
         H, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):
+        HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # One program per row; the whole row [BLOCK_H] lives in registers.
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2**31
         cols = tl.arange(0, BLOCK_H)
@@ -63,7 +64,7 @@ def _launch(x, residual, weight, eps):
         x.stride(0), r.stride(0), out.stride(0), hbuf.stride(0),
         h, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK_H=block, num_warps=_num_warps(block),
-    )
+        **pdl_launch(x.device))
     return out, hbuf
 
 

@@ -1,7 +1,7 @@
 """Rotary position embedding (rotate-half layout, as HF LLaMA/Mistral/Qwen2)."""
 import torch
 
-from ._triton import HAVE_TRITON, next_pow2, tl, triton
+from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 
 
 def rotary_torch(q, k, cos, sin, positions):
@@ -45,8 +45,8 @@ if HAVE_TRITON:
         q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
         HQ, HKV, D, HALF,
-        BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
+        BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # One program per token: cos/sin are read once and applied to all q and k heads.
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -106,5 +106,5 @@ def rotary_triton(q, k, cos, sin, positions):
         hq, hkv, d, half,
         BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d,
         num_warps=4 if tile <= 2048 else 8 if tile <= 8192 else 16,
-    )
+        **pdl_launch(q.device))
     return q_out, k_out

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, row_chunk_launch, tl, triton
+from ._triton import HAVE_TRITON, pdl_enter, pdl_launch, row_chunk_launch, tl, triton
 
 
 def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
@@ -14,7 +14,8 @@ def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
 if HAVE_TRITON:
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # grid (T, cdiv(I, BLOCK)): wide MLPs (I ~ 14k) split a row over several programs
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)            # [BLOCK]
@@ -40,5 +41,5 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if t == 0 or i == 0:
         return out
     grid, meta = row_chunk_launch(t, i)
-    _silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), i, **meta)
+    _silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), i, **meta, **pdl_launch(x.device))
     return out
