@@ -21,16 +21,9 @@ from .request import SamplingParams
 
 
 def replay_ms(runner, bs: int, repeats: int = 30) -> float:
-    graph = runner.graphs[bs]
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    from infergraft.kernels.benchmarks import replay_times
+
+    return statistics.median(replay_times(runner.graphs[bs], repeats)) * 1e3
 
 
 def kernel_table(model, runner, cache, bs: int, top: int = 25) -> str:

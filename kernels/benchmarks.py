@@ -29,15 +29,21 @@ def graph_time(fn, replays: int = 20, inner: int = 10) -> float:
     with torch.cuda.graph(g):
         for _ in range(inner):
             fn()
+    times = [t / inner for t in replay_times(g, replays)]
+    return sorted(times)[len(times) // 2]
+
+
+def replay_times(graph, replays: int) -> list[float]:
+    """Seconds of each of ``replays`` replays of a captured graph (CUDA events)."""
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        graph.replay()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / inner)
-    return sorted(times)[len(times) // 2]
+        times.append(a.elapsed_time(b) / 1e3)
+    return times
 
 
 def copy_bw() -> float:
