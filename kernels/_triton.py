@@ -41,19 +41,23 @@ else:
     load_row_add_residual = pdl_enter = None
 
 
+_PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+
+
 @functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
+def _pdl_capable(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_launch(device) -> dict:
+def pdl_launch(device: torch.device) -> dict:
     """Launch options for a kernel that calls ``pdl_enter(PDL)``: PDL on CUDA sm90+
-    (``INFERGRAFT_PDL=0`` turns it off), plain launches elsewhere."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or interpreting() or os.environ.get("INFERGRAFT_PDL", "1") == "0" \
-            or not _pdl_capable(dev.index if dev.index is not None else torch.cuda.current_device()):
-        return {"PDL": False}
-    return {"PDL": True, "launch_pdl": True}
+    (``INFERGRAFT_PDL=0`` turns it off), plain launches elsewhere. Called on every launch,
+    so it stays cheap (prefill is bound by the host's launch cost)."""
+    if device.type != "cuda" or os.environ.get("INFERGRAFT_PDL") == "0" or interpreting() \
+            or not _pdl_capable(device):
+        return _PDL_OFF
+    return _PDL_ON
 
 
 def interpreting() -> bool:
