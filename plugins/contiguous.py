@@ -165,8 +165,11 @@ class ContiguousCache(KVCache):
         off = 0
         for row, start, n in zip(meta.rows, meta.starts, meta.counts):
             qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            # [1, Hkv, start+n, D] each, in the model dtype
-            kj, vj = self.kv.load(layer, slice(row, row + 1), slice(0, start + n))
+            if start == 0 and not self.kv.quant:  # a fresh prompt: its K/V are this step's own
+                kj = k[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+                vj = v[off:off + n].transpose(0, 1).unsqueeze(0)
+            else:  # [1, Hkv, start+n, D] each, in the model dtype
+                kj, vj = self.kv.load(layer, slice(row, row + 1), slice(0, start + n))
             out[off:off + n] = self._sdpa(qj, kj, vj, start, n)[0].transpose(0, 1)
             off += n
         return out

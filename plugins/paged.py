@@ -192,7 +192,10 @@ class PagedCache(KVCache):
         out = torch.empty_like(q)
         off = 0
         for table, start, n in zip(meta.tables, meta.starts, meta.counts):
-            kj, vj = self._gather(layer, table, start + n)  # [L, Hkv, D]
+            if start == 0 and not self.quant:  # a fresh prompt: its K/V are this step's own
+                kj, vj = k[off:off + n], v[off:off + n]  # [n, Hkv, D], what was just written
+            else:
+                kj, vj = self._gather(layer, table, start + n)  # [L, Hkv, D]
             qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             oj = self._sdpa(qj, kj.transpose(0, 1).unsqueeze(0), vj.transpose(0, 1).unsqueeze(0),
                             start, n)
