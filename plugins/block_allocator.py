@@ -1,7 +1,9 @@
-"""Block bookkeeping for paged KV caches: a ref-counted allocator of block ids."""
+"""Block bookkeeping for paged KV caches: a ref-counted allocator of block ids, and the
+validated pool size (block size, block count) the paged and offload backends share."""
 from __future__ import annotations
 
 from infergraft.core.cache import CacheFullError
+from infergraft.core.errors import PlanError
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -53,3 +55,21 @@ class BlockAllocator:
             assert r >= 0, f"block {b} has a negative ref count {r}"
             assert r == c, f"block {b}: ref count {r} but {c} table entries (leak or double free)"
             assert (b in free) == (r == 0), f"block {b}: ref count {r} but free={b in free}"
+
+
+def is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def cache_sizes(plan, block_size, num_blocks, name="paged") -> tuple[int, int]:
+    """Validated (block_size, num_blocks): by default one max_seq_len per batch slot."""
+    if not is_count(block_size) or block_size < 1:
+        raise PlanError(f"{name}: block_size must be an integer >= 1, got {block_size!r}")
+    per_seq = blocks_for(plan.max_seq_len, block_size)
+    if num_blocks is None:
+        return block_size, plan.max_batch_size * per_seq
+    if not is_count(num_blocks) or num_blocks < per_seq:
+        raise PlanError(f"{name}: num_blocks must be an integer >= {per_seq} (one "
+                        f"max_seq_len={plan.max_seq_len} sequence in blocks of {block_size}), "
+                        f"got {num_blocks!r}")
+    return block_size, num_blocks

@@ -19,8 +19,8 @@ import torch
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 
-from .paged import (PagedBackend, PagedCache, blocks_for, cache_sizes, check_kv_quantizer,
-                    is_count)
+from .block_allocator import blocks_for, cache_sizes, is_count
+from .paged import PagedBackend, PagedCache, check_kv_quantizer
 
 
 class OffloadCache(PagedCache):

@@ -17,7 +17,7 @@ from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 
-from .block_allocator import BlockAllocator, blocks_for
+from .block_allocator import BlockAllocator, blocks_for, cache_sizes
 
 
 @attrs.frozen
@@ -274,24 +274,6 @@ class PagedCache(KVCache):
                                        f"(reserved {self._reserved[s]}), expected {want}"
             for b in table[n // bs:]:  # blocks the next tokens go to are never shared
                 assert self.allocator.refs[b] == 1, f"sequence {s!r} would write shared block {b}"
-
-
-def is_count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def cache_sizes(plan, block_size, num_blocks, name="paged") -> tuple[int, int]:
-    """Validated (block_size, num_blocks): by default one max_seq_len per batch slot."""
-    if not is_count(block_size) or block_size < 1:
-        raise PlanError(f"{name}: block_size must be an integer >= 1, got {block_size!r}")
-    per_seq = blocks_for(plan.max_seq_len, block_size)
-    if num_blocks is None:
-        return block_size, plan.max_batch_size * per_seq
-    if not is_count(num_blocks) or num_blocks < per_seq:
-        raise PlanError(f"{name}: num_blocks must be an integer >= {per_seq} (one "
-                        f"max_seq_len={plan.max_seq_len} sequence in blocks of {block_size}), "
-                        f"got {num_blocks!r}")
-    return block_size, num_blocks
 
 
 def check_kv_quantizer(name, kv_quantizer) -> None:
