@@ -1,8 +1,9 @@
 """Where a decode step's time goes: ``python -m infergraft.core.bench_profile``.
 
-For each batch size: the engine's step time (what TPOT measures), the CUDA-graph replay
-alone (GPU time), the difference (host work between replays), and the per-kernel GPU
-time of one decode step from the torch profiler (run eagerly on the graph's static
+First one prefill step alone: its wall time and its per-kernel GPU time. Then for each
+batch size: the inter-token time (what TPOT measures), the CUDA-graph replay alone (GPU
+time), the difference (host work the decode pipeline did not hide), and the per-kernel
+GPU time of one decode step from the torch profiler (run eagerly on the graph's static
 buffers, so the kernels and shapes are the graph's). CUDA only.
 """
 from __future__ import annotations
@@ -83,19 +84,19 @@ def main(argv=None) -> int:
     for bs in batches:
         prompts = random_prompts(bs, args.prompt_len, engine.spec.vocab_size, seed=bs)
         seqs = [engine.add_request(q, params) for q in prompts]
-        steps = []
+        calls = []  # seconds of each step() call
         while engine.has_unfinished():  # no sync here: it would stall the decode pipeline
             t = time.perf_counter()
-            got = engine.step()
-            steps.append((len(got), time.perf_counter() - t))
-            if len(steps) == args.new_tokens // 2:  # mid-generation: K/V at the mean context
+            engine.step()
+            calls.append(time.perf_counter() - t)
+            if len(calls) == args.new_tokens // 2:  # mid-generation: K/V at the mean context
                 bucket = runner.bucket(bs)
                 g = replay_ms(runner, bucket)
                 table = kernel_table(engine.model, runner, engine.cache, bucket)
         # the step period is the inter-token latency (with the decode pipeline a step()
         # call returns while the next step already runs)
         itl = statistics.median(seqs[0].metrics.itl[3:]) * 1e3
-        call = statistics.median(t for n, t in steps[3:]) * 1e3
+        call = statistics.median(calls[3:]) * 1e3
         print(f"batch {bs}: inter-token {itl:.3f} ms (step() call {call:.3f}), graph replay "
               f"{g:.3f} ms, host gap {itl - g:.3f} ms\n{table}", flush=True)
     return 0
