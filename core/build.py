@@ -125,11 +125,15 @@ def _kv_quantizer(backend, quantizers):
 
 def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
-          device_memory=None, cuda_graphs: bool | None = None, **plugin_options) -> Engine:
+          device_memory=None, cuda_graphs: bool | None = None,
+          prefill_graphs: bool | None = None, **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine (see DESIGN §3).
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V must fit in (default:
-    the free memory of a CUDA device; unchecked on the CPU)."""
+    the free memory of a CUDA device; unchecked on the CPU). ``cuda_graphs``: decode
+    under CUDA graphs (default: on CUDA when the cache supports it); ``prefill_graphs``:
+    a single fresh prompt's prefill too, per length bucket (default: with ``cuda_graphs``
+    when the cache supports it)."""
     t0 = time.perf_counter()
     pm, sel = select_plugins(get_plugin_manager(), plugins)
     source = resolve_source(model, tokenizer)
@@ -183,6 +187,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     cache = backend.create(spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec)
     engine.graph_runner = _graph_runner(net, cache, plan, device, cuda_graphs)
+    engine.prefill_graphs = _prefill_graphs(net, cache, plan, engine.graph_runner,
+                                            prefill_graphs)
     engine.build_seconds = time.perf_counter() - t0
     return engine
 
@@ -201,3 +207,18 @@ def _graph_runner(net, cache, plan, device, wanted):
     runner = CudaGraphRunner(net, cache, plan.max_batch_size)
     runner.capture()
     return runner
+
+
+def _prefill_graphs(net, cache, plan, decode_runner, wanted):
+    """A fresh prompt's prefill under CUDA graphs (captured per length bucket on first use)."""
+    from .prefill_graph import PrefillGraphRunner
+
+    if wanted is None:
+        wanted = decode_runner is not None and PrefillGraphRunner.supported(cache)
+    if not wanted:
+        return None
+    if decode_runner is None or not PrefillGraphRunner.supported(cache):
+        raise PlanError(f"prefill_graphs=True needs decode CUDA graphs and a cache that can "
+                        f"capture a prefill (paged, or contiguous without a sliding window or "
+                        f"int8 K/V); got {plan.cache_backend} with kv_dtype={plan.kv_dtype}")
+    return PrefillGraphRunner(net, cache, plan.max_seq_len, pool=decode_runner.pool)

@@ -42,7 +42,15 @@ class CacheBackend:
 
 
 class KVCache:
-    """Runtime cache. ``seq_id`` is any hashable the engine chooses."""
+    """Runtime cache. ``seq_id`` is any hashable the engine chooses.
+
+    Optional, for CUDA graphs (core/cuda_graph.py, core/prefill_graph.py): a cache with
+    ``supports_cuda_graphs = True`` provides ``static_decode_meta(batch)`` and
+    ``prepare_decode_into(meta, seq_ids)``; one whose ``supports_prefill_graphs`` is
+    true provides ``static_prefill_meta(length)`` and ``prepare_prefill_into(meta,
+    seq_id, n)`` (a fresh prompt of ``n <= length`` tokens; the padding rows' K/V must
+    land nowhere a sequence reads).
+    """
 
     def can_allocate(self, num_tokens: int) -> bool:
         """True if a new sequence needing ``num_tokens`` slots in total fits now."""

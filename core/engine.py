@@ -30,6 +30,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._forks: dict[int, list[Sequence]] = {}  # parent id -> samples forked at its prefill
         self.graph_runner = None  # core.cuda_graph.CudaGraphRunner, set by build() on CUDA
+        self.prefill_graphs = None  # core.prefill_graph.PrefillGraphRunner, likewise
         self.pipeline = DecodePipeline(self)  # greedy graph decode, one step ahead
 
     # -- requests ----------------------------------------------------------------
@@ -86,8 +87,11 @@ class Engine:
         graphed = step.kind == "decode" and runner is not None and runner.bucket(len(seqs))
         if graphed and self.pipeline.eligible(seqs):
             return self.pipeline.run(seqs, tokens)
+        prefill_graphs = self.prefill_graphs
         if graphed:
             logits = runner.decode([s.id for s in seqs], tokens)  # [B, V], graph replay
+        elif step.kind == "prefill" and prefill_graphs and prefill_graphs.bucket(seqs, counts):
+            logits = prefill_graphs.prefill(seqs[0].id, tokens)  # [1, V], graph replay
         else:
             meta = self.cache.prepare([s.id for s in seqs], counts)
             last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token

@@ -1,15 +1,25 @@
 """Scatter new K/V rows into a cache: cache[idx0[t], idx1[t]] = kv[t].
 
 The cache is any 4-D view ``[N0, N1, Hkv, D]`` (strides free): contiguous caches pass
-(row, position), paged caches pass (block, offset).
+(row, position), paged caches pass (block, offset). A row whose ``idx0`` is negative is
+skipped: the padding rows of a prefill captured for a longer prompt write nowhere.
 """
 import torch
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 
 
+def _live_rows(idx0, *rows):
+    """Drop the rows whose idx0 is negative (padding); the reference may sync, the kernel not."""
+    keep = idx0 >= 0
+    if bool(keep.all()):
+        return (idx0, *rows)
+    return tuple(x[keep] for x in (idx0, *rows))
+
+
 def kv_write_torch(k, v, k_cache, v_cache, idx0, idx1) -> None:
-    # k, v: [T, Hkv, D]; k_cache, v_cache: [N0, N1, Hkv, D]; idx0, idx1: [T] int
+    # k, v: [T, Hkv, D]; k_cache, v_cache: [N0, N1, Hkv, D]; idx0, idx1: [T] int (idx0 < 0: skip)
+    idx0, idx1, k, v = _live_rows(idx0, idx1, k, v)
     k_cache[idx0, idx1] = k.to(k_cache.dtype)
     v_cache[idx0, idx1] = v.to(v_cache.dtype)
 
@@ -39,10 +49,11 @@ if HAVE_TRITON:
         # int64 offsets: a large cache holds more than 2**31 elements
         i0 = tl.load(idx0_ptr + tok).to(tl.int64)
         i1 = tl.load(idx1_ptr + tok).to(tl.int64)
-        _write_heads(k_ptr, kc_ptr, tok, i0 * stride_k0 + i1 * stride_k1, stride_kt, stride_kh,
-                     stride_kch, H, D, BLOCK_H, BLOCK_D)
-        _write_heads(v_ptr, vc_ptr, tok, i0 * stride_v0 + i1 * stride_v1, stride_vt, stride_vh,
-                     stride_vch, H, D, BLOCK_H, BLOCK_D)
+        if i0 >= 0:  # negative: a padding row, written nowhere
+            _write_heads(k_ptr, kc_ptr, tok, i0 * stride_k0 + i1 * stride_k1, stride_kt,
+                         stride_kh, stride_kch, H, D, BLOCK_H, BLOCK_D)
+            _write_heads(v_ptr, vc_ptr, tok, i0 * stride_v0 + i1 * stride_v1, stride_vt,
+                         stride_vh, stride_vch, H, D, BLOCK_H, BLOCK_D)
 
 
 def kv_write_triton(k, v, k_cache, v_cache, idx0, idx1) -> None:
@@ -83,6 +94,7 @@ def quantize_int8_torch(x):
 
 def kv_write_int8_torch(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) -> None:
     # k, v: [T, Hkv, D]; *_cache: int8 [N0, N1, Hkv, D]; *_scale: f32 [N0, N1, Hkv]; idx*: [T]
+    idx0, idx1, k, v = _live_rows(idx0, idx1, k, v)
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         q, s = quantize_int8_torch(x)
         cache[idx0, idx1] = q
@@ -123,12 +135,13 @@ if HAVE_TRITON:
         tok = tl.program_id(0).to(tl.int64)
         i0 = tl.load(idx0_ptr + tok).to(tl.int64)
         i1 = tl.load(idx1_ptr + tok).to(tl.int64)
-        _quant_write_heads(k_ptr, kc_ptr, ks_ptr, tok, i0 * stride_k0 + i1 * stride_k1,
-                           i0 * stride_ks0 + i1 * stride_ks1, stride_kt, stride_kh, stride_kch,
-                           stride_ksh, H, D, BLOCK_H, BLOCK_D)
-        _quant_write_heads(v_ptr, vc_ptr, vs_ptr, tok, i0 * stride_v0 + i1 * stride_v1,
-                           i0 * stride_vs0 + i1 * stride_vs1, stride_vt, stride_vh, stride_vch,
-                           stride_vsh, H, D, BLOCK_H, BLOCK_D)
+        if i0 >= 0:  # negative: a padding row, written nowhere
+            _quant_write_heads(k_ptr, kc_ptr, ks_ptr, tok, i0 * stride_k0 + i1 * stride_k1,
+                               i0 * stride_ks0 + i1 * stride_ks1, stride_kt, stride_kh,
+                               stride_kch, stride_ksh, H, D, BLOCK_H, BLOCK_D)
+            _quant_write_heads(v_ptr, vc_ptr, vs_ptr, tok, i0 * stride_v0 + i1 * stride_v1,
+                               i0 * stride_vs0 + i1 * stride_vs1, stride_vt, stride_vh,
+                               stride_vch, stride_vsh, H, D, BLOCK_H, BLOCK_D)
 
 
 def kv_write_int8_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) -> None:

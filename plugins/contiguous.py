@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numbers
 
-import attrs
 import torch
 import torch.nn.functional as F
 
@@ -21,42 +20,11 @@ from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 
+from .contiguous_graph import ContiguousGraphInputs, ContiguousMeta, DeviceDecodeMeta
 from .contiguous_store import RowStore
 
 
-@attrs.frozen
-class ContiguousMeta:
-    positions: torch.Tensor  # [T] absolute positions
-    rows: list[int]  # cache row of each sequence
-    starts: list[int]  # tokens already cached before this step
-    counts: list[int]  # new tokens this step
-    row_index: torch.Tensor  # [T] row of each new token
-    decode: bool  # every sequence adds exactly one token
-    row_span: slice | None  # rows form one contiguous range (batched decode)
-    # rolling-buffer mode only (None otherwise):
-    slots: torch.Tensor | None = None  # [T] ring column of each new token (pos % W)
-    keep: torch.Tensor | None = None  # [T'] new tokens to write (the last W of each sequence)
-    row_ids: torch.Tensor | None = None  # [B] rows, for gathering when they are not a span
-
-
-@attrs.frozen
-class DeviceDecodeMeta:
-    """Decode metadata as device tensors only, so a CUDA graph can capture the step.
-
-    ``table`` is [4, B] int64 (one host-to-device copy per step): positions, rows,
-    ring/sequence columns, context lengths.
-    """
-
-    table: torch.Tensor
-    positions: torch.Tensor  # [B] views into table
-    rows: torch.Tensor
-    columns: torch.Tensor
-    context_lens: torch.Tensor
-    host: torch.Tensor  # pinned [4, B] staging buffer
-    decode: bool = True
-
-
-class ContiguousCache(KVCache):
+class ContiguousCache(ContiguousGraphInputs, KVCache):
     def __init__(self, spec, max_batch_size, max_seq_len, device, dtype, ops, kv_quantizer=None):
         self.spec, self.ops, self.device = spec, ops, torch.device(device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -163,12 +131,13 @@ class ContiguousCache(KVCache):
             return self._decode_batched(layer, q, meta)
         out = torch.empty_like(q)
         off = 0
-        for row, start, n in zip(meta.rows, meta.starts, meta.counts):
+        for j, (start, n) in enumerate(zip(meta.starts, meta.counts)):
             qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if start == 0 and not self.kv.quant:  # a fresh prompt: its K/V are this step's own
                 kj = k[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
                 vj = v[off:off + n].transpose(0, 1).unsqueeze(0)
             else:  # [1, Hkv, start+n, D] each, in the model dtype
+                row = meta.rows[j]
                 kj, vj = self.kv.load(layer, slice(row, row + 1), slice(0, start + n))
             out[off:off + n] = self._sdpa(qj, kj, vj, start, n)[0].transpose(0, 1)
             off += n
@@ -234,42 +203,6 @@ class ContiguousCache(KVCache):
         mask = (kpos <= qpos) & (kpos > qpos - self.window)  # [n, start-first+n]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                               enable_gqa=True)
-
-    # -- CUDA decode (graph-capturable) -------------------------------------------
-    supports_cuda_graphs = True
-
-    def static_decode_meta(self, batch: int) -> DeviceDecodeMeta:
-        """Metadata tensors for ``batch`` rows (row 0, position 0 until filled)."""
-        host = torch.tensor([[0], [0], [0], [1]], dtype=torch.long).repeat(1, batch)
-        host = host.pin_memory() if self.device.type == "cuda" else host
-        table = host.to(self.device)
-        return DeviceDecodeMeta(table, *table.unbind(0), host=host)
-
-    def prepare_decode_into(self, meta: DeviceDecodeMeta, seq_ids) -> None:
-        """Advance each sequence by one token and fill ``meta`` in place. Padding rows
-        repeat the last live row: they write the same values to the same slot (a benign
-        duplicate) and their outputs are dropped, so no scratch storage is needed."""
-        n = len(seq_ids)
-        self._check_step(seq_ids, [1] * n)
-        host = meta.host
-        cols = []  # one host write per step, not four per sequence
-        for s in seq_ids:
-            pos = self._len[s]
-            self._len[s] = pos + 1
-            cols.append((pos, self._row[s], pos % self.width, pos + 1))
-        host[:, :n] = torch.tensor(cols, dtype=torch.long).T
-        host[:, n:] = host[:, n - 1:n]
-        meta.table.copy_(host, non_blocking=True)
-
-    def _device_decode(self, layer, q, k, v, meta):
-        # cache as paged blocks [R, W, Hkv, D] (int8 scales [R, W, Hkv]): one block per
-        # row, repeated along the table so that position p maps to column p % W
-        self.kv.write(layer, k, v, meta.rows, meta.columns)
-        kview, vview, k_scale, v_scale = self.kv.views(layer)
-        blocks = -(-self.max_seq_len // self.width)
-        tables = meta.rows[:, None].expand(-1, blocks)  # [B, blocks]
-        return self.ops.paged_attention(q, kview, vview, tables, meta.context_lens, self.scale,
-                                        self.window, k_scale, v_scale)
 
     # -- inspection ------------------------------------------------------------
     def _held(self, seq_id) -> int:

@@ -9,7 +9,6 @@ never written (copy-on-write done eagerly, at the fork).
 """
 from __future__ import annotations
 
-import attrs
 import torch
 import torch.nn.functional as F
 
@@ -18,22 +17,10 @@ from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
+from .paged_graph import PagedGraphInputs, PagedMeta
 
 
-@attrs.frozen
-class PagedMeta:
-    positions: torch.Tensor  # [T] absolute positions
-    slot_block: torch.Tensor  # [T] storage block of each new token
-    slot_offset: torch.Tensor  # [T] offset inside it
-    starts: list[int]  # tokens cached before this step
-    counts: list[int]  # new tokens this step
-    tables: list[torch.Tensor]  # per sequence: its storage blocks
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
-    context_lens: torch.Tensor  # [B] int32, tokens after this step
-    decode: bool  # every sequence adds exactly one token
-
-
-class PagedCache(KVCache):
+class PagedCache(PagedGraphInputs, KVCache):
     def __init__(self, spec, *, max_seq_len, block_size, num_blocks, device, dtype, ops,
                  kv_quantizer=None, storage_blocks=None):
         self.spec, self.ops, self.device, self.dtype = spec, ops, torch.device(device), dtype
@@ -137,47 +124,6 @@ class PagedCache(KVCache):
                                       dtype=torch.int32).to(dev),
                          all(n == 1 for n in counts))
 
-    # -- CUDA-graph decode: static metadata filled in place --------------------------------
-    supports_cuda_graphs = True
-
-    def static_decode_meta(self, batch: int) -> PagedMeta:
-        """Decode metadata for ``batch`` rows; ``prepare_decode_into`` refills it."""
-        width = blocks_for(self.max_seq_len, self.block_size)
-        pin = self.device.type == "cuda"
-        host = (torch.zeros(4, batch, dtype=torch.long, pin_memory=pin),
-                torch.zeros(batch, width, dtype=torch.int32, pin_memory=pin))
-        scalars, tables = host[0].to(self.device), host[1].to(self.device)
-        self._graph_buffers = getattr(self, "_graph_buffers", {})
-        self._graph_buffers[batch] = (*host, scalars)
-        positions, blocks, offsets, lens = scalars.unbind(0)  # views of one [4, B] tensor
-        return PagedMeta(positions, blocks, offsets, [], [], [], tables, lens, True)
-
-    def prepare_decode_into(self, meta: PagedMeta, seq_ids) -> None:
-        """One more token for each sequence (blocks grow as in ``prepare``); rows past
-        the live batch repeat the last one (same slot, same values: benign)."""
-        problem = self._step_problem(seq_ids, [1] * len(seq_ids))
-        if problem:
-            raise CacheFullError(problem)
-        scalars, tables, device_scalars = self._graph_buffers[meta.positions.shape[0]]
-        bs, n = self.block_size, len(seq_ids)
-        for s in seq_ids:
-            if blocks_for(self._len[s] + 1, bs) > len(self._tables[s]):
-                self._tables[s] += self.allocator.take(1)
-        self._before_step(seq_ids)
-        cols, rows = [], []  # one host write each per step, not two per sequence
-        width = tables.shape[1]
-        for s in seq_ids:
-            pos, phys = self._len[s], self._physical(self._tables[s])
-            self._len[s] = pos + 1
-            cols.append((pos, phys[pos // bs], pos % bs, pos + 1))
-            rows.append(phys + [0] * (width - len(phys)))  # padded like prepare's tables
-        scalars[:, :n] = torch.tensor(cols, dtype=torch.long).T
-        tables[:n] = torch.tensor(rows, dtype=torch.int32)
-        scalars[:, n:] = scalars[:, n - 1:n]
-        tables[n:] = tables[n - 1]
-        device_scalars.copy_(scalars, non_blocking=True)  # positions, slots, lengths at once
-        meta.block_tables.copy_(tables, non_blocking=True)
-
     def attention(self, layer, q, k, v, meta):
         self._wait(layer)
         kc, vc = self.k[layer], self.v[layer]  # [NB, BS, Hkv, D]
@@ -191,11 +137,11 @@ class PagedCache(KVCache):
                                             self.scale, self.window, ks, vs)
         out = torch.empty_like(q)
         off = 0
-        for table, start, n in zip(meta.tables, meta.starts, meta.counts):
+        for j, (start, n) in enumerate(zip(meta.starts, meta.counts)):
             if start == 0 and not self.quant:  # a fresh prompt: its K/V are this step's own
                 kj, vj = k[off:off + n], v[off:off + n]  # [n, Hkv, D], what was just written
             else:
-                kj, vj = self._gather(layer, table, start + n)  # [L, Hkv, D]
+                kj, vj = self._gather(layer, meta.tables[j], start + n)  # [L, Hkv, D]
             qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             oj = self._sdpa(qj, kj.transpose(0, 1).unsqueeze(0), vj.transpose(0, 1).unsqueeze(0),
                             start, n)

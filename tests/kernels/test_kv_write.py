@@ -54,6 +54,32 @@ def test_kv_write_matches_reference(device, dtype, randn, gen, t, hkv, d, fused,
     assert_exact(v, v0, "v modified")
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_kv_write_skips_rows_with_negative_index(device, dtype, randn, gen, layout):
+    # padding rows of a captured prefill carry idx0 = -1: they must not land anywhere
+    # (not even at index -1, which torch indexing would wrap to the last block)
+    (kc, vc), views = _caches(layout, 2, 16, dtype, device)
+    (kc_ref, vc_ref), ref_views = _caches(layout, 2, 16, dtype, device)
+    n0, n1 = views[0].shape[:2]
+    slots = torch.randperm(n0 * n1, generator=gen)[:7]
+    idx0, idx1 = slots // n1, slots % n1
+    pad = torch.tensor([1, 4, 5])  # rows written nowhere
+    idx0[pad] = -1
+    idx0, idx1 = idx0.to(device), idx1.to(device)
+    k, v = randn(7, 2, 16, dtype=dtype), randn(7, 2, 16, dtype=dtype)
+    kv_write_triton(k, v, *views, idx0, idx1)
+    kv_write_torch(k, v, *ref_views, idx0, idx1)
+    assert_exact(kc, kc_ref, "k_cache")
+    assert_exact(vc, vc_ref, "v_cache")
+    live = idx0 >= 0
+    written = torch.zeros(n0, n1, dtype=torch.bool, device=device)
+    written[idx0[live].long(), idx1[live].long()] = True
+    assert int(written.sum()) == 4
+    for name, view in (("k_cache", views[0]), ("v_cache", views[1])):
+        assert (view[~written] == SENTINEL).all(), f"{name}: a padding row was written"
+    assert_exact(views[0][idx0[live].long(), idx1[live].long()], k[live], "live k rows")
+
+
 def test_kv_write_casts_to_cache_dtype(device, randn, gen):
     # float32 activations into a float16 cache: same rounding as torch's .to()
     (kc, vc), views = _caches("paged", 2, 16, torch.float16, device)

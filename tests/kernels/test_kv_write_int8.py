@@ -52,6 +52,21 @@ def test_kv_write_int8_matches_reference(device, dtype, randn, gen, t, hkv, d, l
         assert views[0][idx0, idx1].abs().amax(-1).le(127).all()
 
 
+def test_kv_write_int8_skips_rows_with_negative_index(device, randn, gen):
+    store, views = _caches("paged", 2, 16, device)
+    store_ref, views_ref = _caches("paged", 2, 16, device)
+    slots = torch.randperm(20, generator=gen)[:6]
+    idx0, idx1 = slots // 4, slots % 4
+    idx0[torch.tensor([0, 3])] = -1  # padding rows: written nowhere
+    idx0, idx1 = idx0.to(device), idx1.to(device)
+    k, v = randn(6, 2, 16), randn(6, 2, 16)
+    kv_write_int8_triton(k, v, *views, idx0, idx1)
+    kv_write_int8_torch(k, v, *views_ref, idx0, idx1)
+    for name, a, b in zip(("k_cache", "v_cache", "k_scale", "v_scale"), store, store_ref):
+        assert_exact(a, b, name)
+    assert int((views[2] != -1).any(-1).sum()) == 4, "exactly the 4 live rows get scales"
+
+
 def test_int8_rounds_ties_to_even_like_torch(device):
     # amax 127 -> scale 1, so x / scale hits the .5 ties exactly
     x = torch.tensor([[[127.0, 2.5, -2.5, 3.5, -3.5, 0.5, -0.5, 1.49]]], device=device)

@@ -1,0 +1,114 @@
+"""Static metadata that lets CUDA graphs capture paged-cache steps.
+
+A captured graph reads its inputs from fixed device buffers; these methods build those
+buffers once per bucket and refill them in place before each replay: decode per
+batch-size bucket, a fresh prompt's prefill per prompt-length bucket.
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+
+from infergraft.core.cache import CacheFullError
+
+from .block_allocator import blocks_for
+
+
+@attrs.frozen
+class PagedMeta:
+    positions: torch.Tensor  # [T] absolute positions
+    slot_block: torch.Tensor  # [T] storage block of each new token (-1: padding, not written)
+    slot_offset: torch.Tensor  # [T] offset inside it
+    starts: list[int]  # tokens cached before this step
+    counts: list[int]  # new tokens this step
+    tables: list[torch.Tensor]  # per sequence: its storage blocks
+    block_tables: torch.Tensor | None  # [B, max_blocks] int32, padded with 0 (decode)
+    context_lens: torch.Tensor | None  # [B] int32, tokens after this step (decode)
+    decode: bool  # every sequence adds exactly one token
+
+
+class PagedGraphInputs:
+    """Mixed into PagedCache (uses its allocator, tables and lengths)."""
+
+    supports_cuda_graphs = True
+
+    # -- decode: one token for each of B sequences ------------------------------------------
+    def static_decode_meta(self, batch: int) -> PagedMeta:
+        """Decode metadata for ``batch`` rows; ``prepare_decode_into`` refills it."""
+        width = blocks_for(self.max_seq_len, self.block_size)
+        pin = self.device.type == "cuda"
+        host = (torch.zeros(4, batch, dtype=torch.long, pin_memory=pin),
+                torch.zeros(batch, width, dtype=torch.int32, pin_memory=pin))
+        scalars, tables = host[0].to(self.device), host[1].to(self.device)
+        self._graph_buffers = getattr(self, "_graph_buffers", {})
+        self._graph_buffers[batch] = (*host, scalars)
+        positions, blocks, offsets, lens = scalars.unbind(0)  # views of one [4, B] tensor
+        return PagedMeta(positions, blocks, offsets, [], [], [], tables, lens, True)
+
+    def prepare_decode_into(self, meta: PagedMeta, seq_ids) -> None:
+        """One more token for each sequence (blocks grow as in ``prepare``); rows past
+        the live batch repeat the last one (same slot, same values: benign)."""
+        problem = self._step_problem(seq_ids, [1] * len(seq_ids))
+        if problem:
+            raise CacheFullError(problem)
+        scalars, tables, device_scalars = self._graph_buffers[meta.positions.shape[0]]
+        bs, n = self.block_size, len(seq_ids)
+        for s in seq_ids:
+            if blocks_for(self._len[s] + 1, bs) > len(self._tables[s]):
+                self._tables[s] += self.allocator.take(1)
+        self._before_step(seq_ids)
+        cols, rows = [], []  # one host write each per step, not two per sequence
+        width = tables.shape[1]
+        for s in seq_ids:
+            pos, phys = self._len[s], self._physical(self._tables[s])
+            self._len[s] = pos + 1
+            cols.append((pos, phys[pos // bs], pos % bs, pos + 1))
+            rows.append(phys + [0] * (width - len(phys)))  # padded like prepare's tables
+        scalars[:, :n] = torch.tensor(cols, dtype=torch.long).T
+        tables[:n] = torch.tensor(rows, dtype=torch.int32)
+        scalars[:, n:] = scalars[:, n - 1:n]
+        tables[n:] = tables[n - 1]
+        device_scalars.copy_(scalars, non_blocking=True)  # positions, slots, lengths at once
+        meta.block_tables.copy_(tables, non_blocking=True)
+
+    # -- prefill: one fresh prompt, padded to its length bucket -------------------------------
+    @property
+    def supports_prefill_graphs(self) -> bool:
+        # int8 K/V: a prefill attends over the dequantised cache (a gather sized per prompt)
+        return not self.quant
+
+    def static_prefill_meta(self, length: int) -> PagedMeta:
+        """Metadata of a fresh prompt padded to ``length`` tokens; every row starts as
+        padding (block -1: its K/V are written nowhere) until ``prepare_prefill_into``."""
+        pin = self.device.type == "cuda"
+        host = torch.full((2, length), -1, dtype=torch.long, pin_memory=pin)
+        slots = host.to(self.device)
+        self._prefill_buffers = getattr(self, "_prefill_buffers", {})
+        self._prefill_buffers[length] = (host, slots)
+        positions = torch.arange(length, device=self.device)  # padding continues the prompt
+        blocks, offsets = slots.unbind(0)
+        # causal attention keeps the real rows (which come first) blind to the padding
+        return PagedMeta(positions, blocks, offsets, [0], [length], [], None, None, False)
+
+    def prepare_prefill_into(self, meta: PagedMeta, seq_id, n: int) -> None:
+        """Sequence ``seq_id`` (allocated, still empty) takes its first ``n`` tokens
+        through ``meta``; rows ``n..`` stay padding."""
+        length = meta.positions.shape[0]
+        if self._len[seq_id] != 0 or not 0 < n <= length:
+            raise ValueError(f"a captured prefill takes a fresh sequence of 1..{length} tokens; "
+                             f"sequence {seq_id!r} holds {self._len[seq_id]}, adding {n}")
+        problem = self._step_problem([seq_id], [n])
+        if problem:
+            raise CacheFullError(problem)
+        bs, table = self.block_size, self._tables[seq_id]
+        grow = blocks_for(n, bs) - len(table)
+        if grow > 0:
+            table += self.allocator.take(grow)
+        self._len[seq_id] = n
+        self._before_step([seq_id])
+        host, slots = self._prefill_buffers[length]
+        pos = torch.arange(n)
+        host[0, :n] = torch.tensor(self._physical(table), dtype=torch.long)[pos // bs]
+        host[1, :n] = pos % bs
+        host[:, n:] = -1
+        slots.copy_(host, non_blocking=True)

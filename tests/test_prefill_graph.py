@@ -1,0 +1,152 @@
+"""A fresh prompt's prefill through the captured-graph path (core/prefill_graph.py).
+
+Run eagerly on the CPU through the runner's static, padded buffers (``use_graphs=False``):
+the padded prefill must give the plain engine's logits, K/V and greedy tokens, write
+nothing for its padding rows (another sequence's cache stays as it was), and leave
+batched, resumed or over-long prefills to the eager path.
+"""
+import pytest
+import torch
+
+from infergraft import core
+from infergraft.core.errors import PlanError
+from infergraft.core.prefill_graph import PrefillGraphRunner
+from infergraft.core.request import SamplingParams
+from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
+                                            tiny_mistral_config)
+
+CFG = tiny_llama_config()
+BUCKETS = (8, 16, 32)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return random_model(CFG, seed=11, scale=5.0)
+
+
+def with_prefill_graphs(hf, backend, max_seq_len=64, batch=2, **kw):
+    engine = core.build(hf, plugins=[backend], max_seq_len=max_seq_len, max_batch_size=batch, **kw)
+    runner = PrefillGraphRunner(engine.model, engine.cache, max_seq_len, buckets=BUCKETS,
+                                use_graphs=False)
+    engine.prefill_graphs = runner
+    return engine, runner
+
+
+def plain(hf, backend, max_seq_len=64, batch=2, **kw):
+    return core.build(hf, plugins=[backend], max_seq_len=max_seq_len, max_batch_size=batch, **kw)
+
+
+def test_buckets_cover_prompts_up_to_max_seq_len(hf):
+    engine = plain(hf, "paged")
+    r = PrefillGraphRunner(engine.model, engine.cache, 20, buckets=BUCKETS, use_graphs=False)
+    assert r.buckets == [8, 16, 20]
+    r = PrefillGraphRunner(engine.model, engine.cache, 64, buckets=BUCKETS, use_graphs=False)
+    assert r.buckets == [8, 16, 32]  # longer prompts run eagerly
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 32])
+def test_padded_prefill_equals_eager(hf, backend, n):
+    prompt = random_prompt(n, CFG.vocab_size, seed=n)
+    engine, runner = with_prefill_graphs(hf, backend)
+    ref = plain(hf, backend)
+    seq, seq_ref = engine.add_request(prompt), ref.add_request(prompt)
+    engine.step(), ref.step()  # the prefill steps
+    assert runner.replays == 1
+    length = runner.buckets[[b >= n for b in runner.buckets].index(True)]
+    assert list(runner.inputs) == [length]
+    torch.testing.assert_close(runner.logits[length], ref_logits(hf, prompt), rtol=1e-4, atol=1e-4)
+    for layer in range(CFG.num_hidden_layers):
+        for got, want in zip(engine.cache.read(seq.id, layer), ref.cache.read(seq_ref.id, layer)):
+            assert got.shape[0] == n
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    while engine.has_unfinished() or ref.has_unfinished():
+        engine.step(), ref.step()
+    assert seq.output_ids == seq_ref.output_ids
+    engine.cache.check_invariants()
+
+
+def ref_logits(hf, prompt):
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, -1:].float()
+
+
+def _k_storage(cache):
+    """Layer 0's K storage: paged [blocks, BS, Hkv, D], contiguous [rows, Hkv, S, D]."""
+    return (cache.k[0] if hasattr(cache, "allocator") else cache.kv.k[0]).clone()
+
+
+def _written(cache, before, seq_id):
+    """Which storage entries changed, as the set of (block) or (row, column) touched."""
+    after = _k_storage(cache)
+    if hasattr(cache, "allocator"):  # paged
+        return {(int(b),) for b in (after != before).flatten(1).any(1).nonzero()}, \
+            {(b,) for b in cache._tables[seq_id]}
+    changed = (after != before).any(-1).any(1).nonzero()  # [*, (row, column)]
+    row, n = cache._row[seq_id], cache.length(seq_id)
+    return {tuple(map(int, rc)) for rc in changed}, {(row, c) for c in range(n)}
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_padding_rows_write_nothing_and_others_are_unchanged(hf, backend):
+    # b's prompt (11 tokens, bucket 16) is prefilled while a is mid-decode: only b's own
+    # slots change, and both outputs match an engine without the graph path
+    a, b = random_prompt(9, CFG.vocab_size, 1), random_prompt(11, CFG.vocab_size, 2)
+    kw = dict(num_blocks=12) if backend == "paged" else {}
+    outs = []
+    for eng in (with_prefill_graphs(hf, backend, **kw)[0], plain(hf, backend, **kw)):
+        sa = eng.add_request(a, SamplingParams(max_new_tokens=12))
+        for _ in range(4):
+            eng.step()
+        before = _k_storage(eng.cache)
+        sb = eng.add_request(b, SamplingParams(max_new_tokens=12))
+        eng.step()  # b's prefill alone (the scheduler prefills before decoding)
+        assert len(sb.output_ids) == 1 and len(sa.output_ids) == 4
+        changed, own = _written(eng.cache, before, sb.id)
+        assert changed and changed <= own, f"wrote outside b's slots: {sorted(changed - own)}"
+        while eng.has_unfinished():
+            eng.step()
+        outs.append((sa.output_ids, sb.output_ids))
+        eng.cache.check_invariants()
+    assert outs[0] == outs[1]
+
+
+def test_batched_and_long_prefills_run_eagerly(hf):
+    engine, runner = with_prefill_graphs(hf, "paged", batch=3)
+    prompts = [random_prompt(n, CFG.vocab_size, n) for n in (4, 6)]
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=3)) for p in prompts]
+    engine.step()  # both admitted in one prefill step
+    assert runner.replays == 0 and all(len(s.output_ids) == 1 for s in seqs)
+    long = engine.add_request(random_prompt(40, CFG.vocab_size, 3),
+                              SamplingParams(max_new_tokens=2))  # > the largest bucket (32)
+    while engine.has_unfinished():
+        engine.step()
+    assert runner.replays == 0 and len(long.output_ids) == 2
+
+
+def test_sliding_window_paged_prefill_equals_eager():
+    cfg = tiny_mistral_config(sliding_window=6)
+    hf = random_model(cfg, seed=3, scale=5.0)
+    prompt = random_prompt(13, cfg.vocab_size, 4)
+    engine, runner = with_prefill_graphs(hf, "paged")
+    got = engine.generate(prompt, max_new_tokens=10)[0].token_ids
+    assert runner.replays == 1
+    assert got == plain(hf, "paged").generate(prompt, max_new_tokens=10)[0].token_ids
+
+
+def test_which_caches_can_capture_a_prefill(hf):
+    supported = PrefillGraphRunner.supported
+    assert supported(plain(hf, "paged").cache) and supported(plain(hf, "contiguous").cache)
+    # int8 K/V: the prefill attends over the dequantised cache, sized by the real length
+    assert not supported(core.build(hf, plugins=["paged", "kv-int8"], max_seq_len=64).cache)
+    assert not supported(core.build(hf, plugins=["kv-int8"], max_seq_len=64).cache)
+    assert not supported(core.build(hf, plugins=["offload"], max_seq_len=64).cache)
+    window = random_model(tiny_mistral_config(sliding_window=6), seed=1)
+    assert not supported(plain(window, "contiguous").cache)  # ring buffer
+    assert supported(plain(window, "paged").cache)
+
+
+def test_prefill_graphs_need_decode_graphs(hf):
+    with pytest.raises(PlanError, match="prefill_graphs=True needs decode CUDA graphs"):
+        core.build(hf, max_seq_len=64, prefill_graphs=True)
+    assert core.build(hf, max_seq_len=64).prefill_graphs is None  # CPU: off by default
