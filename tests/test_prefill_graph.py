@@ -72,8 +72,10 @@ def ref_logits(hf, prompt):
 
 
 def _k_storage(cache):
-    """Layer 0's K storage: paged [blocks, BS, Hkv, D], contiguous [rows, Hkv, S, D]."""
-    return (cache.k[0] if hasattr(cache, "allocator") else cache.kv.k[0]).clone()
+    """The last layer's K storage: paged [blocks, BS, Hkv, D], contiguous [rows, Hkv, S, D].
+    (Not layer 0: there a padding row's K depends only on its token and position, so a
+    stray write would repeat the previous prompt's and go unseen.)"""
+    return (cache.k[-1] if hasattr(cache, "allocator") else cache.kv.k[-1]).clone()
 
 
 def _written(cache, before, seq_id):
