@@ -1,6 +1,7 @@
 """Where a decode step's time goes: ``python -m infergraft.core.bench_profile``.
 
-First one prefill step alone: its wall time and its per-kernel GPU time. Then for each
+First one prefill step alone: its wall time captured in a CUDA graph and run eagerly, and
+the eager step's per-kernel GPU time. Then for each
 batch size: the inter-token time (what TPOT measures), the CUDA-graph replay alone (GPU
 time), the difference (host work the decode pipeline did not hide), and the per-kernel
 GPU time of one decode step from the torch profiler (run eagerly on the graph's static
@@ -54,6 +55,20 @@ def profiled(fn, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def prefill_wall_ms(engine, prompt, params, runs: int = 6) -> list[float]:
+    """Wall time of one prefill step alone (synchronised), ``runs`` times."""
+    times = []
+    for _ in range(runs):
+        seq = engine.add_request(prompt, params)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+        engine.scheduler.abort([seq])
+    return times
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="llama2-7b")
@@ -67,20 +82,16 @@ def main(argv=None) -> int:
     runner = engine.graph_runner
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     prompt = random_prompts(1, args.prompt_len, engine.spec.vocab_size, seed=99)[0]
-    ttft = []
-    for _ in range(6):  # one prefill step alone (the first is a warm-up)
-        seq = engine.add_request(prompt, params)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        ttft.append((time.perf_counter() - t) * 1e3)
-        engine.scheduler.abort([seq])
-    print(f"prefill of {args.prompt_len} tokens: {', '.join(f'{t:.1f}' for t in ttft)} ms "
-          "(wall, one step)", flush=True)
-    seq = engine.add_request(prompt, params)  # the same step's GPU time, kernel by kernel
+    graphs = engine.prefill_graphs
+    for label, prefill in (("captured", graphs), ("eager", None)):
+        engine.prefill_graphs = prefill
+        print(f"prefill of {args.prompt_len} tokens, {label}: "
+              f"{', '.join(f'{t:.1f}' for t in prefill_wall_ms(engine, prompt, params))} ms "
+              "(wall, one step; the first is a warm-up)", flush=True)
+    seq = engine.add_request(prompt, params)  # the eager step's GPU time, kernel by kernel
     print(profiled(engine.step, top=12), flush=True)
     engine.scheduler.abort([seq])
+    engine.prefill_graphs = graphs
     for bs in batches:
         prompts = random_prompts(bs, args.prompt_len, engine.spec.vocab_size, seed=bs)
         seqs = [engine.add_request(q, params) for q in prompts]

@@ -18,17 +18,24 @@ import torch
 
 D, BLOCK_SIZE, TABLE_TOKENS = 128, 16, 576
 SWEEP = list(itertools.product((32, 64, 128), (4, 8)))  # (BLOCK_N, num_warps)
+WIDE_SWEEP = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4, 5)))  # + num_stages
 L2_BYTES = 256 << 20  # cycle through distinct caches worth this much so replays miss L2
 
 
-def make_inputs(bsz, hq, hkv, context, device, dtype=torch.bfloat16, table_tokens=TABLE_TOKENS):
-    """q, one K/V pool, ``copies`` block tables over disjoint random blocks, lengths."""
+def make_inputs(bsz, hq, hkv, context, device, dtype=torch.bfloat16, table_tokens=TABLE_TOKENS,
+                layout="token"):
+    """q, one K/V pool, ``copies`` block tables over disjoint random blocks, lengths.
+    ``layout`` "token": storage [NB, BS, Hkv, D] (the paged cache's); "head": storage
+    [NB, Hkv, BS, D] passed as the same [NB, BS, Hkv, D] view (one head's block contiguous)."""
     mb = -(-max(table_tokens, context) // BLOCK_SIZE)
     kv_bytes = 2 * bsz * context * hkv * D * torch.finfo(dtype).bits // 8
     copies = max(1, min(128, math.ceil(L2_BYTES / kv_bytes))) if device == "cuda" else 1
     nb = copies * bsz * mb
-    k = torch.randn(nb, BLOCK_SIZE, hkv, D, device=device, dtype=dtype)
-    v = torch.randn(nb, BLOCK_SIZE, hkv, D, device=device, dtype=dtype)
+    shape = (nb, BLOCK_SIZE, hkv, D) if layout == "token" else (nb, hkv, BLOCK_SIZE, D)
+    k = torch.randn(shape, device=device, dtype=dtype)
+    v = torch.randn(shape, device=device, dtype=dtype)
+    if layout == "head":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
     perm = torch.randperm(nb, device=device).to(torch.int32)
     tables = list(perm.view(copies, bsz, mb))
     q = torch.randn(bsz, hq, D, device=device, dtype=dtype)
@@ -36,10 +43,11 @@ def make_inputs(bsz, hq, hkv, context, device, dtype=torch.bfloat16, table_token
     return q, k, v, tables, lens, kv_bytes
 
 
-def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep):
+def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layout="token"):
     from .paged_attention import _sm_count, paged_attention_torch, paged_attention_triton, split_plan
 
-    q, k, v, tables, lens, kv_bytes = make_inputs(bsz, hq, hkv, context, device, dtype)
+    q, k, v, tables, lens, kv_bytes = make_inputs(bsz, hq, hkv, context, device, dtype,
+                                                  layout=layout)
     scale = D ** -0.5
 
     def tbs(**kw):  # TB/s, or None where the config does not compile (shared memory...)
@@ -58,10 +66,11 @@ def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep):
     row = {f"S={s}": tbs(num_splits=s)[0] for s in splits}
     row["auto"], t_auto = tbs()
     best = (None, None)
-    for bn, nw in (SWEEP if sweep else []):
-        bw = tbs(block_n=bn, num_warps=nw)[0]
+    for cfg in (sweep or []):
+        knobs = dict(zip(("block_n", "num_warps", "num_stages"), cfg))
+        bw = tbs(**knobs)[0]
         if bw is not None and (best[0] is None or bw > best[0]):
-            best = (bw, f"N{bn}w{nw}")
+            best = (bw, "".join(f"{tag}{x}" for tag, x in zip(("N", "w", "s"), cfg)))
     ref = paged_attention_torch(q, k, v, tables[0], lens, scale).float()
     err = (paged_attention_triton(q, k, v, tables[0], lens, scale).float() - ref).abs().max().item()
     return row, auto_s, auto_p, t_auto, best, kv_bytes, err
@@ -74,6 +83,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=544)
     p.add_argument("--splits", default="1,2,4,8", help="fixed num_splits (auto is always run)")
     p.add_argument("--no-sweep", action="store_true", help="skip the BLOCK_N x num_warps sweep")
+    p.add_argument("--wide", action="store_true", help="sweep num_warps 2-8 and num_stages 2-5 too")
+    p.add_argument("--layout", default="token", choices=("token", "head"),
+                   help="K/V storage: [NB, BS, Hkv, D] (token) or [NB, Hkv, BS, D] (head)")
     p.add_argument("--dry", action="store_true", help="CPU interpreter, one call per config, no timing")
     a = p.parse_args(argv)
     if a.dry:
@@ -99,14 +111,16 @@ def main(argv=None) -> int:
         bw = copy_bw()
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     splits = [int(s) for s in a.splits.split(",") if s]
+    sweep = None if a.no_sweep else (WIDE_SWEEP if a.wide else SWEEP)
     cols = [f"S={s}" for s in splits] + ["auto"]
-    print(f"{str(dtype)[6:]} D={D} block={BLOCK_SIZE} context={a.context} table={TABLE_TOKENS}; TB/s of K/V read")
+    print(f"{str(dtype)[6:]} D={D} block={BLOCK_SIZE} context={a.context} table={TABLE_TOKENS} "
+          f"layout={a.layout}; TB/s of K/V read")
     print(f"{'Hq/Hkv':>6} {'B':>3} {'KV MB':>6} " + " ".join(f"{c:>6}" for c in cols)
           + f" {'auto S x P':>10} {'auto us':>8} {'%copy':>5} {'best tile':>16} {'max err':>8}")
     for heads, bsz in itertools.product(a.heads.split(","), (int(b) for b in a.batches.split(","))):
         hq, hkv = (int(x) for x in heads.split("/"))
         row, s, plen, t, best, nbytes, err = bench_shape(timer, bsz, hq, hkv, a.context, device,
-                                                         dtype, splits, not a.no_sweep)
+                                                         dtype, splits, sweep, a.layout)
         fmt = lambda x: f"{x:6.2f}" if x is not None else f"{'-':>6}"  # noqa: E731
         pct = f"{100 * nbytes / t / bw:5.0f}" if bw and t else f"{'-':>5}"
         tile = f"{fmt(best[0]).strip()} {best[1]}" if best[0] is not None else "-"

@@ -36,6 +36,19 @@ def test_fp32_llama_gqa_greedy_matches_hf_through_graphs(backend):
 
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_fp32_prefill_graphs_greedy_matches_hf(backend):
+    cfg = tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                            num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
+    hf, engine = _gpu_pair(cfg, backend, max_seq_len=256, max_batch_size=8)
+    runner = engine.prefill_graphs
+    assert runner is not None, "a single prompt's prefill must run under CUDA graphs"
+    for n in (5, 23, 61, 200):  # buckets 16, 32, 64, 256 (padded by 11, 9, 3, 56 rows)
+        p = random_prompt(n, 1024, n)
+        assert engine.generate(p, max_new_tokens=16)[0].token_ids == hf_greedy(hf, p, 16)
+    assert runner.replays == 4 and sorted(runner.graphs) == [16, 32, 64, 256]
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
 def test_fp32_mistral_sliding_window_greedy_matches_hf(backend):
     cfg = tiny_mistral_config(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                               num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
