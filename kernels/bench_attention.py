@@ -62,7 +62,7 @@ def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layo
         return kv_bytes / t / 1e12, t
 
     auto_s, auto_p = split_plan(bsz, hkv, tables[0].shape[1] * BLOCK_SIZE, None,
-                                _sm_count(q.device), 64)
+                                _sm_count(q.device), 32)
     row = {f"S={s}": tbs(num_splits=s)[0] for s in splits}
     row["auto"], t_auto = tbs()
     best = (None, None)

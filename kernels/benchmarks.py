@@ -3,7 +3,7 @@
 Reports achieved bandwidth against a measured device copy, for the decode GEMMs of a
 LLaMA-2-7B-shaped layer (cuBLAS vs the skinny Triton GEMM over a config sweep), and the
 per-kernel cost inside a CUDA graph. ``--wide 32,64`` sweeps the skinny kernel above its
-dispatch limit against cuBLAS.
+dispatch limit against cuBLAS; ``--split 1,8,32`` sweeps split-K for o and down.
 """
 from __future__ import annotations
 
@@ -124,13 +124,46 @@ def sweep_wide(ms, dtype=torch.bfloat16) -> None:
         linear.MAX_SKINNY_M = limit
 
 
+def sweep_split(ms, dtype=torch.bfloat16) -> None:
+    """Split-K partials (``linear_partials``) for the projections an add+RMSNorm follows,
+    against cuBLAS and the unsplit skinny kernel: the best (S, tiles) per (GEMM, M)."""
+    from .linear import linear_partials_triton, skinny_gemm, split_config
+
+    for name in ("o", "down"):
+        n, k = LLAMA7B_GEMMS[name]
+        ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(4)]
+        nbytes = n * k * ws[0].element_size()
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            tb = lambda fn: nbytes / graph_time(fn, replays=5) / 1e12  # noqa: E731
+            it = itertools.cycle(ws)
+            line = (f"{name:5s} M={m:3d}  cuBLAS {tb(lambda: F.linear(x, next(it))):5.2f}  "
+                    f"default {tb(lambda: linear_partials_triton(x, next(it))):5.2f} TB/s "
+                    f"{split_config(m, n, k)}")
+            best = (0, None)
+            for sk, bn, bk, ns in itertools.product((1, 2, 4, 8), (32, 64, 128), (128, 256), (3, 4)):
+                cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,
+                           num_warps=4, num_stages=ns)
+                try:
+                    bw = tb(lambda: skinny_gemm(x, next(it), config=cfg, split_k=sk))
+                except Exception:  # out of shared memory etc.
+                    continue
+                best = max(best, (bw, (sk, cfg)), key=lambda b: b[0])
+            print(f"{line}  best {best[0]:5.2f} TB/s S={best[1][0]} {best[1][1]}", flush=True)
+        del ws
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default="1,8,32,64")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--wide", default=None, help="e.g. 32,64: the skinny kernel above its limit")
+    p.add_argument("--split", default=None, help="e.g. 1,8,32: split-K sweep for o and down")
     a = p.parse_args(argv)
     kernel_gap()
+    if a.split:
+        sweep_split([int(m) for m in a.split.split(",")])
+        return 0
     if a.wide:
         sweep_wide([int(m) for m in a.wide.split(",")])
         return 0

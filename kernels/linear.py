@@ -4,6 +4,11 @@ At decode every weight is read once per step, so the kernel's job is to stream W
 full HBM bandwidth: tiles of W [BLOCK_N, BLOCK_K] go through a software-pipelined
 tl.dot (rows of x are padded to 16, the tensor-core minimum; the waste is free because
 the GEMM is memory-bound). Larger M goes to cuBLAS (F.linear).
+
+Split-K (``linear_partials``): narrow outputs (N = hidden, the o and down projections)
+give too few column tiles to keep every SM streaming, so the K axis is split over S
+programs too and each writes float32 partial sums [S, M, N]. No reduce kernel: the
+add+RMSNorm that follows these projections sums the partials as it loads them.
 """
 import torch
 import torch.nn.functional as F
@@ -21,29 +26,34 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
 if HAVE_TRITON:
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
-                            stride_xm, stride_wn, stride_ym,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT,
+                            stride_xm, stride_wn, stride_ym, stride_ys,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
-        # one program per BLOCK_N output columns; all M rows at once, so W is read once
+        # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
+        # once, so W is read once; split s writes its partial sums to y + s * stride_ys
         pid = tl.program_id(0)
+        split = tl.program_id(1)
+        k_lo = split * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]                # [BM, BK]
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]   # [BN, BK]
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]                # [BM, BK]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]   # [BN, BK]
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
-        for k0 in range(0, K, BLOCK_K):
-            kmask = (k0 + rk) < K
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kmask = (k0 + rk) < k_hi
             x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=(rn[:, None] < N) & kmask[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w))                                       # [BM, BN]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+            if split == 0:  # the bias goes into one split only
+                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + split * stride_ys + rm[:, None] * stride_ym + rn[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -68,19 +78,56 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None)
     return skinny_gemm(x, weight, bias, config)
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None) -> torch.Tensor:
-    """The Triton kernel itself, any float dtype (tests call it directly in float32)."""
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
+                split_k: int = 1) -> torch.Tensor:
+    """The Triton kernel itself, any float dtype (tests call it directly in float32).
+    ``split_k`` > 1: float32 partial sums [S, M, N] (S <= split_k: splits are whole
+    K tiles) whose sum over S is the product; 1: [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k, f"x has K={k} but weight is {tuple(weight.shape)}"
     assert x.dtype == weight.dtype, f"x {x.dtype} != weight {weight.dtype}"
     assert weight.is_contiguous() and (k <= 1 or x.stride(1) == 1), "weight and x rows must be contiguous"
     assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
-    assert 0 < m <= MAX_SKINNY_M, f"skinny GEMM takes 1..{MAX_SKINNY_M} rows, got {m}"
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    limit = MAX_SKINNY_M if split_k == 1 else MAX_PARTIAL_M
+    assert 0 < m <= limit, f"skinny GEMM takes 1..{limit} rows, got {m}"
     cfg = dict(config or skinny_config(m, n, k))
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-    _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k,
-                              x.stride(0), weight.stride(0), y.stride(0),
+    block_k = cfg["BLOCK_K"]
+    k_split = -(-k // split_k // block_k) * block_k if split_k > 1 else max(k, 1)
+    splits = -(-k // k_split) if split_k > 1 else 1
+    if split_k > 1:
+        y = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
+    _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, k_split,
+                              x.stride(0), weight.stride(0), y.stride(-2), m * n,
                               HAS_BIAS=bias is not None, **cfg, **pdl_launch(x.device))
     return y
+
+
+# -- split-K for the projections an add+RMSNorm follows -------------------------------------
+MAX_PARTIAL_M = 64
+
+
+def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
+    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast."""
+    if n > 8192:  # wide outputs already fill the GPU with column tiles
+        return None
+    block_m = max(16, next_pow2(m))
+    return 4, dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+
+
+def linear_partials_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """The reference never splits: [M, N] (consumers accept [M, N] or [S, M, N])."""
+    return F.linear(x, weight, bias)
+
+
+def linear_partials_triton(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x W^T (+ b) as float32 partials [S, M, N] where split-K pays, else as ``linear``.
+    Only for outputs consumed by ``add_rms_norm`` (which sums the partials)."""
+    m, k = x.shape
+    plan = split_config(m, weight.shape[0], k) if x.dtype != torch.float32 else None
+    if plan is None or not 0 < m <= MAX_PARTIAL_M:
+        return linear_triton(x, weight, bias)
+    return skinny_gemm(x, weight, bias, plan[1], split_k=plan[0])

@@ -55,11 +55,12 @@ def test_padded_prefill_equals_eager(hf, backend, n):
     assert runner.replays == 1
     length = runner.buckets[[b >= n for b in runner.buckets].index(True)]
     assert list(runner.inputs) == [length]
-    torch.testing.assert_close(runner.logits[length], ref_logits(hf, prompt), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.logits[length].cpu(), ref_logits(hf, prompt), rtol=1e-4,
+                               atol=1e-4)
     for layer in range(CFG.num_hidden_layers):
         for got, want in zip(engine.cache.read(seq.id, layer), ref.cache.read(seq_ref.id, layer)):
             assert got.shape[0] == n
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-5, atol=1e-5)
     while engine.has_unfinished() or ref.has_unfinished():
         engine.step(), ref.step()
     assert seq.output_ids == seq_ref.output_ids
