@@ -129,19 +129,20 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
     against cuBLAS and the unsplit skinny kernel: the best (S, tiles) per (GEMM, M)."""
     from .linear import linear_partials_triton, skinny_gemm, split_config
 
-    for name in ("o", "down"):
+    for name in ("o", "down", "qkv", "gate_up"):  # the last two: unsplit only (no norm follows)
         n, k = LLAMA7B_GEMMS[name]
+        splits = (1, 2, 4, 8) if name in ("o", "down") else (1,)
         ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(4)]
         nbytes = n * k * ws[0].element_size()
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             tb = lambda fn: nbytes / graph_time(fn, replays=5) / 1e12  # noqa: E731
             it = itertools.cycle(ws)
-            line = (f"{name:5s} M={m:3d}  cuBLAS {tb(lambda: F.linear(x, next(it))):5.2f}  "
+            line = (f"{name:7s} M={m:3d}  cuBLAS {tb(lambda: F.linear(x, next(it))):5.2f}  "
                     f"default {tb(lambda: linear_partials_triton(x, next(it))):5.2f} TB/s "
                     f"{split_config(m, n, k)}")
             best = (0, None)
-            for sk, bn, bk, ns in itertools.product((1, 2, 4, 8), (32, 64, 128), (128, 256), (3, 4)):
+            for sk, bn, bk, ns in itertools.product(splits, (32, 64, 128), (64, 128, 256), (3, 4)):
                 cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,
                            num_warps=4, num_stages=ns)
                 try:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 
 MAX_SKINNY_M = 16  # above this cuBLAS streams the weights as fast (H200 sweep)
+MAX_ROWS = 64  # what the kernel takes (split-K partials use it up to here)
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -89,8 +90,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
     assert x.dtype == weight.dtype, f"x {x.dtype} != weight {weight.dtype}"
     assert weight.is_contiguous() and (k <= 1 or x.stride(1) == 1), "weight and x rows must be contiguous"
     assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
-    limit = MAX_SKINNY_M if split_k == 1 else MAX_PARTIAL_M
-    assert 0 < m <= limit, f"skinny GEMM takes 1..{limit} rows, got {m}"
+    assert 0 < m <= MAX_ROWS, f"skinny GEMM takes 1..{MAX_ROWS} rows, got {m}"
     cfg = dict(config or skinny_config(m, n, k))
     block_k = cfg["BLOCK_K"]
     k_split = -(-k // split_k // block_k) * block_k if split_k > 1 else max(k, 1)
@@ -107,15 +107,21 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
 
 
 # -- split-K for the projections an add+RMSNorm follows -------------------------------------
-MAX_PARTIAL_M = 64
 
 
 def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
-    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast."""
+    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast.
+    From ``kernels/benchmarks.py --split 1,8,32`` on an H200 (bf16; TB/s of weights):
+    o 4096x4096 at M=1 3.33 (unsplit skinny 2.93, cuBLAS 2.42), at M=32 2.96 (cuBLAS
+    2.36); down 4096x11008 at M=1 3.87 (unsplit 3.69), at M=32 3.57 (cuBLAS 3.21)."""
     if n > 8192:  # wide outputs already fill the GPU with column tiles
         return None
     block_m = max(16, next_pow2(m))
-    return 4, dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    if m <= 16:
+        return 4, dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    if k <= 4096:
+        return 2, dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    return 4, dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
 def linear_partials_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -128,6 +134,6 @@ def linear_partials_triton(x: torch.Tensor, weight: torch.Tensor, bias=None) -> 
     Only for outputs consumed by ``add_rms_norm`` (which sums the partials)."""
     m, k = x.shape
     plan = split_config(m, weight.shape[0], k) if x.dtype != torch.float32 else None
-    if plan is None or not 0 < m <= MAX_PARTIAL_M:
+    if plan is None or not 0 < m <= MAX_ROWS:
         return linear_triton(x, weight, bias)
     return skinny_gemm(x, weight, bias, plan[1], split_k=plan[0])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from infergraft.kernels.linear import (MAX_PARTIAL_M, MAX_SKINNY_M, linear_partials_triton,
+from infergraft.kernels.linear import (MAX_ROWS, MAX_SKINNY_M, linear_partials_triton,
                                       linear_torch, linear_triton, skinny_gemm)
 
 from .tolerances import assert_close
@@ -49,10 +49,10 @@ def test_split_k_partials_sum_to_the_product(device, dtype, randn, poisoned_empt
 
 def test_linear_partials_routes(device, randn):
     w = randn(64, 256, dtype=torch.float16)
-    for m in (1, MAX_PARTIAL_M):  # narrow N, 16-bit, few rows: split-K partials
+    for m in (1, MAX_ROWS):  # narrow N, 16-bit, few rows: split-K partials
         out = linear_partials_triton(randn(m, 256, dtype=torch.float16), w)
         assert out.dim() == 3 and out.dtype == torch.float32 and out.shape[1:] == (m, 64)
-    assert linear_partials_triton(randn(MAX_PARTIAL_M + 1, 256, dtype=torch.float16), w).dim() == 2
+    assert linear_partials_triton(randn(MAX_ROWS + 1, 256, dtype=torch.float16), w).dim() == 2
     assert linear_partials_triton(randn(2, 256), w.float()).dim() == 2  # float32: cuBLAS
 
 
@@ -67,4 +67,4 @@ def test_skinny_gemm_rejects_bad_shapes(device, randn):
     with pytest.raises(AssertionError, match="K=8"):
         skinny_gemm(randn(2, 8), randn(4, 9))
     with pytest.raises(AssertionError, match="rows"):
-        skinny_gemm(randn(MAX_SKINNY_M + 1, 8), randn(4, 8))
+        skinny_gemm(randn(MAX_ROWS + 1, 8), randn(4, 8))
