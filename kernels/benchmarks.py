@@ -2,8 +2,8 @@
 
 Reports achieved bandwidth against a measured device copy, for the decode GEMMs of a
 LLaMA-2-7B-shaped layer (cuBLAS vs the skinny Triton GEMM over a config sweep), and the
-per-kernel cost inside a CUDA graph. ``--wide 32,64`` sweeps the skinny kernel above its
-dispatch limit against cuBLAS; ``--split 1,8,32`` sweeps split-K for o and down.
+per-kernel cost inside a CUDA graph. ``--split 1,32,64`` sweeps split-K (o, down) and the
+unsplit kernel (qkv, gate_up) at those row counts against cuBLAS.
 """
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def sweep_linear(ms, dtype=torch.bfloat16, sweep=True):
             ref = F.linear(x, ws[0]).float()
             err = (linear_triton(x, ws[0]).float() - ref).norm() / ref.norm()
             line = (f"{name:8s} M={m:3d}  cuBLAS {nbytes / t_cublas / 1e12:5.2f} TB/s  "
-                    f"triton(default {skinny_config(m, n, k)['BLOCK_N']}x"
-                    f"{skinny_config(m, n, k)['BLOCK_K']}) {nbytes / t_def / 1e12:5.2f} TB/s "
+                    f"triton(default {skinny_config(m, n, k)[1]['BLOCK_N']}x"
+                    f"{skinny_config(m, n, k)[1]['BLOCK_K']}) {nbytes / t_def / 1e12:5.2f} TB/s "
                     f"err {err:.1e}")
             if sweep and m == 1:
                 best = (0, None)
@@ -96,40 +96,12 @@ def kernel_gap() -> None:
     print(f"tiny kernel in a CUDA graph: {t * 1e6:.2f} us each")
 
 
-def sweep_wide(ms, dtype=torch.bfloat16) -> None:
-    """The skinny kernel beyond its dispatch limit (M > MAX_SKINNY_M) against cuBLAS."""
-    from . import linear
-
-    limit, linear.MAX_SKINNY_M = linear.MAX_SKINNY_M, max(ms)
-    try:
-        for name, (n, k) in LLAMA7B_GEMMS.items():
-            ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(4)]
-            nbytes = n * k * ws[0].element_size()
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=dtype)
-                it = itertools.cycle(ws)
-                line = f"{name:8s} M={m:3d}  cuBLAS {nbytes / graph_time(lambda: F.linear(x, next(it))) / 1e12:5.2f} TB/s"
-                best = (0, None)
-                for bn, bk, ns in itertools.product((32, 64), (64, 128), (3, 4)):
-                    cfg = dict(BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=ns)
-                    try:
-                        it = itertools.cycle(ws)
-                        t = graph_time(lambda: linear.skinny_gemm(x, next(it), config=cfg), replays=5)
-                    except Exception:  # out of shared memory etc.
-                        continue
-                    best = max(best, (nbytes / t, cfg), key=lambda b: b[0])
-                print(f"{line}  skinny best {best[0] / 1e12:5.2f} TB/s {best[1]}", flush=True)
-            del ws
-    finally:
-        linear.MAX_SKINNY_M = limit
-
-
 def sweep_split(ms, dtype=torch.bfloat16) -> None:
-    """Split-K partials (``linear_partials``) for the projections an add+RMSNorm follows,
-    against cuBLAS and the unsplit skinny kernel: the best (S, tiles) per (GEMM, M)."""
-    from .linear import linear_partials_triton, skinny_gemm, split_config
+    """Split-K skinny GEMMs against cuBLAS and the default dispatch: the best (S, tiles)
+    per (GEMM, M); qkv and gate_up (wide N) unsplit only."""
+    from .linear import linear_triton, skinny_config, skinny_gemm
 
-    for name in ("o", "down", "qkv", "gate_up"):  # the last two: unsplit only (no norm follows)
+    for name in ("o", "down", "qkv", "gate_up"):
         n, k = LLAMA7B_GEMMS[name]
         splits = (1, 2, 4, 8) if name in ("o", "down") else (1,)
         ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(4)]
@@ -139,8 +111,8 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
             tb = lambda fn: nbytes / graph_time(fn, replays=5) / 1e12  # noqa: E731
             it = itertools.cycle(ws)
             line = (f"{name:7s} M={m:3d}  cuBLAS {tb(lambda: F.linear(x, next(it))):5.2f}  "
-                    f"default {tb(lambda: linear_partials_triton(x, next(it))):5.2f} TB/s "
-                    f"{split_config(m, n, k)}")
+                    f"default {tb(lambda: linear_triton(x, next(it))):5.2f} TB/s "
+                    f"{skinny_config(m, n, k)}")
             best = (0, None)
             for sk, bn, bk, ns in itertools.product(splits, (32, 64, 128), (64, 128, 256), (3, 4)):
                 cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,
@@ -158,15 +130,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default="1,8,32,64")
     p.add_argument("--no-sweep", action="store_true")
-    p.add_argument("--wide", default=None, help="e.g. 32,64: the skinny kernel above its limit")
     p.add_argument("--split", default=None, help="e.g. 1,8,32: split-K sweep for o and down")
     a = p.parse_args(argv)
     kernel_gap()
     if a.split:
         sweep_split([int(m) for m in a.split.split(",")])
-        return 0
-    if a.wide:
-        sweep_wide([int(m) for m in a.wide.split(",")])
         return 0
     sweep_linear([int(m) for m in a.m.split(",")], sweep=not a.no_sweep)
     return 0
