@@ -14,11 +14,13 @@ from .spec import ModelSpec
 
 
 class Linear(nn.Module):
-    """y = x W^T + b (skinny Triton GEMM at decode on CUDA). Quantisers replace the module."""
+    """y = x W^T + b (skinny Triton GEMM at decode on CUDA). Quantisers replace the module.
+    ``partials``: the output feeds an add+RMSNorm, so it may come as split-K float32
+    partial sums [S, T, N] that the norm adds up (kernels/linear.py)."""
 
-    def __init__(self, ops):
+    def __init__(self, ops, partials: bool = False):
         super().__init__()
-        self.linear = ops.linear
+        self.linear = ops.linear_partials if partials else ops.linear
         self.register_buffer("weight", None)
         self.register_buffer("bias", None)
 
@@ -51,14 +53,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.spec, self.ops = spec, ops
         self.attn_norm = Norm(spec.norm, spec.norm_eps, ops)
+        partials = spec.norm == "rms"  # o and down feed an add+RMSNorm
         self.qkv = Linear(ops)
-        self.o = Linear(ops)
+        self.o = Linear(ops, partials)
         self.mlp_norm = Norm(spec.norm, spec.norm_eps, ops)
         if spec.gated_mlp:
             self.gate_up = Linear(ops)
         else:
             self.fc_in = Linear(ops)
-        self.down = Linear(ops)
+        self.down = Linear(ops, partials)
 
     def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
         s = self.spec
@@ -71,13 +74,13 @@ class DecoderLayer(nn.Module):
         if rope is not None:
             q, k = self.ops.rotary(q, k, rope[0], rope[1], positions)
         attn = cache.attention(layer_idx, q, k, v, meta)  # [T, Hq, D]
-        h = self.o(attn.reshape(t, s.q_size))
+        h = self.o(attn.reshape(t, s.q_size))  # [T, H] or partials [S, T, H]
         x, residual = self.mlp_norm(h, residual)
         if s.gated_mlp:
             x = self.ops.silu_mul(self.gate_up(x))  # [T, 2I] -> [T, I]
         else:
             x = self.ops.gelu(self.fc_in(x), s.activation)
-        return self.down(x), residual
+        return self.down(x), residual  # [T, H] or partials [S, T, H]
 
 
 class DecoderModel(nn.Module):
@@ -112,7 +115,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
         if logits_index is not None:  # only the rows we sample from
-            h, residual = h[logits_index], residual[logits_index]
+            h, residual = h[..., logits_index, :], residual[logits_index]
         x, _ = self.final_norm(h, residual)
         return F.linear(x, self.lm_head_weight).float()  # [n, V]
 

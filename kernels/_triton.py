@@ -18,10 +18,16 @@ if HAVE_TRITON:
 
     @triton.jit
     def load_row_add_residual(x_ptr, r_ptr, h_ptr, row, stride_x, stride_r, stride_h, cols,
-                              mask, HAS_RESIDUAL: tl.constexpr):
-        """Row ``row`` of x, plus the residual when given (then also stored to h), in x's
-        dtype: the prologue every pre-norm kernel (RMSNorm, LayerNorm) shares."""
+                              mask, HAS_RESIDUAL: tl.constexpr, NSPLIT: tl.constexpr = 1,
+                              stride_s=0):
+        """Row ``row`` of x, plus the residual when given (then also stored to h), in the
+        residual's dtype: the prologue every pre-norm kernel (RMSNorm, LayerNorm) shares.
+        NSPLIT > 1: x is float32 partial sums ``x_ptr + s * stride_s`` of a split-K GEMM,
+        added in order and rounded (what the unsplit GEMM would have stored)."""
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, NSPLIT):
+            x += tl.load(x_ptr + s * stride_s + row * stride_x + cols, mask=mask, other=0.0)
+        x = x.to(r_ptr.dtype.element_ty)  # partials: rounded once summed; else a no-op
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
             # h is rounded to the input dtype first, like `x + residual` in torch
@@ -69,25 +75,27 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def norm_buffers(x, residual, weight):
+def norm_buffers(x, residual, weight, x_dtype=None):
     """Outputs of a row-norm launcher (one program per row): returns (out, h, r, block).
 
     ``out`` has the dtype of ``weight * x`` like the references; ``h`` receives
     x + residual (``out`` itself when there is no residual, never written); ``r`` is what
-    the kernel reads as the residual.
+    the kernel reads as the residual. ``x_dtype``: x's dtype once its split-K partials
+    are summed (x itself is then one float32 partial).
     """
     n, h = x.shape
+    x_dtype = x_dtype or x.dtype
     block = next_pow2(h)
     assert block <= 65536, f"hidden size {h} too large for a one-block row"
-    out = torch.empty((n, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty((n, h), dtype=torch.promote_types(x_dtype, weight.dtype), device=x.device)
     if residual is None:
         return out, out, x, block
     assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
-    assert residual.dtype == x.dtype, f"residual dtype {residual.dtype} != x dtype {x.dtype}"
+    assert residual.dtype == x_dtype, f"residual dtype {residual.dtype} != x dtype {x_dtype}"
     assert residual.device == x.device, f"residual on {residual.device} but x on {x.device}"
     assert h <= 1 or residual.stride(1) == 1, \
         f"residual must be contiguous in its last dim, strides {residual.stride()}"
-    return out, torch.empty((n, h), dtype=x.dtype, device=x.device), residual, block
+    return out, torch.empty((n, h), dtype=x_dtype, device=x.device), residual, block
 
 
 def row_chunk_launch(rows: int, width: int) -> tuple[tuple[int, int], dict]:

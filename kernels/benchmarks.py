@@ -70,8 +70,8 @@ def sweep_linear(ms, dtype=torch.bfloat16, sweep=True):
             ref = F.linear(x, ws[0]).float()
             err = (linear_triton(x, ws[0]).float() - ref).norm() / ref.norm()
             line = (f"{name:8s} M={m:3d}  cuBLAS {nbytes / t_cublas / 1e12:5.2f} TB/s  "
-                    f"triton(default {skinny_config(m, n, k)[1]['BLOCK_N']}x"
-                    f"{skinny_config(m, n, k)[1]['BLOCK_K']}) {nbytes / t_def / 1e12:5.2f} TB/s "
+                    f"triton(default {skinny_config(m, n, k)['BLOCK_N']}x"
+                    f"{skinny_config(m, n, k)['BLOCK_K']}) {nbytes / t_def / 1e12:5.2f} TB/s "
                     f"err {err:.1e}")
             if sweep and m == 1:
                 best = (0, None)
@@ -97,11 +97,11 @@ def kernel_gap() -> None:
 
 
 def sweep_split(ms, dtype=torch.bfloat16) -> None:
-    """Split-K skinny GEMMs against cuBLAS and the default dispatch: the best (S, tiles)
-    per (GEMM, M); qkv and gate_up (wide N) unsplit only."""
-    from .linear import linear_triton, skinny_config, skinny_gemm
+    """Split-K partials (``linear_partials``) for the projections an add+RMSNorm follows,
+    against cuBLAS and the unsplit skinny kernel: the best (S, tiles) per (GEMM, M)."""
+    from .linear import linear_partials_triton, skinny_gemm, split_config
 
-    for name in ("o", "down", "qkv", "gate_up"):
+    for name in ("o", "down", "qkv", "gate_up"):  # the last two: unsplit only (no norm follows)
         n, k = LLAMA7B_GEMMS[name]
         splits = (1, 2, 4, 8) if name in ("o", "down") else (1,)
         ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(4)]
@@ -111,8 +111,8 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
             tb = lambda fn: nbytes / graph_time(fn, replays=5) / 1e12  # noqa: E731
             it = itertools.cycle(ws)
             line = (f"{name:7s} M={m:3d}  cuBLAS {tb(lambda: F.linear(x, next(it))):5.2f}  "
-                    f"default {tb(lambda: linear_triton(x, next(it))):5.2f} TB/s "
-                    f"{skinny_config(m, n, k)}")
+                    f"default {tb(lambda: linear_partials_triton(x, next(it))):5.2f} TB/s "
+                    f"{split_config(m, n, k)}")
             best = (0, None)
             for sk, bn, bk, ns in itertools.product(splits, (32, 64, 128), (64, 128, 256), (3, 4)):
                 cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,

@@ -22,6 +22,7 @@ OPS = {
     "silu_mul": "silu_mul",
     "kv_write": "kv_write",
     "linear": "linear",
+    "linear_partials": "linear",
     "layer_norm": "layer_norm",
     "add_layer_norm": "layer_norm",
     "gelu": "gelu",

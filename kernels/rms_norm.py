@@ -1,4 +1,9 @@
-"""RMSNorm, optionally fused with the residual add (LLaMA-style pre-norm)."""
+"""RMSNorm, optionally fused with the residual add (LLaMA-style pre-norm).
+
+``add_rms_norm`` also takes x as float32 partial sums [S, N, H] of a split-K GEMM
+(``linear_partials``): it adds them up in order, rounds to the residual's dtype, then
+adds the residual, so the split costs no reduce kernel of its own.
+"""
 import torch
 
 from ._triton import (HAVE_TRITON, load_row_add_residual, norm_buffers, pdl_enter, pdl_launch,
@@ -12,9 +17,20 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(x.dtype)
 
 
+def sum_partials(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[S, N, H] float32 partials -> [N, H] in ``dtype``, added in split order like the
+    kernel; [N, H] passes through."""
+    if x.dim() == 2:
+        return x
+    total = x[0]
+    for part in x[1:]:
+        total = total + part
+    return total.to(dtype)
+
+
 def add_rms_norm_torch(x, residual, weight, eps):
-    """h = x + residual; returns (rms_norm(h) * weight, h)."""
-    h = x + residual
+    """h = x + residual; returns (rms_norm(h) * weight, h). x may be split-K partials."""
+    h = sum_partials(x, residual.dtype) + residual
     return rms_norm_torch(h, weight, eps), h
 
 
@@ -23,16 +39,17 @@ if HAVE_TRITON:
     @triton.jit
     def _rms_norm_kernel(
         x_ptr, r_ptr, w_ptr, out_ptr, h_ptr,
-        stride_x, stride_r, stride_out, stride_h,
+        stride_x, stride_r, stride_out, stride_h, stride_s,
         H, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        HAS_RESIDUAL: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
+        PDL: tl.constexpr):
         pdl_enter(PDL)
         # One program per row; the whole row [BLOCK_H] lives in registers.
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may exceed 2**31
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
         x = load_row_add_residual(x_ptr, r_ptr, h_ptr, row, stride_x, stride_r, stride_h,
-                                  cols, mask, HAS_RESIDUAL)
+                                  cols, mask, HAS_RESIDUAL, NSPLIT, stride_s)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / H
         rstd = 1.0 / tl.sqrt(var + eps)
@@ -49,6 +66,12 @@ def _num_warps(block: int) -> int:
 
 
 def _launch(x, residual, weight, eps):
+    parts, x_dtype = 1, None
+    if x.dim() == 3:  # split-K partials [S, N, H] float32, summed by the kernel
+        assert residual is not None and x.dtype == torch.float32, \
+            "x as [S, N, H] partial sums must be float32 and come with a residual"
+        parts, x_dtype, partials = x.shape[0], residual.dtype, x
+        x = x[0]
     assert x.dim() == 2, f"x must be [N, H], got shape {tuple(x.shape)}"
     n, h = x.shape
     assert weight.shape == (h,), f"weight must be [{h}], got {tuple(weight.shape)}"
@@ -56,14 +79,15 @@ def _launch(x, residual, weight, eps):
     assert x.is_floating_point() and weight.is_floating_point(), "x and weight must be floating point"
     assert h <= 1 or x.stride(1) == 1, f"x must be contiguous in its last dim, strides {x.stride()}"
     assert weight.stride(0) == 1 or h <= 1, "weight must be contiguous"
-    out, hbuf, r, block = norm_buffers(x, residual, weight)
+    out, hbuf, r, block = norm_buffers(x, residual, weight, x_dtype)
     if n == 0 or h == 0:
         return out, hbuf
     _rms_norm_kernel[(n,)](
         x, r, weight, out, hbuf,
         x.stride(0), r.stride(0), out.stride(0), hbuf.stride(0),
-        h, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK_H=block, num_warps=_num_warps(block),
+        partials.stride(0) if parts > 1 else 0, h, float(eps),
+        HAS_RESIDUAL=residual is not None, NSPLIT=parts, BLOCK_H=block,
+        num_warps=_num_warps(block),
         **pdl_launch(x.device))
     return out, hbuf
 

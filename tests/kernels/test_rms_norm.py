@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from infergraft.kernels.rms_norm import (add_rms_norm_torch, add_rms_norm_triton,
-                                         rms_norm_torch, rms_norm_triton)
+                                         rms_norm_torch, rms_norm_triton, sum_partials)
 
 from .tolerances import assert_close, assert_exact
 
@@ -45,6 +45,25 @@ def test_add_rms_norm_matches_reference(device, dtype, randn, poisoned_empty, n,
     assert hid.data_ptr() not in (x.data_ptr(), res.data_ptr())
     assert_exact(x, x0, "x modified")
     assert_exact(res, res0, "residual modified")
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+@pytest.mark.parametrize("n,h", [(1, 64), (5, 576)])
+def test_add_rms_norm_sums_split_k_partials(device, dtype, randn, poisoned_empty, parts, n, h):
+    # x as float32 partial sums [S, N, H] of a split-K GEMM: added in order, rounded to the
+    # residual's dtype, then the residual is added, as if the GEMM had stored its output
+    partials = randn(parts, n, h) * 2
+    res, w = randn(n, h, dtype=dtype), randn(h, dtype=dtype)
+    out, hid = add_rms_norm_triton(partials, res, w, EPS)
+    ref_out, ref_hid = add_rms_norm_torch(partials, res, w, EPS)
+    assert hid.dtype == dtype and out.dtype == dtype and out.shape == (n, h)
+    assert_exact(hid, ref_hid, "h = sum(partials) + residual")
+    assert_close(out, ref_out, f"S={parts} N={n} H={h}")
+    unsplit = add_rms_norm_torch(sum_partials(partials, dtype), res, w, EPS)
+    assert_exact(ref_hid, unsplit[1], "reference: partials == their rounded sum")
+    with pytest.raises(AssertionError, match="float32"):
+        add_rms_norm_triton(partials.to(dtype) if dtype != torch.float32 else partials.double(),
+                            res, w, EPS)
 
 
 def test_rms_norm_float32_weight_promotes_like_reference(device, randn, poisoned_empty):
