@@ -74,12 +74,20 @@ def test_bf16_llama7b_shape_logits_and_first_divergence():
     ids = random_prompt(200, cfg.vocab_size, 1)
     ours16, hf16 = engine.logits(ids), hf_logits(hf, ids)
     tokens16 = engine.generate(ids, max_new_tokens=32)[0].token_ids
+    hf_tokens16 = hf_greedy(hf, ids, 32)
     del engine
     hf.float()
     ref32 = hf_logits(hf, ids)
     err_ours, err_hf = relative_error(ours16, ref32), relative_error(hf16, ref32)
-    first = next((i for i, (a, b) in enumerate(zip(tokens16, hf_greedy(hf, ids, 32))) if a != b), None)
+    tokens32 = hf_greedy(hf, ids, 32)
+    first = next((i for i, (a, b) in enumerate(zip(tokens16, tokens32)) if a != b), None)
+    margin = ""
+    if first is not None:  # how close float32 itself was to our choice there (a near-tie?)
+        ref = hf_logits(hf, ids + tokens32[:first])[-1].float()
+        gap = (ref[tokens32[first]] - ref[tokens16[first]]).item()
+        margin = f" (float32 logit gap there {gap:.3f}, {gap / ref.abs().max().item():.1e} of the largest)"
+    hf_first = next((i for i, (a, b) in enumerate(zip(hf_tokens16, tokens32)) if a != b), None)
     print(f"\n7B bf16 logits vs float32: ours {err_ours:.2e}, HF bf16 {err_hf:.2e}, ours vs HF bf16 "
           f"{relative_error(ours16, hf16):.2e}; greedy vs float32: first divergence at token "
-          f"{first} (None = all 32 equal)")
+          f"{first} (None = all 32 equal){margin}; HF bf16's own: token {hf_first}")
     assert err_ours <= 1.5 * err_hf + 1e-3

@@ -25,7 +25,9 @@ def hf():
 
 
 def with_prefill_graphs(hf, backend, max_seq_len=64, batch=2, **kw):
-    engine = core.build(hf, plugins=[backend], max_seq_len=max_seq_len, max_batch_size=batch, **kw)
+    # no decode graphs (hence no decode pipeline) on a GPU either: steps stay in lockstep
+    engine = core.build(hf, plugins=[backend], max_seq_len=max_seq_len, max_batch_size=batch,
+                        cuda_graphs=False, **kw)
     runner = PrefillGraphRunner(engine.model, engine.cache, max_seq_len, buckets=BUCKETS,
                                 use_graphs=False)
     engine.prefill_graphs = runner
@@ -33,7 +35,8 @@ def with_prefill_graphs(hf, backend, max_seq_len=64, batch=2, **kw):
 
 
 def plain(hf, backend, max_seq_len=64, batch=2, **kw):
-    return core.build(hf, plugins=[backend], max_seq_len=max_seq_len, max_batch_size=batch, **kw)
+    return core.build(hf, plugins=[backend], max_seq_len=max_seq_len, max_batch_size=batch,
+                      cuda_graphs=False, **kw)
 
 
 def test_buckets_cover_prompts_up_to_max_seq_len(hf):
@@ -151,5 +154,5 @@ def test_which_caches_can_capture_a_prefill(hf):
 
 def test_prefill_graphs_need_decode_graphs(hf):
     with pytest.raises(PlanError, match="prefill_graphs=True needs decode CUDA graphs"):
-        core.build(hf, max_seq_len=64, prefill_graphs=True)
-    assert core.build(hf, max_seq_len=64).prefill_graphs is None  # CPU: off by default
+        core.build(hf, max_seq_len=64, cuda_graphs=False, prefill_graphs=True)
+    assert core.build(hf, max_seq_len=64, device="cpu").prefill_graphs is None  # off on CPU
