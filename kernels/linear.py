@@ -10,12 +10,15 @@ give too few column tiles to keep every SM streaming, so the K axis is split ove
 programs too and each writes float32 partial sums [S, M, N]. No reduce kernel: the
 add+RMSNorm that follows these projections sums the partials as it loads them.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 
-MAX_SKINNY_M = 16  # above this cuBLAS streams the weights as fast (H200 sweep)
+# above this many rows cuBLAS streams the weights as fast (H200 sweep); an A/B knob
+MAX_SKINNY_M = int(os.environ.get("INFERGRAFT_SKINNY_MAX_M", "16"))
 MAX_ROWS = 64  # what the kernel takes (split-K partials use it up to here)
 
 
@@ -63,10 +66,12 @@ def skinny_config(m: int, n: int, k: int) -> dict:
     LLaMA-7B decode GEMMs (kernels/benchmarks.py): wide N likes wide tiles, narrow N
     (few programs) likes long K tiles to keep enough bytes in flight per SM."""
     block_m = max(16, next_pow2(m))
-    if n >= 16384:  # gate_up, lm_head: 4.1-4.2 TB/s
-        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    if n >= 16384:  # gate_up, lm_head: 4.1-4.2 TB/s (M=32: 3.85 with 64-wide K tiles)
+        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if m <= 16 else 64, num_warps=4,
+                    num_stages=3 if m <= 16 else 4)
     if n >= 8192:  # fused qkv: 3.8 TB/s
-        return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4,
+                    num_stages=4 if m <= 16 else 3)
     return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=4)  # o, down
 
 
