@@ -122,7 +122,7 @@ def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
     split, partials summed by the norms) 6.71 -> 6.48 ms."""
     if n > 8192:  # wide outputs already fill the GPU with column tiles
         return None
-    if m <= MAX_SKINNY_M:
+    if m <= 16:
         # the GEMM alone gains (o 2.9 -> 3.3 TB/s at M=1), but a single-row norm reading
         # S float32 rows loses as much: the decode step was no faster (4.02 vs 3.99 ms)
         return None
