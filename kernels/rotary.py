@@ -31,10 +31,10 @@ def rotary_torch(q, k, cos, sin, positions):
 if HAVE_TRITON:
 
     @triton.jit
-    def _rotate_heads(x_ptr, o_ptr, tok, stride_t, stride_h, stride_oh, H, D,
-                      c, s, partner, sign, rot, cols, BLOCK_H: tl.constexpr):
-        # x: [H, D] of one token -> o_ptr (this token's output row, heads at stride_oh);
-        # c, s, partner, sign, rot: [BLOCK_D], shared by all heads
+    def _rotate_heads(x_ptr, o_ptr, tok, stride_t, stride_h, H, D,
+                      c, s, partner, sign, rot, cols, BLOCK_H: tl.constexpr,
+                      o_base=-1, stride_oh=0):
+        # x: [H, D] of one token; c, s, partner, sign, rot: [BLOCK_D], shared by all heads
         heads = tl.arange(0, BLOCK_H)
         mask = (heads[:, None] < H) & (cols[None, :] < D)                  # [BLOCK_H, BLOCK_D]
         row = x_ptr + tok * stride_t + heads[:, None] * stride_h
@@ -43,7 +43,10 @@ if HAVE_TRITON:
         xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         out = x * c[None, :] + sign[None, :] * xp * s[None, :]
         out = tl.where(rot[None, :], out, x)  # exact pass-through, even for inf/nan
-        optr = o_ptr + heads[:, None] * stride_oh + cols[None, :]
+        if o_base < 0:  # a contiguous [T, H, D] output
+            optr = o_ptr + (tok * H + heads[:, None]) * D + cols[None, :]
+        else:  # one cache slot: heads at stride_oh
+            optr = o_ptr + o_base + heads[:, None] * stride_oh + cols[None, :]
         tl.store(optr, out.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -71,13 +74,13 @@ if HAVE_TRITON:
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         cols, c, s, partner, sign, rot = _cos_sin(cos_ptr, sin_ptr, pos, stride_cs, HALF, BLOCK_D)
-        _rotate_heads(q_ptr, qo_ptr + tok * HQ * D, tok, stride_qt, stride_qh, D, HQ, D,
+        _rotate_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, HQ, D,
                       c, s, partner, sign, rot, cols, BLOCK_HQ)
         i0 = tl.load(idx0_ptr + tok).to(tl.int64)
         i1 = tl.load(idx1_ptr + tok).to(tl.int64)
         if i0 >= 0:  # negative: a padding row, written nowhere
-            _rotate_heads(k_ptr, kc_ptr + i0 * stride_k0 + i1 * stride_k1, tok, stride_kt,
-                          stride_kh, stride_kch, HKV, D, c, s, partner, sign, rot, cols, BLOCK_HKV)
+            _rotate_heads(k_ptr, kc_ptr, tok, stride_kt, stride_kh, HKV, D, c, s, partner, sign,
+                          rot, cols, BLOCK_HKV, i0 * stride_k0 + i1 * stride_k1, stride_kch)
             heads = tl.arange(0, BLOCK_HKV)[:, None]
             mask = (heads < HKV) & (cols[None, :] < D)
             x = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + cols[None, :], mask=mask)
@@ -95,9 +98,9 @@ if HAVE_TRITON:
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         cols, c, s, partner, sign, rot = _cos_sin(cos_ptr, sin_ptr, pos, stride_cs, HALF, BLOCK_D)
-        _rotate_heads(q_ptr, qo_ptr + tok * HQ * D, tok, stride_qt, stride_qh, D, HQ, D,
-                      c, s, partner, sign, rot, cols, BLOCK_HQ)  # outputs are contiguous
-        _rotate_heads(k_ptr, ko_ptr + tok * HKV * D, tok, stride_kt, stride_kh, D, HKV, D,
+        _rotate_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, HQ, D,
+                      c, s, partner, sign, rot, cols, BLOCK_HQ)
+        _rotate_heads(k_ptr, ko_ptr, tok, stride_kt, stride_kh, HKV, D,
                       c, s, partner, sign, rot, cols, BLOCK_HKV)
 
 
