@@ -114,6 +114,25 @@ class CudaGraphRunner:
         return bs
 
 
+class PinnedStaging:
+    """Two pinned host buffers used in turn for one graph input's host-to-device copies.
+
+    With the decode pipeline the host fills step N+1's inputs while step N's copy may
+    still be queued on the GPU (behind step N-1: a busy or shared GPU makes that window
+    real); one buffer would be overwritten before it is read. The buffer filled next was
+    last read by step N-1's copy, which has run: step N-1's tokens were read first.
+    """
+
+    def __init__(self, like: torch.Tensor, pin: bool):
+        self._buffers = [like.clone().pin_memory() if pin else like.clone() for _ in range(2)]
+        self._turn = 0
+
+    def next(self) -> torch.Tensor:
+        """The buffer to fill now (its previous contents are stale; rewrite all of it)."""
+        self._turn ^= 1
+        return self._buffers[self._turn]
+
+
 class PendingTokens:
     """The greedy tokens of a launched step; ``get`` waits for that step only."""
 

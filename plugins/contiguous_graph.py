@@ -9,6 +9,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from infergraft.core.cuda_graph import PinnedStaging
+
 
 @attrs.frozen
 class ContiguousMeta:
@@ -38,7 +40,7 @@ class DeviceDecodeMeta:
     rows: torch.Tensor
     columns: torch.Tensor
     context_lens: torch.Tensor
-    host: torch.Tensor  # pinned [4, B] staging buffer
+    host: "PinnedStaging"  # pinned [4, B] staging buffers, used in turn
     decode: bool = True
 
 
@@ -50,9 +52,9 @@ class ContiguousGraphInputs:
     def static_decode_meta(self, batch: int) -> DeviceDecodeMeta:
         """Metadata tensors for ``batch`` rows (row 0, position 0 until filled)."""
         host = torch.tensor([[0], [0], [0], [1]], dtype=torch.long).repeat(1, batch)
-        host = host.pin_memory() if self.device.type == "cuda" else host
         table = host.to(self.device)
-        return DeviceDecodeMeta(table, *table.unbind(0), host=host)
+        return DeviceDecodeMeta(table, *table.unbind(0),
+                                host=PinnedStaging(host, self.device.type == "cuda"))
 
     def prepare_decode_into(self, meta: DeviceDecodeMeta, seq_ids) -> None:
         """Advance each sequence by one token and fill ``meta`` in place. Padding rows
@@ -60,7 +62,7 @@ class ContiguousGraphInputs:
         duplicate) and their outputs are dropped, so no scratch storage is needed."""
         n = len(seq_ids)
         self._check_step(seq_ids, [1] * n)
-        host = meta.host
+        host = meta.host.next()  # rewritten in full below
         cols = []  # one host write per step, not four per sequence
         for s in seq_ids:
             pos = self._len[s]

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from infergraft.core.cache import CacheFullError
+from infergraft.core.cuda_graph import PinnedStaging
 
 from .block_allocator import blocks_for
 
@@ -37,11 +38,11 @@ class PagedGraphInputs:
         """Decode metadata for ``batch`` rows; ``prepare_decode_into`` refills it."""
         width = blocks_for(self.max_seq_len, self.block_size)
         pin = self.device.type == "cuda"
-        host = (torch.zeros(4, batch, dtype=torch.long, pin_memory=pin),
-                torch.zeros(batch, width, dtype=torch.int32, pin_memory=pin))
+        host = (torch.zeros(4, batch, dtype=torch.long), torch.zeros(batch, width, dtype=torch.int32))
         scalars, tables = host[0].to(self.device), host[1].to(self.device)
         self._graph_buffers = getattr(self, "_graph_buffers", {})
-        self._graph_buffers[batch] = (*host, scalars)
+        self._graph_buffers[batch] = (PinnedStaging(host[0], pin), PinnedStaging(host[1], pin),
+                                      scalars)
         positions, blocks, offsets, lens = scalars.unbind(0)  # views of one [4, B] tensor
         return PagedMeta(positions, blocks, offsets, [], [], [], tables, lens, True)
 
@@ -51,7 +52,8 @@ class PagedGraphInputs:
         problem = self._step_problem(seq_ids, [1] * len(seq_ids))
         if problem:
             raise CacheFullError(problem)
-        scalars, tables, device_scalars = self._graph_buffers[meta.positions.shape[0]]
+        scalar_staging, table_staging, device_scalars = self._graph_buffers[meta.positions.shape[0]]
+        scalars, tables = scalar_staging.next(), table_staging.next()  # rewritten in full below
         bs, n = self.block_size, len(seq_ids)
         for s in seq_ids:
             if blocks_for(self._len[s] + 1, bs) > len(self._tables[s]):

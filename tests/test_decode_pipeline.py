@@ -5,6 +5,7 @@ Run eagerly on the CPU through the CUDA-graph runner's static buffers
 (EOS, token limit, abort, a new request arriving), and no cache memory may leak.
 """
 import pytest
+import torch
 
 from infergraft import core
 from infergraft.core.cuda_graph import CudaGraphRunner
@@ -87,3 +88,22 @@ def test_sampled_requests_take_the_unpipelined_path(hf):
     want = [c.token_ids for c in plain.generate(prompts, **kw)]
     assert [c.token_ids for c in engine.generate(prompts, **kw)] == want
     assert launches == []
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_decode_metadata_staging_keeps_the_step_in_flight(hf, backend):
+    # with the pipeline the host fills step N+1's metadata while step N's host-to-device
+    # copy may still be queued: the fill must not touch the buffer step N's copy reads
+    engine = core.build(hf, plugins=[backend], max_seq_len=96, max_batch_size=2)
+    cache = engine.cache
+    meta = cache.static_decode_meta(2)
+    for s in ("a", "b"):
+        cache.allocate(s, 4)
+        cache.prepare([s], [3])  # 3 tokens cached
+    staging = cache._graph_buffers[2][0] if backend == "paged" else meta.host
+    cache.prepare_decode_into(meta, ["a", "b"])  # step N: positions 3, 3
+    step_n = staging._buffers[staging._turn].clone()
+    cache.prepare_decode_into(meta, ["a", "b"])  # step N+1: positions 4, 4
+    assert torch.equal(staging._buffers[staging._turn ^ 1], step_n), "step N's staging changed"
+    assert staging._buffers[staging._turn][0].tolist() == [4, 4]
+    assert step_n[0].tolist() == [3, 3]
