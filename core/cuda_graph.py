@@ -89,7 +89,7 @@ class CudaGraphRunner:
         self._flip ^= 1
         host.copy_(self.next_tokens[bs], non_blocking=True)
         event = None
-        if self.use_graphs:
+        if self.device.type == "cuda":  # graphs or not, the copy to host is asynchronous
             event = torch.cuda.Event()
             event.record()
         return PendingTokens(host, len(seq_ids), event)
