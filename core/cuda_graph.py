@@ -16,9 +16,25 @@ inputs are tested on machines without CUDA.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@contextlib.contextmanager
+def no_gc():
+    """No garbage collection while a graph is captured: collecting another engine's dead
+    graph there destroys it mid-capture, which CUDA refuses and the capture fails."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CudaGraphRunner:
@@ -61,7 +77,7 @@ class CudaGraphRunner:
                     self.model(tokens, self.cache, meta)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool), no_gc():
                 logits = self.model(tokens, self.cache, meta)  # [bs, V] float32
                 self.next_tokens[bs] = logits.argmax(-1)  # [bs] greedy choice
             if self.pool is None:

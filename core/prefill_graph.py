@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_graph import no_gc
+
 PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
@@ -79,7 +81,7 @@ class PrefillGraphRunner:
                 self.model(tokens, self.cache, meta, index)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), no_gc():
             self.logits[length] = self.model(tokens, self.cache, meta, index)  # [1, V]
         if self.pool is None:
             self.pool = graph.pool()
