@@ -221,4 +221,4 @@ def _prefill_graphs(net, cache, plan, decode_runner, wanted):
         raise PlanError(f"prefill_graphs=True needs decode CUDA graphs and a cache that can "
                         f"capture a prefill (paged, or contiguous without a sliding window or "
                         f"int8 K/V); got {plan.cache_backend} with kv_dtype={plan.kv_dtype}")
-    return PrefillGraphRunner(net, cache, plan.max_seq_len, pool=decode_runner.pool)
+    return PrefillGraphRunner(net, cache, plan.max_seq_len, share_pool_with=decode_runner)

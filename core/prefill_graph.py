@@ -23,8 +23,13 @@ PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
 
 class PrefillGraphRunner:
     def __init__(self, model, cache, max_seq_len: int, buckets=PREFILL_BUCKETS,
-                 use_graphs: bool = True, pool=None):
-        self.model, self.cache, self.use_graphs, self.pool = model, cache, use_graphs, pool
+                 use_graphs: bool = True, share_pool_with=None):
+        self.model, self.cache, self.use_graphs = model, cache, use_graphs
+        # capture into the decode graphs' memory pool; holding their runner keeps that
+        # pool alive until our first capture takes its own reference (a pool whose graphs
+        # were all freed is gone, and capturing into it fails inside the allocator)
+        self._pool_owner = share_pool_with
+        self.pool = getattr(share_pool_with, "pool", None)
         self.device = next(iter(model.buffers())).device
         sizes = {b for b in buckets if b < max_seq_len}
         if max_seq_len <= max(buckets):
