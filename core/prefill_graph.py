@@ -21,6 +21,16 @@ from .cuda_graph import no_gc
 PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
+def check_fresh_prompt(meta, seq_id, held: int, n: int) -> int:
+    """For caches' ``prepare_prefill_into``: the bucket length of ``meta``, after checking
+    that the sequence is still empty and its ``n`` tokens fit the bucket."""
+    length = meta.positions.shape[0]
+    if held != 0 or not 0 < n <= length:
+        raise ValueError(f"a captured prefill takes a fresh sequence of 1..{length} tokens; "
+                         f"sequence {seq_id!r} holds {held}, adding {n}")
+    return length
+
+
 class PrefillGraphRunner:
     def __init__(self, model, cache, max_seq_len: int, buckets=PREFILL_BUCKETS,
                  use_graphs: bool = True, share_pool_with=None):

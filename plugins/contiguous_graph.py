@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from infergraft.core.cuda_graph import PinnedStaging
+from infergraft.core.prefill_graph import check_fresh_prompt
 
 
 @attrs.frozen
@@ -104,10 +105,7 @@ class ContiguousGraphInputs:
     def prepare_prefill_into(self, meta: ContiguousMeta, seq_id, n: int) -> None:
         """Sequence ``seq_id`` (allocated, still empty) takes its first ``n`` tokens
         through ``meta``; rows ``n..`` stay padding."""
-        length = meta.positions.shape[0]
-        if self._len[seq_id] != 0 or not 0 < n <= length:
-            raise ValueError(f"a captured prefill takes a fresh sequence of 1..{length} tokens; "
-                             f"sequence {seq_id!r} holds {self._len[seq_id]}, adding {n}")
+        length = check_fresh_prompt(meta, seq_id, self._len[seq_id], n)
         self._check_step([seq_id], [n])
         self._len[seq_id] = n
         host, row_index = self._prefill_buffers[length]

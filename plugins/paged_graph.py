@@ -11,6 +11,7 @@ import torch
 
 from infergraft.core.cache import CacheFullError
 from infergraft.core.cuda_graph import PinnedStaging
+from infergraft.core.prefill_graph import check_fresh_prompt
 
 from .block_allocator import blocks_for
 
@@ -95,10 +96,7 @@ class PagedGraphInputs:
     def prepare_prefill_into(self, meta: PagedMeta, seq_id, n: int) -> None:
         """Sequence ``seq_id`` (allocated, still empty) takes its first ``n`` tokens
         through ``meta``; rows ``n..`` stay padding."""
-        length = meta.positions.shape[0]
-        if self._len[seq_id] != 0 or not 0 < n <= length:
-            raise ValueError(f"a captured prefill takes a fresh sequence of 1..{length} tokens; "
-                             f"sequence {seq_id!r} holds {self._len[seq_id]}, adding {n}")
+        length = check_fresh_prompt(meta, seq_id, self._len[seq_id], n)
         problem = self._step_problem([seq_id], [n])
         if problem:
             raise CacheFullError(problem)

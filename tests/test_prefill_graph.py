@@ -156,3 +156,17 @@ def test_prefill_graphs_need_decode_graphs(hf):
     with pytest.raises(PlanError, match="prefill_graphs=True needs decode CUDA graphs"):
         core.build(hf, max_seq_len=64, cuda_graphs=False, prefill_graphs=True)
     assert core.build(hf, max_seq_len=64, device="cpu").prefill_graphs is None  # off on CPU
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_prepare_prefill_into_refuses_what_a_bucket_cannot_take(hf, backend):
+    cache = plain(hf, backend).cache
+    meta = cache.static_prefill_meta(8)
+    cache.allocate("a", 12)
+    with pytest.raises(ValueError, match="fresh sequence of 1..8 tokens.*adding 9"):
+        cache.prepare_prefill_into(meta, "a", 9)  # longer than the bucket
+    cache.prepare_prefill_into(meta, "a", 5)
+    assert cache.length("a") == 5
+    with pytest.raises(ValueError, match="holds 5"):
+        cache.prepare_prefill_into(meta, "a", 3)  # no longer fresh
+    cache.check_invariants()
