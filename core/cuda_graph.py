@@ -77,7 +77,7 @@ class CudaGraphRunner:
                     self.model(tokens, self.cache, meta)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool), no_gc():
+            with no_gc(), torch.cuda.graph(graph, pool=self.pool):
                 logits = self.model(tokens, self.cache, meta)  # [bs, V] float32
                 self.next_tokens[bs] = logits.argmax(-1)  # [bs] greedy choice
             if self.pool is None:

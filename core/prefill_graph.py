@@ -96,7 +96,7 @@ class PrefillGraphRunner:
                 self.model(tokens, self.cache, meta, index)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), no_gc():
+        with no_gc(), torch.cuda.graph(graph, pool=self.pool):
             self.logits[length] = self.model(tokens, self.cache, meta, index)  # [1, V]
         if self.pool is None:
             self.pool = graph.pool()
