@@ -26,9 +26,11 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 @contextlib.contextmanager
 def no_gc():
-    """No garbage collection while a graph is captured: collecting another engine's dead
-    graph there destroys it mid-capture, which CUDA refuses and the capture fails."""
+    """Collect now, then no garbage collection while a graph is captured: collecting
+    another engine's dead graph mid-capture destroys it, which CUDA refuses, and the
+    capture fails (torch no longer collects before a capture by default)."""
     enabled = gc.isenabled()
+    gc.collect()
     gc.disable()
     try:
         yield
