@@ -107,3 +107,16 @@ def test_decode_metadata_staging_keeps_the_step_in_flight(hf, backend):
     assert torch.equal(staging._buffers[staging._turn ^ 1], step_n), "step N's staging changed"
     assert staging._buffers[staging._turn][0].tolist() == [4, 4]
     assert step_n[0].tolist() == [3, 3]
+
+
+def test_no_gc_during_capture_restores_the_collector():
+    import gc
+
+    from infergraft.core.cuda_graph import no_gc
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with no_gc():
+            assert not gc.isenabled()
+            raise RuntimeError("capture failed")
+    assert gc.isenabled()  # re-enabled even when the capture raised
