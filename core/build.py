@@ -169,7 +169,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         weight_bytes=spec.param_count * elem,
         kv_bytes_per_token=backend.bytes_per_token(spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(spec, dtype),
-        options=tuple(sorted(plugin_options.items())))
+        options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window)
     plan = pm.prepare_plan(plan, spec)
     budget, budget_source = device_budget(device, device_memory)
     kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])

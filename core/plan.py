@@ -46,6 +46,7 @@ class Plan(KVSizes):
     weight_bytes: int
     kv_bytes_per_token: int
     options: tuple[tuple[str, Any], ...] = ()
+    sliding_window: int | None = None  # the model's attention window (caches may hold less)
 
     def rows(self) -> list[tuple[str, str]]:
         p = self.parallel
@@ -63,7 +64,8 @@ class Plan(KVSizes):
             ("KV per token", fmt_bytes(self.kv_bytes_per_token)),
             ("KV per sequence", fmt_bytes(self.kv_bytes_per_sequence)),
             ("KV total", fmt_bytes(self.kv_bytes_total)),
-        ] + [(f"option {k}", repr(v)) for k, v in self.options]
+        ] + ([("sliding window", f"{self.sliding_window} tokens (a cache may hold only those)")]
+             if self.sliding_window else []) + [(f"option {k}", repr(v)) for k, v in self.options]
 
     def __str__(self) -> str:
         rows = self.rows()

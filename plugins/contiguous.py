@@ -240,6 +240,12 @@ class ContiguousBackend(CacheBackend):
         return ContiguousCache(spec, plan.max_batch_size, plan.max_seq_len, device, dtype, ops,
                                kv_quantizer=kv_quantizer)
 
+    def device_bytes(self, plan, **_):
+        """A sliding-window model's rows are a ring of W columns, not max_seq_len."""
+        w = plan.sliding_window
+        width = min(w, plan.max_seq_len) if w else plan.max_seq_len
+        return plan.kv_bytes_per_token * width * plan.max_batch_size
+
 
 @hookimpl
 def infergraft_register_cache_backends(register):

@@ -159,6 +159,22 @@ def test_read_returns_the_window_oldest_first(windowed):
         engine.cache.free("r")
 
 
+def test_memory_check_counts_the_ring_not_max_seq_len():
+    # 1,024-token rows would be 32x the ring's W=32 columns: a budget that fits weights +
+    # the ring must be accepted, one that does not must still be refused
+    from infergraft.core.errors import PlanError
+
+    hf = random_model(tiny_mistral_config(sliding_window=32), seed=0)
+    kw = dict(max_seq_len=1024, max_batch_size=2, device="cpu")
+    engine = core.build(hf, **kw)
+    ring = engine.cache.stats()["bytes"]
+    assert engine.plan.sliding_window == 32
+    assert ring == engine.plan.kv_bytes_per_token * 32 * 2 < engine.plan.kv_bytes_total
+    core.build(hf, device_memory=engine.plan.weight_bytes + ring, **kw)
+    with pytest.raises(PlanError, match="holds"):
+        core.build(hf, device_memory=engine.plan.weight_bytes + ring - 1, **kw)
+
+
 def test_spec_and_ring_width():
     policy = core.get_plugin_manager().policies().get("mistral")
     spec = policy.describe(tiny_mistral_config(sliding_window=W, num_key_value_heads=1))
