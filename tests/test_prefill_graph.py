@@ -170,3 +170,15 @@ def test_prepare_prefill_into_refuses_what_a_bucket_cannot_take(hf, backend):
     with pytest.raises(ValueError, match="holds 5"):
         cache.prepare_prefill_into(meta, "a", 3)  # no longer fresh
     cache.check_invariants()
+
+
+def test_capture_ahead_takes_the_buckets_of_given_lengths(hf):
+    engine, runner = with_prefill_graphs(hf, "paged")
+    assert runner.capture([5, 8, 9, 30]) == [8, 16, 32]
+    assert sorted(runner.inputs) == [8, 16, 32]
+    with pytest.raises(ValueError, match=r"prompt lengths \[40\] have no prefill graph bucket"):
+        runner.capture([40])
+    assert runner.capture() == [8, 16, 32]  # every bucket (already captured: nothing new)
+    prompt = random_prompt(7, CFG.vocab_size, 9)
+    got = engine.generate(prompt, max_new_tokens=4)[0].token_ids
+    assert runner.replays == 1 and got == plain(hf, "paged").generate(prompt, max_new_tokens=4)[0].token_ids
