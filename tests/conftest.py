@@ -9,3 +9,12 @@ import torch  # importing torch does not import triton
 if not torch.cuda.is_available():
     # no GPU: run Triton kernels on the CPU interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run by default (CI runs a fresh clone,
+# with no example database): a pass here is a pass there, and a failure reproduces.
+# INFERGRAFT_HYPOTHESIS=explore draws new examples each run, to hunt for new failures.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("INFERGRAFT_HYPOTHESIS", "repeatable"))

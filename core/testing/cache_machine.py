@@ -30,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ..cache import CacheFullError
 from ..spec import ModelSpec, RopeSpec
+from .strategies import kit_settings
 
 
 def tiny_cache_spec(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -288,6 +289,6 @@ def make_cache_test(factory, *, max_examples: int = 200, step_count: int = 25,
 
 
 def _settings(max_examples: int, step_count: int) -> settings:
-    return settings(max_examples=max_examples, stateful_step_count=step_count, deadline=None,
+    return kit_settings(max_examples=max_examples, stateful_step_count=step_count, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                            HealthCheck.data_too_large])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 
 from ..errors import PlanError
 from ..model import slot_layout
@@ -131,7 +131,7 @@ class PlannerStageTests(PlannerFixtures):
         for w in self.world_sizes:
             check_stages(planner, spec, planner.plan(spec, w, **self.plan_options), w)
 
-    @settings(max_examples=25, deadline=None,
+    @strategies.kit_settings(max_examples=25, deadline=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture,
                                               HealthCheck.differing_executors])
     @given(drawn=strategies.model_specs())

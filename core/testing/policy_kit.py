@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import attrs
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from ..errors import UnsupportedModelError, WeightLoadError
@@ -170,7 +170,7 @@ class PolicyParityTests(PolicyFixtures):
             assert_logits_match(engine, hf_model, random_prompt(n, hf_model.config.vocab_size, n),
                                 rtol=self.rtol)
 
-    @settings(max_examples=8, deadline=None,
+    @strategies.kit_settings(max_examples=8, deadline=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture,
                                               HealthCheck.differing_executors])
     @given(data=st.data())

@@ -18,16 +18,16 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from ..quant import QUANTIZER_TARGETS
 from ..registry import _NAME
 from . import strategies
 
-_SETTINGS = settings(max_examples=40, deadline=None,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                              HealthCheck.differing_executors])
+_SETTINGS = strategies.kit_settings(max_examples=40, deadline=None,
+                                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                           HealthCheck.differing_executors])
 
 
 def tensors_in(obj) -> list[torch.Tensor]:

@@ -6,12 +6,22 @@ element: hypothesis then shrinks towards small shapes and seed 0, and drawing st
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from ..spec import ModelSpec, RopeSpec
+
+def kit_settings(**kw) -> settings:
+    """Hypothesis settings for the conformance kits: the same examples on every run (a
+    pass in one place is a pass in CI, a failure reproduces) unless the environment sets
+    ``INFERGRAFT_HYPOTHESIS=explore``, which draws new ones each run."""
+    explore = os.environ.get("INFERGRAFT_HYPOTHESIS", "repeatable") == "explore"
+    return settings(derandomize=not explore, **kw)
+
 
 #: token ids prompts avoid (pad, bos, eos of the tiny configs): an EOS inside a prompt is legal
 #: but makes a 32-token parity run end after one token and test little.
