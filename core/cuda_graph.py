@@ -39,6 +39,21 @@ def no_gc():
             gc.enable()
 
 
+def capture_graph(fn, pool=None):
+    """Run ``fn`` twice on a side stream (Triton compiles, cuBLAS picks its kernels), then
+    capture one call: returns (graph, what the captured call returned)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with no_gc(), torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class CudaGraphRunner:
     def __init__(self, model, cache, max_batch_size: int, buckets=DEFAULT_BUCKETS,
                  use_graphs: bool = True):
@@ -52,8 +67,7 @@ class CudaGraphRunner:
         self.metas: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.next_tokens: dict[int, torch.Tensor] = {}  # [bs] argmax of each replay's logits
-        self.host_tokens: dict[int, list[torch.Tensor]] = {}  # two pinned [bs] per bucket
-        self._flip = 0
+        self.host_tokens: dict[int, PinnedStaging] = {}  # pinned [bs] per bucket, in turn
         self.pool = None
 
     @staticmethod
@@ -66,22 +80,16 @@ class CudaGraphRunner:
         for bs in sorted(self.buckets, reverse=True):
             tokens = torch.zeros(bs, dtype=torch.long, device=self.device)
             meta = self.cache.static_decode_meta(bs)
-            pin = self.device.type == "cuda"
-            self.host_tokens[bs] = [torch.zeros(bs, dtype=torch.long, pin_memory=pin)
-                                    for _ in range(2)]
+            self.host_tokens[bs] = PinnedStaging(torch.zeros(bs, dtype=torch.long),
+                                                 self.device.type == "cuda")
             if not self.use_graphs:
                 self.tokens[bs], self.metas[bs] = tokens, meta
                 continue
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
-                for _ in range(2):
-                    self.model(tokens, self.cache, meta)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with no_gc(), torch.cuda.graph(graph, pool=self.pool):
+
+            def step(tokens=tokens, meta=meta):
                 logits = self.model(tokens, self.cache, meta)  # [bs, V] float32
-                self.next_tokens[bs] = logits.argmax(-1)  # [bs] greedy choice
+                return logits, logits.argmax(-1)  # and the greedy choice [bs]
+            graph, (logits, self.next_tokens[bs]) = capture_graph(step, self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs], self.tokens[bs], self.metas[bs], self.logits[bs] = \
@@ -103,8 +111,7 @@ class CudaGraphRunner:
         row the token the previous replay of this bucket chose; the caller guarantees that
         replay ran the same sequences in the same order."""
         bs = self._run(seq_ids, tokens)
-        host = self.host_tokens[bs][self._flip]  # double-buffered: the previous one may be unread
-        self._flip ^= 1
+        host = self.host_tokens[bs].next()  # the previous launch's may still be unread
         host.copy_(self.next_tokens[bs], non_blocking=True)
         event = None
         if self.device.type == "cuda":  # graphs or not, the copy to host is asynchronous

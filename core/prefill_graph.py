@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graph import no_gc
+from .cuda_graph import capture_graph
 
 PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
@@ -58,13 +58,17 @@ class PrefillGraphRunner:
         """The bucket this prefill step runs in, or None when it is not graphable."""
         if len(seqs) != 1 or self.cache.length(seqs[0].id) != 0:
             return None
-        return next((b for b in self.buckets if b >= counts[0]), None)
+        return self._bucket_of(counts[0])
+
+    def _bucket_of(self, n: int) -> int | None:
+        """The smallest bucket holding ``n`` tokens (None: longer than every bucket)."""
+        return next((b for b in self.buckets if b >= n), None)
 
     @torch.inference_mode()
     def prefill(self, seq_id, tokens: list[int]) -> torch.Tensor:
         """Prefill one fresh sequence; logits of its last token, [1, V] float32."""
         n = len(tokens)
-        length = next(b for b in self.buckets if b >= n)
+        length = self._bucket_of(n)
         if length not in self.inputs:
             self._capture(length)
         host, dev, meta = self.inputs[length]
@@ -91,7 +95,7 @@ class PrefillGraphRunner:
             if bad:
                 raise ValueError(f"prompt lengths {bad} have no prefill graph bucket: "
                                  f"1..{self.buckets[-1]} tokens are captured")
-            wanted = sorted({next(b for b in self.buckets if b >= n) for n in lengths})
+            wanted = sorted({self._bucket_of(n) for n in lengths})
         for length in wanted:
             if length not in self.inputs:
                 self._capture(length)
@@ -106,15 +110,8 @@ class PrefillGraphRunner:
         if not self.use_graphs:
             return
         tokens, index = dev[:length], dev[length:]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
-            for _ in range(2):
-                self.model(tokens, self.cache, meta, index)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with no_gc(), torch.cuda.graph(graph, pool=self.pool):
-            self.logits[length] = self.model(tokens, self.cache, meta, index)  # [1, V]
+        graph, self.logits[length] = capture_graph(  # logits [1, V]
+            lambda: self.model(tokens, self.cache, meta, index), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[length] = graph

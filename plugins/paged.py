@@ -99,17 +99,23 @@ class PagedCache(PagedGraphInputs, KVCache):
     def can_append(self, seq_ids, counts):
         return self._step_problem(seq_ids, counts) is None
 
-    def prepare(self, seq_ids, counts):
+    def _advance(self, seq_ids, counts) -> list[int]:
+        """Make room for a step (raises CacheFullError, changing nothing, when there is
+        none): tables grow, lengths advance. Returns each sequence's length before it."""
         problem = self._step_problem(seq_ids, counts)
         if problem:
             raise CacheFullError(problem)
-        bs, starts = self.block_size, [self._len[s] for s in seq_ids]
+        starts = [self._len[s] for s in seq_ids]
         for s, start, n in zip(seq_ids, starts, counts):
-            grow = blocks_for(start + n, bs) - len(self._tables[s])
+            grow = blocks_for(start + n, self.block_size) - len(self._tables[s])
             if grow > 0:
                 self._tables[s] += self.allocator.take(grow)
             self._len[s] = start + n
         self._before_step(seq_ids)
+        return starts
+
+    def prepare(self, seq_ids, counts):
+        bs, starts = self.block_size, self._advance(seq_ids, counts)
         phys = [self._physical(self._tables[s]) for s in seq_ids]
         width = max(map(len, phys))
         tables = torch.tensor([p + [0] * (width - len(p)) for p in phys], dtype=torch.int32)

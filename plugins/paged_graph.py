@@ -9,7 +9,6 @@ from __future__ import annotations
 import attrs
 import torch
 
-from infergraft.core.cache import CacheFullError
 from infergraft.core.cuda_graph import PinnedStaging
 from infergraft.core.prefill_graph import check_fresh_prompt
 
@@ -30,7 +29,7 @@ class PagedMeta:
 
 
 class PagedGraphInputs:
-    """Mixed into PagedCache (uses its allocator, tables and lengths)."""
+    """Mixed into PagedCache (uses its `_advance`, tables and lengths)."""
 
     supports_cuda_graphs = True
 
@@ -50,21 +49,14 @@ class PagedGraphInputs:
     def prepare_decode_into(self, meta: PagedMeta, seq_ids) -> None:
         """One more token for each sequence (blocks grow as in ``prepare``); rows past
         the live batch repeat the last one (same slot, same values: benign)."""
-        problem = self._step_problem(seq_ids, [1] * len(seq_ids))
-        if problem:
-            raise CacheFullError(problem)
         scalar_staging, table_staging, device_scalars = self._graph_buffers[meta.positions.shape[0]]
-        scalars, tables = scalar_staging.next(), table_staging.next()  # rewritten in full below
         bs, n = self.block_size, len(seq_ids)
-        for s in seq_ids:
-            if blocks_for(self._len[s] + 1, bs) > len(self._tables[s]):
-                self._tables[s] += self.allocator.take(1)
-        self._before_step(seq_ids)
+        starts = self._advance(seq_ids, [1] * n)
+        scalars, tables = scalar_staging.next(), table_staging.next()  # rewritten in full below
         cols, rows = [], []  # one host write each per step, not two per sequence
         width = tables.shape[1]
-        for s in seq_ids:
-            pos, phys = self._len[s], self._physical(self._tables[s])
-            self._len[s] = pos + 1
+        for s, pos in zip(seq_ids, starts):
+            phys = self._physical(self._tables[s])
             cols.append((pos, phys[pos // bs], pos % bs, pos + 1))
             rows.append(phys + [0] * (width - len(phys)))  # padded like prepare's tables
         scalars[:, :n] = torch.tensor(cols, dtype=torch.long).T
@@ -97,18 +89,10 @@ class PagedGraphInputs:
         """Sequence ``seq_id`` (allocated, still empty) takes its first ``n`` tokens
         through ``meta``; rows ``n..`` stay padding."""
         length = check_fresh_prompt(meta, seq_id, self._len[seq_id], n)
-        problem = self._step_problem([seq_id], [n])
-        if problem:
-            raise CacheFullError(problem)
-        bs, table = self.block_size, self._tables[seq_id]
-        grow = blocks_for(n, bs) - len(table)
-        if grow > 0:
-            table += self.allocator.take(grow)
-        self._len[seq_id] = n
-        self._before_step([seq_id])
-        host, slots = self._prefill_buffers[length]
+        self._advance([seq_id], [n])
+        bs, host, slots = self.block_size, *self._prefill_buffers[length]
         pos = torch.arange(n)
-        host[0, :n] = torch.tensor(self._physical(table), dtype=torch.long)[pos // bs]
+        host[0, :n] = torch.tensor(self._physical(self._tables[seq_id]), dtype=torch.long)[pos // bs]
         host[1, :n] = pos % bs
         host[:, n:] = -1
         slots.copy_(host, non_blocking=True)
