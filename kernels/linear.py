@@ -97,12 +97,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
     assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
     assert 0 < m <= MAX_ROWS, f"skinny GEMM takes 1..{MAX_ROWS} rows, got {m}"
     cfg = dict(config or skinny_config(m, n, k))
-    block_k = cfg["BLOCK_K"]
-    k_split = -(-k // split_k // block_k) * block_k if split_k > 1 else max(k, 1)
-    splits = -(-k // k_split) if split_k > 1 else 1
-    if split_k > 1:
+    if split_k > 1:  # whole K tiles per split; splits past K are dropped
+        block_k = cfg["BLOCK_K"]
+        k_split = -(-k // split_k // block_k) * block_k
+        splits = -(-k // k_split)
         y = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     else:
+        k_split, splits = max(k, 1), 1
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, k_split,

@@ -66,11 +66,11 @@ def _num_warps(block: int) -> int:
 
 
 def _launch(x, residual, weight, eps):
-    parts, x_dtype = 1, None
+    parts, stride_s, x_dtype = 1, 0, None
     if x.dim() == 3:  # split-K partials [S, N, H] float32, summed by the kernel
         assert residual is not None and x.dtype == torch.float32, \
             "x as [S, N, H] partial sums must be float32 and come with a residual"
-        parts, x_dtype, partials = x.shape[0], residual.dtype, x
+        parts, stride_s, x_dtype = x.shape[0], x.stride(0), residual.dtype
         x = x[0]
     assert x.dim() == 2, f"x must be [N, H], got shape {tuple(x.shape)}"
     n, h = x.shape
@@ -85,7 +85,7 @@ def _launch(x, residual, weight, eps):
     _rms_norm_kernel[(n,)](
         x, r, weight, out, hbuf,
         x.stride(0), r.stride(0), out.stride(0), hbuf.stride(0),
-        partials.stride(0) if parts > 1 else 0, h, float(eps),
+        stride_s, h, float(eps),
         HAS_RESIDUAL=residual is not None, NSPLIT=parts, BLOCK_H=block,
         num_warps=_num_warps(block),
         **pdl_launch(x.device))
