@@ -102,13 +102,15 @@ def main(argv=None) -> int:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_attention needs CUDA (or --dry)")
-        from .benchmarks import copy_bw, graph_time
+        from infergraft.core.bench import copy_bandwidth
+
+        from .benchmarks import graph_time
 
         device, dtype = "cuda", torch.bfloat16
 
         def timer(fn, inner):  # one graph replays every cache copy once
             return graph_time(fn, replays=10, inner=inner)
-        bw = copy_bw()
+        bw = copy_bandwidth("cuda")  # the same roofline as `infergraft bench`
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     splits = [int(s) for s in a.splits.split(",") if s]
     sweep = None if a.no_sweep else (WIDE_SWEEP if a.wide else SWEEP)

@@ -46,16 +46,12 @@ def replay_times(graph, replays: int) -> list[float]:
     return times
 
 
-def copy_bw() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / graph_time(lambda: y.copy_(x), inner=3)
-
-
 def sweep_linear(ms, dtype=torch.bfloat16, sweep=True):
+    from infergraft.core.bench import copy_bandwidth
+
     from .linear import linear_triton, skinny_config
 
-    bw = copy_bw()
+    bw = copy_bandwidth("cuda")  # the same roofline as `infergraft bench`
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     # several weight copies so consecutive calls do not hit L2
     for name, (n, k) in LLAMA7B_GEMMS.items():
