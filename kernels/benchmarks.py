@@ -19,16 +19,12 @@ LLAMA7B_GEMMS = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 409
 
 def graph_time(fn, replays: int = 20, inner: int = 10) -> float:
     """Median seconds of one ``fn()`` call, captured ``inner`` times into a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    from infergraft.core.cuda_graph import capture_graph
+
+    def calls():
         for _ in range(inner):
             fn()
+    g, _ = capture_graph(calls)  # after warm-up runs, like the engine's graphs
     times = [t / inner for t in replay_times(g, replays)]
     return sorted(times)[len(times) // 2]
 
