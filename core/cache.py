@@ -50,7 +50,13 @@ class KVCache:
     true provides ``static_prefill_meta(length)`` and ``prepare_prefill_into(meta,
     seq_id, n)`` (a fresh prompt of ``n <= length`` tokens; the padding rows' K/V must
     land nowhere a sequence reads).
+
+    Optional: a cache with ``fuses_rotary = True`` receives q and k *before* RoPE and
+    ``attention(..., rope=(cos, sin, positions))``, so that it can fuse the rotation with
+    its K/V write (the paged cache does at decode: one kernel instead of two).
     """
+
+    fuses_rotary: bool = False
 
     def can_allocate(self, num_tokens: int) -> bool:
         """True if a new sequence needing ``num_tokens`` slots in total fits now."""
@@ -75,8 +81,9 @@ class KVCache:
         """
         raise NotImplementedError
 
-    def attention(self, layer: int, q, k, v, meta) -> torch.Tensor:
-        """Write this step's k, v ([T, Hkv, D]) and attend: q [T, Hq, D] -> [T, Hq, D]."""
+    def attention(self, layer: int, q, k, v, meta, rope=None) -> torch.Tensor:
+        """Write this step's k, v ([T, Hkv, D]) and attend: q [T, Hq, D] -> [T, Hq, D].
+        ``rope``: only for caches that set ``fuses_rotary`` (q, k then still unrotated)."""
         raise NotImplementedError
 
     def read(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,9 +71,13 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
-        if rope is not None:
+        if rope is None:
+            attn = cache.attention(layer_idx, q, k, v, meta)  # [T, Hq, D]
+        elif getattr(cache, "fuses_rotary", False):  # the cache rotates q, k (with its K/V write)
+            attn = cache.attention(layer_idx, q, k, v, meta, rope=(rope[0], rope[1], positions))
+        else:
             q, k = self.ops.rotary(q, k, rope[0], rope[1], positions)
-        attn = cache.attention(layer_idx, q, k, v, meta)  # [T, Hq, D]
+            attn = cache.attention(layer_idx, q, k, v, meta)
         h = self.o(attn.reshape(t, s.q_size))  # [T, H] or partials [S, T, H]
         x, residual = self.mlp_norm(h, residual)
         if s.gated_mlp:

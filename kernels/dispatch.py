@@ -19,6 +19,7 @@ OPS = {
     "rms_norm": "rms_norm",
     "add_rms_norm": "rms_norm",
     "rotary": "rotary",
+    "rotary_kv_write": "rotary",
     "silu_mul": "silu_mul",
     "kv_write": "kv_write",
     "linear": "linear",

@@ -130,10 +130,18 @@ class PagedCache(PagedGraphInputs, KVCache):
                                       dtype=torch.int32).to(dev),
                          all(n == 1 for n in counts))
 
-    def attention(self, layer, q, k, v, meta):
+    fuses_rotary = True  # decode: RoPE and the K/V write in one kernel
+
+    def attention(self, layer, q, k, v, meta, rope=None):
         self._wait(layer)
         kc, vc = self.k[layer], self.v[layer]  # [NB, BS, Hkv, D]
         ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
+        if rope is not None and meta.decode and not self.quant:
+            q = self.ops.rotary_kv_write(q, k, v, *rope, kc, vc, meta.slot_block, meta.slot_offset)
+            return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
+                                            self.scale, self.window)
+        if rope is not None:
+            q, k = self.ops.rotary(q, k, *rope)  # [T, H, D] each
         if self.quant:
             self.ops.kv_write_int8(k, v, kc, vc, ks, vs, meta.slot_block, meta.slot_offset)
         else:

@@ -82,3 +82,34 @@ def test_rotary_rejects_bad_inputs(device, randn):
         rotary_triton(randn(2, 8, 2).transpose(1, 2), k, cos, sin, pos)
     with pytest.raises(AssertionError, match="does not match"):
         rotary_triton(q, randn(2, 1, 4), cos, sin, pos)
+
+
+@pytest.mark.parametrize("d,r,hq,hkv", [(64, 64, 4, 2), (128, 64, 3, 1), (8, 8, 1, 1)])
+@pytest.mark.parametrize("t", [1, 6])
+def test_rotary_kv_write_matches_reference(device, dtype, randn, gen, poisoned_empty, t, d, r,
+                                           hq, hkv):
+    # RoPE on q (returned) and k, with k and v written to paged cache slots in one kernel;
+    # idx0 = -1 rows (padding) are skipped like kv_write's
+    from infergraft.kernels.rotary import rotary_kv_write_torch, rotary_kv_write_triton
+
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype)  # views of a fused projection
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    cos, sin = _cos_sin(r, device)
+    positions = torch.randint(0, MAX_POS, (t,), generator=gen).to(device)
+    slots = torch.randperm(5 * 4, generator=gen)[:t]
+    idx0, idx1 = slots // 4, slots % 4
+    if t > 1:
+        idx0[1] = -1
+    idx0, idx1 = idx0.to(device), idx1.to(device)
+    caches = [torch.full((5, 4, hkv, d), -3.25, dtype=dtype, device=device) for _ in range(4)]
+    qkv0 = qkv.clone()
+    q_out = rotary_kv_write_triton(q, k, v, cos, sin, positions, caches[0], caches[1], idx0, idx1)
+    q_ref = rotary_kv_write_torch(q, k, v, cos, sin, positions, caches[2], caches[3], idx0, idx1)
+    assert q_out.shape == (t, hq, d)
+    assert_close(q_out, q_ref, f"q T={t} D={d} R={r}")
+    assert_close(caches[0], caches[2], "k_cache (rotated k)")
+    assert_exact(caches[1], caches[3], "v_cache (copied v)")
+    assert_exact(qkv, qkv0, "inputs modified")
+    assert int((caches[1] != -3.25).any(-1).any(-1).sum()) == int((idx0 >= 0).sum())
