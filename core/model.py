@@ -63,10 +63,39 @@ class DecoderLayer(nn.Module):
             self.fc_in = Linear(ops)
         self.down = Linear(ops, partials)
 
-    def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
+    def fusable(self) -> bool:
+        """RMSNorm + SwiGLU with our own Linear modules (a quantiser's replacements have
+        their own forward): the shape ``forward_fused`` knows."""
         s = self.spec
+        return s.norm == "rms" and s.gated_mlp and all(
+            type(m) is Linear for m in (self.qkv, self.o, self.gate_up, self.down))
+
+    def forward_fused(self, stream, layer_idx, positions, rope, cache, meta):
+        """The layer at few tokens with the norms, SwiGLU and residual adds inside the
+        GEMMs (kernels/fused_linear.py): stream [T, H] (the residual stream) -> [T, H]."""
+        s, ops = self.spec, self.ops
+        qkv = ops.rms_norm_linear(stream, self.attn_norm.weight, s.norm_eps, self.qkv.weight,
+                                  self.qkv.bias)  # [T, q + 2kv]
+        attn = self._attend(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
+        stream = ops.linear_residual(attn, self.o.weight, self.o.bias, stream)  # [T, H]
+        act = ops.rms_norm_swiglu(stream, self.mlp_norm.weight, s.norm_eps, self.gate_up.weight,
+                                  self.gate_up.bias)  # [T, I]
+        return ops.linear_residual(act, self.down.weight, self.down.bias, stream)
+
+    def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
         x, residual = self.attn_norm(h, residual)  # [T, H]
-        qkv = self.qkv(x)  # [T, q + 2kv]
+        attn = self._attend(self.qkv(x), layer_idx, positions, rope, cache, meta)  # [T, q]
+        h = self.o(attn)  # [T, H] or partials [S, T, H]
+        x, residual = self.mlp_norm(h, residual)
+        if self.spec.gated_mlp:
+            x = self.ops.silu_mul(self.gate_up(x))  # [T, 2I] -> [T, I]
+        else:
+            x = self.ops.gelu(self.fc_in(x), self.spec.activation)
+        return self.down(x), residual  # [T, H] or partials [S, T, H]
+
+    def _attend(self, qkv, layer_idx, positions, rope, cache, meta):
+        """qkv [T, q + 2kv] -> attention output [T, q] (the cache writes K/V, RoPE first)."""
+        s = self.spec
         t = qkv.shape[0]
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
@@ -78,13 +107,7 @@ class DecoderLayer(nn.Module):
         else:
             q, k = self.ops.rotary(q, k, rope[0], rope[1], positions)
             attn = cache.attention(layer_idx, q, k, v, meta)
-        h = self.o(attn.reshape(t, s.q_size))  # [T, H] or partials [S, T, H]
-        x, residual = self.mlp_norm(h, residual)
-        if s.gated_mlp:
-            x = self.ops.silu_mul(self.gate_up(x))  # [T, 2I] -> [T, I]
-        else:
-            x = self.ops.gelu(self.fc_in(x), s.activation)
-        return self.down(x), residual  # [T, H] or partials [S, T, H]
+        return attn.reshape(t, s.q_size)
 
 
 class DecoderModel(nn.Module):
@@ -105,6 +128,10 @@ class DecoderModel(nn.Module):
             self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,
                                      device)
 
+    def _fused(self, tokens: int) -> bool:
+        return tokens <= getattr(self.ops, "fuse_max_rows", 0) and all(
+            layer.fusable() for layer in self.layers)
+
     @property
     def lm_head_weight(self):
         return self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight
@@ -116,10 +143,15 @@ class DecoderModel(nn.Module):
         if self.spec.position == "learned":
             h = h + F.embedding(positions, self.pos_embed.weight)
         residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
+        if self._fused(h.shape[0]):  # h is the residual stream throughout
+            for i, layer in enumerate(self.layers):
+                h = layer.forward_fused(h, i, positions, self.rope, cache, meta)
+        else:
+            for i, layer in enumerate(self.layers):
+                h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
         if logits_index is not None:  # only the rows we sample from
-            h, residual = h[..., logits_index, :], residual[logits_index]
+            h = h[..., logits_index, :]
+            residual = None if residual is None else residual[logits_index]
         x, _ = self.final_norm(h, residual)
         return F.linear(x, self.lm_head_weight).float()  # [n, V]
 

@@ -3,7 +3,8 @@
 Reports achieved bandwidth against a measured device copy, for the decode GEMMs of a
 LLaMA-2-7B-shaped layer (cuBLAS vs the skinny Triton GEMM over a config sweep), and the
 per-kernel cost inside a CUDA graph. ``--split 1,32,64`` sweeps split-K (o, down) and the
-unsplit kernel (qkv, gate_up) at those row counts against cuBLAS.
+unsplit kernel (qkv, gate_up) at those row counts against cuBLAS. ``--fused``: the fused
+decode GEMMs (norm, SwiGLU, residual inside) against the kernels they replace.
 """
 from __future__ import annotations
 
@@ -118,13 +119,61 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
         del ws
 
 
+def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
+    """The fused decode GEMMs (kernels/fused_linear.py) against the kernels they replace,
+    in TB/s of weights, and a tile sweep for the SwiGLU one."""
+    from . import fused_linear as FL
+    from .linear import linear_triton
+    from .rms_norm import rms_norm_triton
+    from .silu_mul import silu_mul_triton
+
+    dev = "cuda"
+    x = torch.randn(m, 4096, device=dev, dtype=dtype)
+    g = torch.rand(4096, device=dev, dtype=dtype) + 0.5
+    cases = {  # name: (weights, fused call, unfused calls)
+        "qkv+norm": (LLAMA7B_GEMMS["qkv"], lambda w: FL.rms_norm_linear_triton(x, g, 1e-6, w),
+                     lambda w: linear_triton(rms_norm_triton(x, g, 1e-6), w)),
+        "gate_up+norm+silu": (LLAMA7B_GEMMS["gate_up"], lambda w: FL.rms_norm_swiglu_triton(x, g, 1e-6, w),
+                              lambda w: silu_mul_triton(linear_triton(rms_norm_triton(x, g, 1e-6), w))),
+        "o+residual": (LLAMA7B_GEMMS["o"], lambda w: FL.linear_residual_triton(x, w, None, x),
+                       lambda w: linear_triton(x, w) + x),
+    }
+    xi = torch.randn(m, 11008, device=dev, dtype=dtype)
+    cases["down+residual"] = (LLAMA7B_GEMMS["down"], lambda w: FL.linear_residual_triton(xi, w, None, x),
+                              lambda w: linear_triton(xi, w) + x)
+    for name, ((n, k), fused, plain) in cases.items():
+        ws = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(4)]
+        nbytes = n * k * ws[0].element_size()
+        it = itertools.cycle(ws)
+        tf, tp = graph_time(lambda: fused(next(it))), graph_time(lambda: plain(next(it)))
+        print(f"{name:18s} M={m}  fused {tf * 1e6:6.1f} us ({nbytes / tf / 1e12:4.2f} TB/s)  "
+              f"unfused {tp * 1e6:6.1f} us ({nbytes / tp / 1e12:4.2f} TB/s)", flush=True)
+        if name.startswith("gate_up"):
+            best = []
+            for bn, bk, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4)):
+                cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                try:
+                    t = graph_time(lambda: FL.rms_norm_swiglu_triton(x, g, 1e-6, next(it), config=cfg),
+                                   replays=5)
+                except Exception:  # out of shared memory etc.
+                    continue
+                best.append((nbytes / t / 1e12, cfg))
+            for bw, cfg in sorted(best, key=lambda b: -b[0])[:4]:
+                print(f"    {bw:4.2f} TB/s {cfg}", flush=True)
+        del ws
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default="1,8,32,64")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--split", default=None, help="e.g. 1,8,32: split-K sweep for o and down")
+    p.add_argument("--fused", action="store_true", help="fused decode GEMMs vs unfused, M=1")
     a = p.parse_args(argv)
     kernel_gap()
+    if a.fused:
+        sweep_fused()
+        return 0
     if a.split:
         sweep_split([int(m) for m in a.split.split(",")])
         return 0

@@ -7,6 +7,7 @@ on the CPU (slowly), which is how the kernels are tested without a GPU.
 from __future__ import annotations
 
 import importlib
+import os
 import types
 
 import torch
@@ -24,6 +25,9 @@ OPS = {
     "kv_write": "kv_write",
     "linear": "linear",
     "linear_partials": "linear",
+    "rms_norm_linear": "fused_linear",
+    "rms_norm_swiglu": "fused_linear",
+    "linear_residual": "fused_linear",
     "layer_norm": "layer_norm",
     "add_layer_norm": "layer_norm",
     "gelu": "gelu",
@@ -63,4 +67,15 @@ def get_op(name: str, backend: str):
 def get_ops(device, backend: str = "auto") -> types.SimpleNamespace:
     """A namespace of every op for ``device``, e.g. ``ops.rms_norm(x, w, eps)``."""
     chosen = resolve_backend(device, backend)
-    return types.SimpleNamespace(backend=chosen, **{n: get_op(n, chosen) for n in OPS})
+    return types.SimpleNamespace(backend=chosen, fuse_max_rows=fuse_max_rows(chosen),
+                                 **{n: get_op(n, chosen) for n in OPS})
+
+
+def fuse_max_rows(backend: str) -> int:
+    """Steps of at most this many tokens take the fused decode layer (norms, SwiGLU and
+    residual adds inside the GEMMs: ``kernels/fused_linear.py``); 0 = never (the torch
+    reference keeps the plain composition; ``INFERGRAFT_FUSE=0`` for A/B runs)."""
+    if backend != "triton" or os.environ.get("INFERGRAFT_FUSE") == "0":  # an A/B knob
+        return 0
+    from .linear import MAX_SKINNY_M
+    return MAX_SKINNY_M

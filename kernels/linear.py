@@ -15,7 +15,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
+from ._triton import (HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, prefetch_l2, prefetch_tiles,
+                      tl, triton)
 
 # above this many rows cuBLAS streams the weights as fast (H200 sweep); an A/B knob
 MAX_SKINNY_M = int(os.environ.get("INFERGRAFT_SKINNY_MAX_M", "16"))
@@ -30,13 +31,15 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
 if HAVE_TRITON:
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT,
-                            stride_xm, stride_wn, stride_ym, stride_ys,
-                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, M, N, K, K_SPLIT, UP_ROWS,
+                            stride_xm, stride_wn, stride_ym, stride_ys, stride_rm, eps,
+                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+                            RESIDUAL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
-        # once, so W is read once; split s writes its partial sums to y + s * stride_ys
+        # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
+        # Fusions (kernels/fused_linear.py): NORM = RMSNorm of x (weight g) on the way in,
+        # SWIGLU = silu(x Wg^T) * (x Wu^T) with Wu UP_ROWS rows below Wg, RESIDUAL = + r
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_lo = split * K_SPLIT
@@ -44,21 +47,57 @@ if HAVE_TRITON:
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]                # [BM, BK]
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]   # [BN, BK]
+        if PREFETCH > 0:  # W does not depend on the previous kernel: pull its first
+            # PREFETCH tiles into L2 while that kernel finishes (one hint per 128-byte line)
+            lines = tl.minimum(k_lo + tl.arange(0, PREFETCH * BLOCK_K // 64) * 64, K - 1)
+            first = (w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn
+                     + lines[None, :])                                          # [BN, lines]
+            prefetch_l2(first)
+            if SWIGLU:
+                prefetch_l2(first + UP_ROWS * stride_wn)
+        pdl_enter(PDL)
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]                # [BM, BK]
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
+        acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        sum_sq = tl.full((BLOCK_M,), 0.0, tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kmask = (k0 + rk) < k_hi
+            wmask = (rn[:, None] < N) & kmask[None, :]
             x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=(rn[:, None] < N) & kmask[None, :], other=0.0)
+            if NORM:  # x * g now, * rstd (from the whole row) after the loop
+                xf = x.to(tl.float32)
+                sum_sq += tl.sum(xf * xf, axis=1)
+                g = tl.load(g_ptr + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+                x = (xf * g[None, :]).to(x.dtype)
+            w = tl.load(w_ptrs, mask=wmask, other=0.0)
             acc += tl.dot(x, tl.trans(w))                                       # [BM, BN]
+            if SWIGLU:
+                wu = tl.load(w_ptrs + UP_ROWS * stride_wn, mask=wmask, other=0.0)
+                acc_up += tl.dot(x, tl.trans(wu))                               # [BM, BN]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if NORM:
+            rstd = 1.0 / tl.sqrt(sum_sq / K + eps)                              # [BM]
+            acc = acc * rstd[:, None]
+            acc_up = acc_up * rstd[:, None]
         if HAS_BIAS:
             if split == 0:  # the bias goes into one split only
                 acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+                if SWIGLU:
+                    acc_up += tl.load(b_ptr + UP_ROWS + rn, mask=rn < N,
+                                      other=0.0).to(tl.float32)[None, :]
+        out_ty = y_ptr.dtype.element_ty
+        if SWIGLU:  # rounded like silu_mul on the stored gate_up: silu(g) then the product
+            gate = acc.to(out_ty).to(tl.float32)
+            act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
+            acc = act * acc_up.to(out_ty).to(tl.float32)
+        ymask = (rm[:, None] < M) & (rn[None, :] < N)
+        if RESIDUAL:  # the projection rounded, then + r like `x + residual` in torch
+            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ymask, other=0.0)
+            acc = acc.to(out_ty).to(tl.float32) + r.to(tl.float32)
         y_ptrs = y_ptr + split * stride_ys + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(y_ptrs, acc.to(out_ty), mask=ymask)
 
 
 def skinny_config(m: int, n: int, k: int) -> dict:
@@ -106,10 +145,25 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
         k_split, splits = max(k, 1), 1
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
-    _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, k_split,
-                              x.stride(0), weight.stride(0), y.stride(-2), m * n,
-                              HAS_BIAS=bias is not None, **cfg, **pdl_launch(x.device))
+    launch_gemm(grid, cfg, x, weight, bias, y, k_split=k_split)
     return y
+
+
+def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, norm_weight=None, eps=0.0,
+                residual=None, up_rows=0):
+    """Launch ``_skinny_gemm_kernel`` (callers check shapes): the optional fusions are on
+    when their inputs are given (``up_rows`` > 0: SwiGLU)."""
+    m, k = x.shape
+    unused = weight  # a valid pointer for the inputs a variant never reads
+    _skinny_gemm_kernel[grid](
+        x, weight, unused if bias is None else bias, y,
+        unused if norm_weight is None else norm_weight, unused if residual is None else residual,
+        m, y.shape[-1], k, k_split or max(k, 1), up_rows,
+        x.stride(0), weight.stride(0), y.stride(-2), m * y.shape[-1],
+        0 if residual is None else residual.stride(0), float(eps),
+        HAS_BIAS=bias is not None, NORM=norm_weight is not None, SWIGLU=up_rows > 0,
+        RESIDUAL=residual is not None, PREFETCH=prefetch_tiles(x.device), **cfg,
+        **pdl_launch(x.device))
 
 
 # -- split-K for the projections an add+RMSNorm follows -------------------------------------
