@@ -121,45 +121,49 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
 
 def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
     """The fused decode GEMMs (kernels/fused_linear.py) against the kernels they replace,
-    in TB/s of weights, and a tile sweep for the SwiGLU one."""
+    in TB/s of weights, for each combination of the fusion knobs, with a small tile sweep."""
     from . import fused_linear as FL
     from .linear import linear_triton
     from .rms_norm import rms_norm_triton
     from .silu_mul import silu_mul_triton
 
     dev = "cuda"
-    x = torch.randn(m, 4096, device=dev, dtype=dtype)
+    x, xi = (torch.randn(m, k, device=dev, dtype=dtype) for k in (4096, 11008))
     g = torch.rand(4096, device=dev, dtype=dtype) + 0.5
-    cases = {  # name: (weights, fused call, unfused calls)
-        "qkv+norm": (LLAMA7B_GEMMS["qkv"], lambda w: FL.rms_norm_linear_triton(x, g, 1e-6, w),
-                     lambda w: linear_triton(rms_norm_triton(x, g, 1e-6), w)),
-        "gate_up+norm+silu": (LLAMA7B_GEMMS["gate_up"], lambda w: FL.rms_norm_swiglu_triton(x, g, 1e-6, w),
-                              lambda w: silu_mul_triton(linear_triton(rms_norm_triton(x, g, 1e-6), w))),
-        "o+residual": (LLAMA7B_GEMMS["o"], lambda w: FL.linear_residual_triton(x, w, None, x),
-                       lambda w: linear_triton(x, w) + x),
-    }
-    xi = torch.randn(m, 11008, device=dev, dtype=dtype)
-    cases["down+residual"] = (LLAMA7B_GEMMS["down"], lambda w: FL.linear_residual_triton(xi, w, None, x),
-                              lambda w: linear_triton(xi, w) + x)
-    for name, ((n, k), fused, plain) in cases.items():
+    tiles = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=ns)
+             for bn, bk, ns in itertools.product((32, 64), (64, 128, 256), (3, 4))]
+    cases = [  # name, weights, knobs (norm, swiglu), fused call (w, config), unfused call (w)
+        ("qkv+norm", "qkv", (True, True), lambda w, c: FL.rms_norm_linear_triton(x, g, 1e-6, w, config=c),
+         lambda w: linear_triton(rms_norm_triton(x, g, 1e-6), w)),
+        ("gate_up+norm+silu", "gate_up", (True, True),
+         lambda w, c: FL.rms_norm_swiglu_triton(x, g, 1e-6, w, config=c),
+         lambda w: silu_mul_triton(linear_triton(rms_norm_triton(x, g, 1e-6), w))),
+        ("gate_up+silu", "gate_up", (False, True),
+         lambda w, c: FL.rms_norm_swiglu_triton(x, g, 1e-6, w, config=c), None),
+        ("o+residual", "o", (True, True), lambda w, c: FL.linear_residual_triton(x, w, None, x, config=c),
+         lambda w: linear_triton(x, w) + x),
+        ("down+residual", "down", (True, True),
+         lambda w, c: FL.linear_residual_triton(xi, w, None, x, config=c),
+         lambda w: linear_triton(xi, w) + x),
+    ]
+    for name, gemm, (norm, swiglu), fused, plain in cases:
+        FL.FUSE_NORM, FL.FUSE_SWIGLU = norm, swiglu
+        n, k = LLAMA7B_GEMMS[gemm]
         ws = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(4)]
         nbytes = n * k * ws[0].element_size()
         it = itertools.cycle(ws)
-        tf, tp = graph_time(lambda: fused(next(it))), graph_time(lambda: plain(next(it)))
-        print(f"{name:18s} M={m}  fused {tf * 1e6:6.1f} us ({nbytes / tf / 1e12:4.2f} TB/s)  "
-              f"unfused {tp * 1e6:6.1f} us ({nbytes / tp / 1e12:4.2f} TB/s)", flush=True)
-        if name.startswith("gate_up"):
-            best = []
-            for bn, bk, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4)):
-                cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-                try:
-                    t = graph_time(lambda: FL.rms_norm_swiglu_triton(x, g, 1e-6, next(it), config=cfg),
-                                   replays=5)
-                except Exception:  # out of shared memory etc.
-                    continue
-                best.append((nbytes / t / 1e12, cfg))
-            for bw, cfg in sorted(best, key=lambda b: -b[0])[:4]:
-                print(f"    {bw:4.2f} TB/s {cfg}", flush=True)
+        line = f"{name:18s} M={m}  fused {nbytes / graph_time(lambda: fused(next(it), None)) / 1e12:4.2f} TB/s"
+        if plain is not None:
+            line += f"  unfused {nbytes / graph_time(lambda: plain(next(it))) / 1e12:4.2f} TB/s"
+        best = []
+        for cfg in tiles:
+            try:
+                best.append((nbytes / graph_time(lambda: fused(next(it), cfg), replays=5) / 1e12, cfg))
+            except Exception:  # out of shared memory etc.
+                continue
+        top = sorted(best, key=lambda b: -b[0])[:2]
+        print(line + "  best " + "; ".join(f"{bw:4.2f} {c['BLOCK_N']}x{c['BLOCK_K']}x{c['num_stages']}"
+                                         for bw, c in top), flush=True)
         del ws
 
 

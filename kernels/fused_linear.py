@@ -10,12 +10,19 @@ instead of 10 (kernels/linear.py's skinny kernel with its fusion flags on):
 The references compose the unfused ops, and so do the Triton entry points where the
 kernel does not apply (float32: exact cuBLAS; more rows than ``MAX_SKINNY_M``).
 """
+import os
+
 import torch
 
 from ._triton import HAVE_TRITON, triton
 from .linear import MAX_SKINNY_M, launch_gemm, linear_torch, linear_triton, skinny_config
 from .rms_norm import rms_norm_torch, rms_norm_triton
 from .silu_mul import silu_mul_torch, silu_mul_triton
+
+
+# A/B knobs: which fusions the Triton entry points use (the residual add always)
+FUSE_NORM = os.environ.get("INFERGRAFT_FUSE_NORM", "1") != "0"
+FUSE_SWIGLU = os.environ.get("INFERGRAFT_FUSE_SWIGLU", "1") != "0"
 
 
 def rms_norm_linear_torch(x, norm_weight, eps, weight, bias=None):
@@ -55,7 +62,7 @@ def _check_norm(x, norm_weight):
 
 
 def rms_norm_linear_triton(x, norm_weight, eps, weight, bias=None, config=None):
-    if not _fusable(x, weight):
+    if not (FUSE_NORM and _fusable(x, weight)):
         return linear_triton(rms_norm_triton(x, norm_weight, eps), weight, bias)
     _check_norm(x, norm_weight)
     m, k = x.shape
@@ -75,17 +82,18 @@ def swiglu_config(m: int, i: int, k: int) -> dict:
 
 
 def rms_norm_swiglu_triton(x, norm_weight, eps, weight, bias=None, config=None):
-    if not _fusable(x, weight):
-        normed = rms_norm_triton(x, norm_weight, eps)
-        return silu_mul_triton(linear_triton(normed, weight, bias))
+    if not (FUSE_SWIGLU and _fusable(x, weight)):
+        return silu_mul_triton(rms_norm_linear_triton(x, norm_weight, eps, weight, bias))
     _check_norm(x, norm_weight)
     assert weight.shape[0] % 2 == 0, f"gate_up weight needs an even row count, got {weight.shape[0]}"
+    norm = dict(norm_weight=norm_weight.to(x.dtype), eps=eps)
+    if not FUSE_NORM:
+        x, norm = rms_norm_triton(x, norm_weight, eps), {}
     m, k = x.shape
     i = weight.shape[0] // 2
     y = _check(x, weight, bias, i)
     cfg = dict(config or swiglu_config(m, i, k))
-    launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y,
-                norm_weight=norm_weight.to(x.dtype), eps=eps, up_rows=i)
+    launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i, **norm)
     return y
 
 

@@ -14,6 +14,14 @@ def _cfg(m):
     return dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), **SMALL)
 
 
+@pytest.fixture(params=[(True, True), (False, True), (True, False)],
+                ids=["norm+swiglu", "swiglu", "norm"])
+def fusions(request, monkeypatch):
+    """Each combination of the A/B knobs takes its own kernel path."""
+    monkeypatch.setattr(FL, "FUSE_NORM", request.param[0])
+    monkeypatch.setattr(FL, "FUSE_SWIGLU", request.param[1])
+
+
 @pytest.fixture
 def fuse_fp32(monkeypatch, device, dtype):
     """float32 normally goes to cuBLAS; in the interpreter (exact float32 dots) run the
@@ -36,15 +44,19 @@ def _swiglu_rounded_like_the_kernel(x, g, eps, w, b, dtype):
     silu(g) * u cancels, so rounding the same intermediates elsewhere (as the composed
     reference does) lands several ulps away, either way. The float32 case checks the math."""
     i = w.shape[0] // 2
-    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    acc = ((x * g).to(dtype).float() @ w.T) * rstd + (0 if b is None else b)
+    if FL.FUSE_NORM:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        acc = ((x * g).to(dtype).float() @ w.T) * rstd
+    else:  # the rms_norm kernel first, rounded like its reference
+        acc = FL.rms_norm_torch(x.to(dtype), g.to(dtype), eps).float() @ w.T
+    acc = acc + (0 if b is None else b)
     gate, up = acc[:, :i].to(dtype).float(), acc[:, i:].to(dtype).float()
     return (gate * torch.sigmoid(gate)).to(dtype).float() * up
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 72), (3, 17, 300), (16, 64, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_rms_norm_linear(device, dtype, randn, poisoned_empty, fuse_fp32, m, n, k, bias):
+def test_rms_norm_linear(device, dtype, randn, poisoned_empty, fusions, fuse_fp32, m, n, k, bias):
     x, g = randn(m, k, dtype=dtype) * 3, randn(k, dtype=dtype)
     w = randn(n, k, dtype=dtype) / k ** 0.5
     b = randn(n, dtype=dtype) if bias else None
@@ -57,7 +69,7 @@ def test_rms_norm_linear(device, dtype, randn, poisoned_empty, fuse_fp32, m, n, 
 
 @pytest.mark.parametrize("m,i,k", [(1, 40, 72), (5, 24, 130), (16, 33, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_rms_norm_swiglu(device, dtype, randn, poisoned_empty, fuse_fp32, m, i, k, bias):
+def test_rms_norm_swiglu(device, dtype, randn, poisoned_empty, fusions, fuse_fp32, m, i, k, bias):
     x, g = randn(m, k, dtype=dtype), randn(k, dtype=dtype)
     w = randn(2 * i, k, dtype=dtype) * (2 / k ** 0.5)  # gate | up
     b = randn(2 * i, dtype=dtype) if bias else None
