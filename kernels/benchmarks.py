@@ -119,6 +119,20 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
         del ws
 
 
+def _folded_norm_gemm(x, w, cfg):
+    """The RMSNorm-in-GEMM variant for norm weights folded into W: rstd only in the kernel."""
+    from .linear import launch_gemm, skinny_config
+    cfg = cfg or skinny_config(x.shape[0], w.shape[0], w.shape[1])
+    y = torch.empty((x.shape[0], w.shape[0]), device=x.device, dtype=x.dtype)
+    launch_gemm((triton_cdiv(w.shape[0], cfg["BLOCK_N"]), 1), cfg, x, w, None, y, eps=1e-6,
+                norm_folded=True)
+    return y
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
     """The fused decode GEMMs (kernels/fused_linear.py) against the kernels they replace,
     in TB/s of weights, for each combination of the fusion knobs, with a small tile sweep."""
@@ -140,6 +154,7 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
          lambda w: silu_mul_triton(linear_triton(rms_norm_triton(x, g, 1e-6), w))),
         ("gate_up+silu", "gate_up", (False, True),
          lambda w, c: FL.rms_norm_swiglu_triton(x, g, 1e-6, w, config=c), None),
+        ("qkv+rstd (g in W)", "qkv", (True, True), lambda w, c: _folded_norm_gemm(x, w, c), None),
         ("o+residual", "o", (True, True), lambda w, c: FL.linear_residual_triton(x, w, None, x, config=c),
          lambda w: linear_triton(x, w) + x),
         ("down+residual", "down", (True, True),

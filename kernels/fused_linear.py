@@ -1,8 +1,9 @@
-"""Decode GEMMs fused with their neighbours, so a LLaMA layer at <= 16 rows runs 6 kernels
-instead of 10 (kernels/linear.py's skinny kernel with its fusion flags on):
+"""Decode GEMMs fused with their neighbours (kernels/linear.py's skinny kernel with its
+fusion flags on), for the decode layer at <= 16 rows (``DecoderLayer.forward_fused``):
 
-- ``rms_norm_linear``: rms_norm(x) W^T; the norm happens on the way into the GEMM (each
-  program reads all of x anyway): x * g per tile, sum(x^2) alongside, * rstd at the end.
+- ``rms_norm_linear``: rms_norm(x) W^T; with ``FUSE_NORM`` (off: slower, see below) the
+  norm happens on the way into the GEMM: x * g per tile, sum(x^2) alongside, * rstd at the
+  end; else the RMSNorm kernel (no residual add left in it) and the GEMM.
 - ``rms_norm_swiglu``: silu(n Wg^T) * (n Wu^T), n = rms_norm(x), on the fused gate_up
   weight [2I, K] (gate rows, then up rows): [M, I] out, no [M, 2I] intermediate.
 - ``linear_residual``: x W^T + r (o and down: the residual stream's add).
@@ -20,8 +21,12 @@ from .rms_norm import rms_norm_torch, rms_norm_triton
 from .silu_mul import silu_mul_torch, silu_mul_triton
 
 
-# A/B knobs: which fusions the Triton entry points use (the residual add always)
-FUSE_NORM = os.environ.get("INFERGRAFT_FUSE_NORM", "1") != "0"
+# A/B knobs: which fusions the Triton entry points use (the residual add always). H200,
+# bf16, M=1, TB/s of weights (kernels/benchmarks.py --fused): gate_up with SwiGLU 3.99
+# (3.92 for norm + gate_up + silu_mul), o / down with the residual 3.11 / 3.69 (2.61 / 3.38
+# with a separate add). The norm inside the GEMM is off: x * g on the tl.dot operand
+# costs Triton 3.6 its weight pipelining (qkv 1.02 TB/s vs 3.69 for norm + GEMM).
+FUSE_NORM = os.environ.get("INFERGRAFT_FUSE_NORM", "0") == "1"
 FUSE_SWIGLU = os.environ.get("INFERGRAFT_FUSE_SWIGLU", "1") != "0"
 
 
@@ -62,9 +67,9 @@ def _check_norm(x, norm_weight):
 
 
 def rms_norm_linear_triton(x, norm_weight, eps, weight, bias=None, config=None):
+    _check_norm(x, norm_weight)
     if not (FUSE_NORM and _fusable(x, weight)):
         return linear_triton(rms_norm_triton(x, norm_weight, eps), weight, bias)
-    _check_norm(x, norm_weight)
     m, k = x.shape
     n = weight.shape[0]
     y = _check(x, weight, bias, n)
@@ -82,9 +87,9 @@ def swiglu_config(m: int, i: int, k: int) -> dict:
 
 
 def rms_norm_swiglu_triton(x, norm_weight, eps, weight, bias=None, config=None):
+    _check_norm(x, norm_weight)
     if not (FUSE_SWIGLU and _fusable(x, weight)):
         return silu_mul_triton(rms_norm_linear_triton(x, norm_weight, eps, weight, bias))
-    _check_norm(x, norm_weight)
     assert weight.shape[0] % 2 == 0, f"gate_up weight needs an even row count, got {weight.shape[0]}"
     norm = dict(norm_weight=norm_weight.to(x.dtype), eps=eps)
     if not FUSE_NORM:

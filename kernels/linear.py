@@ -38,7 +38,8 @@ if HAVE_TRITON:
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
         # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
-        # Fusions (kernels/fused_linear.py): NORM = RMSNorm of x (weight g) on the way in,
+        # Fusions (kernels/fused_linear.py): NORM = RMSNorm of x on the way in (1: weight g
+        # applied to x here; 2: g already folded into W's columns, only rstd here),
         # SWIGLU = silu(x Wg^T) * (x Wu^T) with Wu UP_ROWS rows below Wg, RESIDUAL = + r
         pid = tl.program_id(0)
         split = tl.program_id(1)
@@ -65,11 +66,12 @@ if HAVE_TRITON:
             kmask = (k0 + rk) < k_hi
             wmask = (rn[:, None] < N) & kmask[None, :]
             x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-            if NORM:  # x * g now, * rstd (from the whole row) after the loop
+            if NORM > 0:  # x * g now, * rstd (from the whole row) after the loop
                 xf = x.to(tl.float32)
                 sq += xf * xf  # a reduction per tile here made the GEMM 4x slower (H200)
-                g = tl.load(g_ptr + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-                x = (xf * g[None, :]).to(x.dtype)
+                if NORM == 1:
+                    g = tl.load(g_ptr + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+                    x = (xf * g[None, :]).to(x.dtype)
             w = tl.load(w_ptrs, mask=wmask, other=0.0)
             acc += tl.dot(x, tl.trans(w))                                       # [BM, BN]
             if SWIGLU:
@@ -77,7 +79,7 @@ if HAVE_TRITON:
                 acc_up += tl.dot(x, tl.trans(wu))                               # [BM, BN]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if NORM:
+        if NORM > 0:
             rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)                  # [BM]
             acc = acc * rstd[:, None]
             acc_up = acc_up * rstd[:, None]
@@ -150,9 +152,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
 
 
 def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, norm_weight=None, eps=0.0,
-                residual=None, up_rows=0):
+                residual=None, up_rows=0, norm_folded=False):
     """Launch ``_skinny_gemm_kernel`` (callers check shapes): the optional fusions are on
-    when their inputs are given (``up_rows`` > 0: SwiGLU)."""
+    when their inputs are given (``up_rows`` > 0: SwiGLU; ``norm_folded``: RMSNorm whose
+    weight is already in W's columns)."""
     m, k = x.shape
     unused = weight  # a valid pointer for the inputs a variant never reads
     _skinny_gemm_kernel[grid](
@@ -161,7 +164,8 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, norm_weight=None
         m, y.shape[-1], k, k_split or max(k, 1), up_rows,
         x.stride(0), weight.stride(0), y.stride(-2), m * y.shape[-1],
         0 if residual is None else residual.stride(0), float(eps),
-        HAS_BIAS=bias is not None, NORM=norm_weight is not None, SWIGLU=up_rows > 0,
+        HAS_BIAS=bias is not None, NORM=2 if norm_folded else int(norm_weight is not None),
+        SWIGLU=up_rows > 0,
         RESIDUAL=residual is not None, PREFETCH=prefetch_tiles(x.device), **cfg,
         **pdl_launch(x.device))
 

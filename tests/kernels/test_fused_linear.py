@@ -132,3 +132,15 @@ def test_bad_shapes_are_rejected(device, randn):
         FL.linear_residual_triton(x, w, None, randn(2, 47, dtype=dt))
     with pytest.raises(AssertionError, match="even"):
         FL.rms_norm_swiglu_triton(x, randn(32, dtype=dt), 1e-6, randn(47, 32, dtype=dt))
+
+
+def test_norm_folded_into_the_weight(device, randn, poisoned_empty):
+    """``norm_folded``: W's columns already carry the norm weight; the kernel applies rstd."""
+    from infergraft.kernels.linear import launch_gemm
+    dt = torch.float16
+    x, g = randn(3, 96, dtype=dt) * 2, randn(96, dtype=dt)
+    w = randn(40, 96, dtype=dt) / 10
+    y = torch.empty((3, 40), dtype=dt, device=x.device)
+    launch_gemm((3, 1), _cfg(3), x, (w.float() * g.float()).to(dt), None, y, eps=1e-6,
+                norm_folded=True)
+    _close(y, FL.rms_norm_linear_torch(x.float(), g.float(), 1e-6, w.float()), "folded")
