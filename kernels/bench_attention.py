@@ -4,6 +4,9 @@ LLaMA-2-7B-shaped decode (bf16, D=128, block size 16, 32 query heads with 32 kv 
 and with 8), context 544 tokens in a block table wide enough for 576: achieved K/V
 bandwidth inside a CUDA graph for fixed split counts and the automatic one, plus a
 BLOCK_N x num_warps sweep at the automatic split count, against a measured copy.
+Split partials are merged by the last split to finish (fused, the default) or, with
+``--two-kernel``, by a second kernel: run both to compare, e.g. ``--batches 1 --heads
+32/32 --context 576 --table 2048 --no-sweep`` with and without ``--two-kernel``.
 ``TRITON_INTERPRET=1 ... --dry`` runs the same loop on the CPU (Triton interpreter, one
 call each, no timing, float16: the 3.9 interpreter's bf16 tl.dot is wrong) to check the
 plumbing without a GPU; use small --context with it.
@@ -43,26 +46,28 @@ def make_inputs(bsz, hq, hkv, context, device, dtype=torch.bfloat16, table_token
     return q, k, v, tables, lens, kv_bytes
 
 
-def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layout="token"):
-    from .paged_attention import _sm_count, paged_attention_torch, paged_attention_triton, split_plan
+def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layout="token",
+                table_tokens=TABLE_TOKENS, fused=True):
+    from .paged_attention import (_sm_count, paged_attention_torch, paged_attention_triton,
+                                  split_len, split_plan)
 
     q, k, v, tables, lens, kv_bytes = make_inputs(bsz, hq, hkv, context, device, dtype,
-                                                  layout=layout)
+                                                  table_tokens=table_tokens, layout=layout)
     scale = D ** -0.5
 
     def tbs(**kw):  # TB/s, or None where the config does not compile (shared memory...)
         it = itertools.cycle(tables)
         try:
-            t = timer(lambda: paged_attention_triton(q, k, v, next(it), lens, scale, **kw),
-                      len(tables))
+            t = timer(lambda: paged_attention_triton(q, k, v, next(it), lens, scale,
+                                                     fused_combine=fused, **kw), len(tables))
         except Exception as e:  # noqa: BLE001 - report and go on with the sweep
             if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
                 print(f"  ({hq}/{hkv} B={bsz} {kw}: {type(e).__name__}: {e})")
             return None, None
         return kv_bytes / t / 1e12, t
 
-    auto_s, auto_p = split_plan(bsz, hkv, tables[0].shape[1] * BLOCK_SIZE, None,
-                                _sm_count(q.device), 32)
+    auto_s = split_plan(bsz, hkv, tables[0].shape[1] * BLOCK_SIZE, None, _sm_count(q.device), 32)
+    auto_p = split_len(context, auto_s, 32)  # the kernel splits the actual length
     row = {f"S={s}": tbs(num_splits=s)[0] for s in splits}
     row["auto"], t_auto = tbs()
     best = (None, None)
@@ -72,7 +77,8 @@ def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layo
         if bw is not None and (best[0] is None or bw > best[0]):
             best = (bw, "".join(f"{tag}{x}" for tag, x in zip(("N", "w", "s"), cfg)))
     ref = paged_attention_torch(q, k, v, tables[0], lens, scale).float()
-    err = (paged_attention_triton(q, k, v, tables[0], lens, scale).float() - ref).abs().max().item()
+    out = paged_attention_triton(q, k, v, tables[0], lens, scale, fused_combine=fused)
+    err = (out.float() - ref).abs().max().item()
     return row, auto_s, auto_p, t_auto, best, kv_bytes, err
 
 
@@ -81,6 +87,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--heads", default="32/32,32/8", help="Hq/Hkv pairs")
     p.add_argument("--context", type=int, default=544)
+    p.add_argument("--table", type=int, default=TABLE_TOKENS, help="block table width in tokens")
+    p.add_argument("--two-kernel", action="store_true",
+                   help="merge split partials in a second kernel (default: the last split, fused)")
     p.add_argument("--splits", default="1,2,4,8", help="fixed num_splits (auto is always run)")
     p.add_argument("--no-sweep", action="store_true", help="skip the BLOCK_N x num_warps sweep")
     p.add_argument("--wide", action="store_true", help="sweep num_warps 2-8 and num_stages 2-5 too")
@@ -115,14 +124,15 @@ def main(argv=None) -> int:
     splits = [int(s) for s in a.splits.split(",") if s]
     sweep = None if a.no_sweep else (WIDE_SWEEP if a.wide else SWEEP)
     cols = [f"S={s}" for s in splits] + ["auto"]
-    print(f"{str(dtype)[6:]} D={D} block={BLOCK_SIZE} context={a.context} table={TABLE_TOKENS} "
-          f"layout={a.layout}; TB/s of K/V read")
+    print(f"{str(dtype)[6:]} D={D} block={BLOCK_SIZE} context={a.context} table={a.table} "
+          f"layout={a.layout} combine={'two-kernel' if a.two_kernel else 'fused'}; TB/s of K/V read")
     print(f"{'Hq/Hkv':>6} {'B':>3} {'KV MB':>6} " + " ".join(f"{c:>6}" for c in cols)
           + f" {'auto S x P':>10} {'auto us':>8} {'%copy':>5} {'best tile':>16} {'max err':>8}")
     for heads, bsz in itertools.product(a.heads.split(","), (int(b) for b in a.batches.split(","))):
         hq, hkv = (int(x) for x in heads.split("/"))
         row, s, plen, t, best, nbytes, err = bench_shape(timer, bsz, hq, hkv, a.context, device,
-                                                         dtype, splits, sweep, a.layout)
+                                                         dtype, splits, sweep, a.layout, a.table,
+                                                         not a.two_kernel)
         fmt = lambda x: f"{x:6.2f}" if x is not None else f"{'-':>6}"  # noqa: E731
         pct = f"{100 * nbytes / t / bw:5.0f}" if bw and t else f"{'-':>5}"
         tile = f"{fmt(best[0]).strip()} {best[1]}" if best[0] is not None else "-"

@@ -5,17 +5,22 @@ GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)`` (HF ``repeat_kv`` order
 Sliding window ``W``: the query at position ``p = len - 1`` sees keys in ``(p - W, p]``.
 int8 K/V carry float32 scales per (token, head): ``k = k_int8 * k_scale``.
 
-Flash-decoding: the Triton path splits each sequence's keys over S programs per (sequence,
-kv head) so small batches fill the GPU; a second kernel merges the partial softmaxes.
+Flash-decoding: the Triton path splits each sequence's visible keys over S programs per
+(sequence, kv head) so small batches fill the GPU. S comes from shapes (CUDA graphs); the
+split points from the actual lengths, in the kernel. The partial softmaxes are merged by
+the last program of each (sequence, kv head) to finish (a semaphore), or a second kernel.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
+from .paged_plan import _semaphores, _sm_count, split_len, split_plan, tile_config  # noqa: F401
+
+#: float32 elements (heads x splits x head_dim) per step of the fused merge: 64 registers
+#: a thread at 4 warps; a larger S x head_dim is merged by the second kernel instead
+MERGE_ELEMS = 8192
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float,
@@ -51,21 +56,50 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale
 if HAVE_TRITON:
 
     @triton.jit
+    def _merge_splits(acc_ptr, m_ptr, l_ptr, row0, nh, out_ptr, stride_oh, NSPLIT, D,
+                      BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Normalised output of nh query heads from their NSPLIT partials (rows
+        row0 + h * NSPLIT + s), BLOCK_H heads at a time. Loads are .cg (L2, never a stale
+        L1 line): in the fused path other programs wrote the partials during this kernel."""
+        hr = tl.arange(0, BLOCK_H)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        for h0 in range(0, nh, BLOCK_H):
+            h = h0 + hr
+            hs = (h < nh)[:, None] & (s < NSPLIT)[None, :]                  # [H, S]
+            row = row0 + h[:, None] * NSPLIT + s[None, :]                   # [H, S]
+            m = tl.load(m_ptr + row, mask=hs, other=float("-inf"), cache_modifier=".cg")
+            m = tl.where((h < nh)[:, None], m, 0.0)  # padding heads: 0 / 1, not NaN
+            l = tl.load(l_ptr + row, mask=hs, other=1.0, cache_modifier=".cg")
+            acc = tl.load(acc_ptr + row[:, :, None] * D + d[None, None, :],
+                          mask=hs[:, :, None] & dmask[None, None, :], other=0.0,
+                          cache_modifier=".cg")                              # [H, S, D]
+            # empty splits (m = -inf) weigh 0; each head has >= 1 split that is not empty
+            w = tl.exp(m - tl.max(m, 1)[:, None])                           # [H, S]
+            out = tl.sum(acc * w[:, :, None], 1) / tl.sum(l * w, 1)[:, None]  # [H, D]
+            tl.store(out_ptr + h[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=(h < nh)[:, None] & dmask[None, :])
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
+        sem_ptr,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
         stride_btb, stride_ob, stride_oh,
-        scale, window, split_len, BS, GROUP, D,
-        QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        scale, window, BS, GROUP, D,
+        QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         # One program per (sequence, kv head, split) serves the GROUP query heads sharing
         # the kv head over its split's tokens. SPLIT=False: one split, normalised output;
-        # SPLIT=True: un-normalised acc and (m, l) per query head for the combine kernel.
+        # SPLIT=True: un-normalised acc and (m, l) per query head, merged by the last
+        # program of the (sequence, kv head) to finish (FUSED) or the combine kernel.
         b = tl.program_id(0).to(tl.int64)
         hkv = tl.program_id(1).to(tl.int64)
-        sp = tl.program_id(2)
+        sp, nsplit = tl.program_id(2), tl.num_programs(2)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         gmask, dmask = g < GROUP, d < D
@@ -74,10 +108,12 @@ if HAVE_TRITON:
                     mask=gmask[:, None] & dmask[None, :], other=0.0)   # [G, D]
         length = tl.load(lens_ptr + b).to(tl.int32)
         start = tl.where(window > 0, tl.maximum(length - window, 0), 0)
-        # split sp covers [start + sp * P, start + (sp + 1) * P) of the visible keys
-        # [start, length) (start = 0 without a window); past the length it runs no tile
-        lo = start + sp * split_len
-        hi = tl.minimum(lo + split_len, length)
+        # the visible keys [start, length) in S parts of P whole tiles (from the actual
+        # length: a graph captured for a wide table still spreads a short context over
+        # all S); split sp covers [start + sp * P, start + (sp + 1) * P), past length none
+        per = ((length - start + nsplit - 1) // nsplit + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = start + sp * per
+        hi = tl.minimum(lo + per, length)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.full([BLOCK_G], 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
         acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
@@ -118,10 +154,23 @@ if HAVE_TRITON:
             m = m_new
         gd_mask = gmask[:, None] & dmask[None, :]
         if SPLIT:  # scratch rows ((b * Hq + qh) * S + sp): an empty split stores m=-inf, l=0, acc=0
-            row = (b * (tl.num_programs(1) * GROUP) + qh) * tl.num_programs(2) + sp  # [G]
+            hq = tl.num_programs(1) * GROUP
+            row = (b * hq + qh) * nsplit + sp                                # [G]
             tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gd_mask)
             tl.store(m_ptr + row, m, mask=gmask)
             tl.store(l_ptr + row, l, mask=gmask)
+            if FUSED:
+                # a scalar atomic runs on one thread: the barrier orders every thread's
+                # partial stores before its release (not every Triton inserts one)
+                tl.debug_barrier()
+                cnt = sem_ptr + b * tl.num_programs(1) + hkv  # this (sequence, kv head)
+                if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
+                    # last to finish: the other S - 1 partials are visible (acquire)
+                    h0 = hkv * GROUP
+                    _merge_splits(acc_ptr, m_ptr, l_ptr, (b * hq + h0) * nsplit, GROUP,
+                                  out_ptr + b * stride_ob + h0 * stride_oh, stride_oh,
+                                  nsplit, D, BLOCK_H, BLOCK_S, BLOCK_D)
+                    tl.store(cnt, 0)  # zero again for the next call or graph replay
         else:
             out = acc / l[:, None]
             tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + d[None, :],
@@ -134,70 +183,25 @@ if HAVE_TRITON:
         # One program per (sequence, query head): merge its splits' partial softmaxes.
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        s = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        smask, dmask = s < NSPLIT, d < D
-        row = (b * tl.num_programs(1) + h) * NSPLIT + s                    # [S]
-        m = tl.load(m_ptr + row, mask=smask, other=float("-inf"))         # [S]
-        l = tl.load(l_ptr + row, mask=smask, other=0.0)                   # [S]
-        acc = tl.load(acc_ptr + row[:, None] * D + d[None, :],
-                      mask=smask[:, None] & dmask[None, :], other=0.0)    # [S, D]
-        w = tl.exp(m - tl.max(m, 0))  # empty splits (m = -inf) weigh 0; >= 1 split is not empty
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)              # [D]
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-                 mask=dmask)
-
-
-#: the automatic split count aims for at least this many programs per SM (a few resident
-#: per SM hide memory latency; more, smaller programs shrink the last wave's tail)
-PROGRAMS_PER_SM = 4
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter: small, so tests exercise splitting
-
-
-def split_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int,
-               block_n: int, num_splits: int | None = None) -> tuple[int, int]:
-    """(S, P): S splits of P tokens (a multiple of block_n) of the sequence axis.
-
-    From shapes only, never from context_lens: the call is captured into a CUDA graph once
-    per batch size and replayed with other lengths. The span split is the window (at most
-    the table's width) or the table's width; splits are no shorter than one tile."""
-    span = max(1, min(window, max_tokens) if window else max_tokens)
-    tiles = -(-span // block_n)
-    if num_splits is None:
-        want = -(-PROGRAMS_PER_SM * sms // max(1, bsz * hkv))
-        s = max(1, min(want, tiles))
-    else:
-        s = num_splits
-    p = -(-tiles // s) * block_n if s <= tiles else block_n
-    # automatic: drop splits that could never hold a token; forced: keep S as asked
-    return (-(-span // p) if num_splits is None else s), p
-
-
-def tile_config(nsplit: int, num_warps: int | None, num_stages: int | None) -> dict:
-    """Warps and pipeline depth, from a sweep on an H200 (bf16, D=128, 544-token context,
-    ``kernels/bench_attention.py --wide``): with 32-key tiles, many short programs (split
-    sequences, small batch) like 4 warps and 2 stages; one long program per (sequence,
-    head) (S = 1, large batch) likes 2 warps and 4 stages: 3.4 -> 3.7 TB/s at batch 32."""
-    warps, stages = (4, 2) if nsplit > 1 else (2, 4)
-    return dict(num_warps=num_warps or warps, num_stages=num_stages or stages)
+        _merge_splits(acc_ptr, m_ptr, l_ptr, (b * tl.num_programs(1) + h) * NSPLIT, 1,
+                      out_ptr + b * stride_ob + h * stride_oh, stride_oh, NSPLIT, D,
+                      1, BLOCK_S, BLOCK_D)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                            window: int | None = None, k_scale=None, v_scale=None, *,
                            num_splits: int | None = None, block_n: int = 32,
-                           num_warps: int | None = None, num_stages: int | None = None):
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           fused_combine: bool = True):
     """Same contract as ``paged_attention_torch``; returns a new [B, Hq, D] tensor.
 
     Flash-decoding: with S > 1 splits of the sequence (``num_splits``, automatic when
-    None) a first kernel writes per-split partial softmaxes to scratch and a second one
-    combines them; S = 1 is one kernel. ``block_n`` (keys per tile), ``num_warps`` and
-    ``num_stages`` are tuning knobs (defaults: ``tile_config``)."""
+    None) each program writes a partial softmax to scratch; with ``fused_combine`` the
+    last program of each (sequence, kv head) to finish merges them (counted on a cached
+    semaphore buffer), else a second kernel does (also when the buffer would have to grow
+    during a CUDA graph capture, or S x D exceeds ``MERGE_ELEMS``). S = 1 is one kernel.
+    ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` are tuning knobs
+    (defaults: ``tile_config``)."""
     assert q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}"
     bsz, hq, d = q.shape
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
@@ -241,26 +245,34 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     sks = ks.stride() if quant else (0, 0, 0)
     svs = vs.stride() if quant else (0, 0, 0)
     group, block_d = hq // hkv, max(16, next_pow2(d))
-    nsplit, split_len = split_plan(bsz, hkv, block_tables.shape[1] * bs, window,
-                                   _sm_count(q.device), block_n, num_splits)
+    nsplit = split_plan(bsz, hkv, block_tables.shape[1] * bs, window, _sm_count(q.device),
+                        block_n, num_splits)
+    block_s, sems = next_pow2(nsplit), None
     if nsplit > 1:  # scratch: acc [B, Hq, S, D], m and l [B, Hq, S] (float32)
         acc = torch.empty((bsz, hq, nsplit, d), dtype=torch.float32, device=q.device)
         ml = torch.empty((2, bsz, hq, nsplit), dtype=torch.float32, device=q.device)
         m, l = ml[0], ml[1]
+        # fused: counters [B, Hkv]; not for a merge too large for registers (it would
+        # lower the occupancy of the whole decode kernel)
+        if fused_combine and block_s * block_d <= MERGE_ELEMS:
+            sems = _semaphores(q.device, bsz * hkv)
     else:
         acc = m = l = out  # unused when not SPLIT
+    # the fused merge takes BLOCK_H of the GROUP heads at a time ([H, S, D] in registers)
+    block_h = min(next_pow2(group), max(1, MERGE_ELEMS // (block_s * block_d)))
     tune = tile_config(nsplit, num_warps, num_stages)
     _paged_decode_kernel[(bsz, hkv, nsplit)](
         q, k_cache, v_cache, ks, vs, block_tables, context_lens, out, acc, m, l,
+        out if sems is None else sems,  # counters unused when not FUSED
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
         block_tables.stride(0), out.stride(0), out.stride(1),
-        float(scale), int(window or 0), split_len, bs, group, d,
-        QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, **tune,
-        **pdl_launch(q.device))
-    if nsplit > 1:
+        float(scale), int(window or 0), bs, group, d,
+        QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1, FUSED=sems is not None,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_H=block_h, BLOCK_S=block_s, **tune, **pdl_launch(q.device))
+    if nsplit > 1 and sems is None:
         _paged_combine_kernel[(bsz, hq)](
             acc, m, l, out, out.stride(0), out.stride(1), nsplit, d,
-            BLOCK_S=next_pow2(nsplit), BLOCK_D=block_d, num_warps=4, **pdl_launch(acc.device))
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, **pdl_launch(acc.device))
     return out

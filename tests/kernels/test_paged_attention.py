@@ -1,13 +1,19 @@
 """paged_attention: Triton vs the torch reference (and the reference vs plain math),
 random block tables, GQA ratios 1/3/4/8, sliding windows, int8 K/V, and split-KV
-(flash-decoding) with forced and automatic split counts."""
+(flash-decoding) with forced and automatic split counts, split by the actual length,
+merged by the last split to finish (semaphores) or by a second kernel."""
+import functools
 import math
 
 import pytest
 import torch
 
 from infergraft.kernels.kv_write import quantize_int8_torch
-from infergraft.kernels.paged_attention import paged_attention_torch, paged_attention_triton, split_plan
+from infergraft.kernels import paged_attention as pa
+from infergraft.kernels import paged_plan
+from infergraft.kernels._triton import next_pow2
+from infergraft.kernels.paged_attention import (paged_attention_torch, paged_attention_triton,
+                                                split_len, split_plan)
 
 from .tolerances import assert_close
 
@@ -156,16 +162,151 @@ def test_tuning_knobs(device, randn, gen, poisoned_empty, block_n, num_warps, nu
 
 def test_split_plan_depends_on_shapes_only():
     # LLaMA-2-7B decode on an H200 (132 SMs): table of 576 tokens, BLOCK_N 64 -> 9 tiles
-    assert split_plan(1, 32, 576, None, 132, 64) == (9, 64)      # one tile per split
-    assert split_plan(8, 32, 576, None, 132, 64) == (3, 192)     # 768 programs
-    assert split_plan(64, 32, 576, None, 132, 64) == (1, 576)    # enough programs already
-    assert split_plan(1, 8, 576, 100, 132, 64) == (2, 64)        # splits the window length
-    assert split_plan(1, 8, 40, 4096, 132, 64) == (1, 64)        # window wider than the table
-    assert split_plan(4, 2, 576, None, 4, 64, num_splits=7) == (7, 128)  # forced S kept
-    assert split_plan(4, 2, 64, None, 4, 64, num_splits=3) == (3, 64)    # even if some are empty
+    assert split_plan(1, 32, 576, None, 132, 64) == 9      # one tile per split
+    assert split_plan(8, 32, 576, None, 132, 64) == 3      # 768 programs
+    assert split_plan(64, 32, 576, None, 132, 64) == 1     # enough programs already
+    assert split_plan(1, 8, 576, 100, 132, 64) == 2        # splits the window length
+    assert split_plan(1, 8, 40, 4096, 132, 64) == 1        # window wider than the table
+    assert split_plan(1, 32, 2048, None, 132, 32) == 16    # 17 wanted: 4 of 64 tiles each
+    assert split_plan(4, 2, 576, None, 4, 64, num_splits=7) == 7  # forced S kept
+    assert split_plan(4, 2, 64, None, 4, 64, num_splits=3) == 3   # even if some are empty
     for bsz in (1, 3, 8, 32, 64, 256):
         for width in (16, 100, 576, 4096):
             for window in (None, 1, 37, 1000):
-                s, p = split_plan(bsz, 8, width, window, 132, 32)
+                s = split_plan(bsz, 8, width, window, 132, 32)
                 span = min(window, width) if window else width
+                p = split_len(span, s, 32)  # at the longest span no split is empty
                 assert s >= 1 and p % 32 == 0 and s * p >= span and (s - 1) * p < span
+    for visible in range(1, 200):  # whole tiles, as few as cover the keys
+        for s in (1, 2, 3, 7, 16):
+            p = split_len(visible, s, 16)
+            assert p % 16 == 0 and s * p >= visible and p - 16 < -(-visible // s)
+
+
+def _combine_launches(monkeypatch) -> list:
+    """Record launches of the second (combine) kernel."""
+    launches, real = [], pa._paged_combine_kernel
+    spy = type("Spy", (), {"__getitem__": lambda self, grid: launches.append(grid) or real[grid]})
+    monkeypatch.setattr(pa, "_paged_combine_kernel", spy())
+    return launches
+
+
+@pytest.fixture
+def fresh_semaphores(monkeypatch):
+    """An empty semaphore cache (and retired list) for this test only."""
+    monkeypatch.setattr(paged_plan, "_SEMAPHORES", {})
+    monkeypatch.setattr(paged_plan, "_RETIRED", [])
+    return paged_plan._SEMAPHORES
+
+
+WIDE = 2048  # table tokens: a graph captured for long contexts, replayed with short ones
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16, None], ids=lambda s: f"S{s or 'auto'}")
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_short_contexts_in_a_wide_table(device, dtype, randn, gen, poisoned_empty, num_splits,
+                                        window, int8):
+    lens, bs = [1, 5, 33, 576], 16
+    k, v, ks, vs, tables, _ = _paged(randn, gen, lens, 1, 16, bs, dtype, int8, device, WIDE // bs)
+    q = randn(len(lens), 2, 16, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_attention_triton(q, k, v, tables, ctx, 0.25, window, ks, vs, num_splits=num_splits)
+    assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.25, window, ks, vs),
+                 f"S={num_splits} window={window} int8={int8}")
+
+
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
+def test_splits_follow_the_actual_length(device, randn, gen, poisoned_empty, monkeypatch, window):
+    # the two-kernel path's scratch m [B, Hq, S]: finite where a split had keys
+    lens, bs, nsplit = [576, 33, 1], 16, 16
+    k, v, _, _, tables, _ = _paged(randn, gen, lens, 1, 16, bs, torch.float32, False, device,
+                                   WIDE // bs)
+    q = randn(len(lens), 1, 16)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    scratch, real_empty = [], torch.empty
+
+    def empty(*args, **kwargs):
+        scratch.append(real_empty(*args, **kwargs))
+        return scratch[-1]
+    monkeypatch.setattr(torch, "empty", empty)
+    out = paged_attention_triton(q, k, v, tables, ctx, 0.25, window, num_splits=nsplit,
+                                 fused_combine=False)
+    assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.25, window))
+    m = next(t for t in scratch if t.shape == (2, len(lens), 1, nsplit))[0, :, 0].cpu()  # [B, S]
+    for b, n in enumerate(lens):
+        visible = min(n, window or n)
+        busy = -(-visible // split_len(visible, nsplit, 32))  # 9 of 16 for 576 keys (not 5)
+        assert torch.isfinite(m[b, :busy]).all() and (m[b, busy:] == float("-inf")).all(), (n, m[b])
+
+
+FUSED_CASES = [  # (Hq, Hkv, D, block_size, lens, table width in blocks, num_splits, window)
+    (6, 2, 24, 5, [9, 1, 33, 64], 20, 4, None),  # GQA 3: a padding head in the merge
+    (8, 1, 32, 8, [3, 41], 10, 5, 7),            # MQA, ratio 8, a window
+    (4, 4, 16, 16, [1, 37, 80], 8, None, None),  # MHA, automatic S
+]
+
+
+@pytest.mark.parametrize("merge", ["default", "one-head", "too-big"])
+@pytest.mark.parametrize("hq,hkv,d,bs,lens,width,num_splits,window", FUSED_CASES,
+                         ids=["gqa3", "mqa8", "mha"])
+def test_fused_combine_matches_two_kernels(device, dtype, randn, gen, poisoned_empty, monkeypatch,
+                                           fresh_semaphores, hq, hkv, d, bs, lens, width,
+                                           num_splits, window, merge):
+    nsplit = split_plan(len(lens), hkv, width * bs, window, pa._sm_count(torch.device(device)), 32,
+                        num_splits)
+    one_head = next_pow2(nsplit) * max(16, next_pow2(d))  # [1, S, D]: a loop over the group
+    monkeypatch.setattr(pa, "MERGE_ELEMS", {"default": pa.MERGE_ELEMS, "one-head": one_head,
+                                            "too-big": one_head - 1}[merge])
+    k, v, _, _, tables, _ = _paged(randn, gen, lens, hkv, d, bs, dtype, False, device, width)
+    q = randn(len(lens), hq, d, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    launches = _combine_launches(monkeypatch)
+    run = functools.partial(paged_attention_triton, q, k, v, tables, ctx, d ** -0.5, window,
+                            num_splits=num_splits)
+    fused = run(fused_combine=True)
+    assert len(launches) == (merge == "too-big")  # else no second kernel
+    two = run(fused_combine=False)
+    assert len(launches) == 1 + (merge == "too-big")
+    ref = paged_attention_torch(q, k, v, tables, ctx, d ** -0.5, window)
+    assert_close(fused, ref, "fused")
+    assert_close(two, ref, "two kernels")
+    assert_close(fused, two, "fused vs two kernels")
+
+
+def test_semaphores_are_zero_again_for_the_next_call(device, randn, gen, poisoned_empty,
+                                                     fresh_semaphores):
+    # the same buffers with new lengths written in place: what a CUDA graph replay does
+    k, v, _, _, tables, _ = _paged(randn, gen, [128] * 3, 2, 16, 8, torch.float32, False, device)
+    q = randn(3, 4, 16)
+    ctx = torch.zeros(3, dtype=torch.int32, device=device)
+    for lens in ([100, 7, 64], [3, 90, 1], [128, 128, 128]):
+        ctx.copy_(torch.tensor(lens))
+        out = paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=4)
+        assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.25), f"lens {lens}")
+        (sems,) = fresh_semaphores.values()  # one buffer, allocated by the first call
+        assert sems.dtype == torch.int32 and (sems == 0).all(), sems[:6]
+
+
+def test_capture_that_would_grow_the_semaphores_falls_back(device, randn, gen, poisoned_empty,
+                                                           monkeypatch, fresh_semaphores):
+    k, v, _, _, tables, _ = _paged(randn, gen, [50, 9], 2, 16, 8, torch.float32, False, device, 16)
+    q = randn(2, 4, 16)
+    ctx = torch.tensor([50, 9], dtype=torch.int32, device=device)
+    ref = paged_attention_torch(q, k, v, tables, ctx, 0.25)
+    launches = _combine_launches(monkeypatch)
+    small = torch.zeros(3, dtype=torch.int32, device=device)
+    fresh_semaphores[torch.device(device)] = small
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
+    assert len(launches) == 1  # needs 2 x 2 counters: two kernels, no allocation in the capture
+    assert fresh_semaphores[torch.device(device)] is small and not paged_plan._RETIRED
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
+    grown = fresh_semaphores[torch.device(device)]
+    assert len(launches) == 1 and grown.numel() >= 4  # grown outside a capture: fused
+    assert len(paged_plan._RETIRED) == 1 and paged_plan._RETIRED[0] is small  # kept alive
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
+    assert len(launches) == 1 and fresh_semaphores[torch.device(device)] is grown  # fused, as is
+    assert (grown == 0).all()

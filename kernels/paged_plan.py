@@ -1,0 +1,85 @@
+"""Launch planning for ``paged_attention_triton``: the split count (from shapes only),
+warps and stages, and the semaphore counters of the fused combine."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._triton import next_pow2
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+#: the automatic split count aims for at least this many programs per SM (a few resident
+#: per SM hide memory latency; more, smaller programs shrink the last wave's tail)
+PROGRAMS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: small, so tests exercise splitting
+
+
+def split_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int,
+               block_n: int, num_splits: int | None = None) -> int:
+    """S, the number of splits of the sequence axis (``num_splits`` when given).
+
+    From shapes only, never from context_lens: the call is captured into a CUDA graph once
+    per batch size and replayed with other lengths. S is sized for the longest span (the
+    window, at most the table's width, or the table's width) with splits no shorter than
+    a tile and none empty at that span; the kernel then splits each sequence's actual
+    visible keys in S (``split_len``)."""
+    if num_splits is not None:
+        return num_splits  # forced: kept even where some splits get no keys
+    span = max(1, min(window, max_tokens) if window else max_tokens)
+    tiles = _cdiv(span, block_n)
+    want = _cdiv(PROGRAMS_PER_SM * sms, max(1, bsz * hkv))
+    per = _cdiv(tiles, max(1, min(want, tiles)))  # tiles per split at the longest span
+    return _cdiv(tiles, per)  # drop splits that the longest span leaves empty
+
+
+def split_len(visible: int, nsplit: int, block_n: int) -> int:
+    """Keys per split (whole tiles) for ``visible`` keys in ``nsplit`` splits: the kernel's
+    own computation, for benchmarks and tests."""
+    return _cdiv(_cdiv(visible, nsplit), block_n) * block_n
+
+
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters: captured graphs may still use them
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):  # torch without CUDA
+        return False
+
+
+def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least n int32 counters on ``device``, zero between calls (each fused call sets
+    its counters back to 0), or None where it would have to grow inside a CUDA graph
+    capture (a fresh buffer must be zeroed outside the graph and outlive it)."""
+    buf = _SEMAPHORES.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if _capturing():
+        return None
+    if buf is not None:
+        _RETIRED.append(buf)
+    buf = _SEMAPHORES[device] = torch.zeros(max(1024, next_pow2(n)), dtype=torch.int32,
+                                             device=device)
+    return buf
+
+
+def tile_config(nsplit: int, num_warps: int | None, num_stages: int | None) -> dict:
+    """Warps and pipeline depth, from a sweep on an H200 (bf16, D=128, 544-token context,
+    ``kernels/bench_attention.py --wide``): with 32-key tiles, many short programs (split
+    sequences, small batch) like 4 warps and 2 stages; one long program per (sequence,
+    head) (S = 1, large batch) likes 2 warps and 4 stages: 3.4 -> 3.7 TB/s at batch 32."""
+    warps, stages = (4, 2) if nsplit > 1 else (2, 4)
+    return dict(num_warps=num_warps or warps, num_stages=num_stages or stages)
