@@ -291,22 +291,22 @@ def test_semaphores_are_zero_again_for_the_next_call(device, randn, gen, poisone
 def test_capture_that_would_grow_the_semaphores_falls_back(device, randn, gen, poisoned_empty,
                                                            monkeypatch, fresh_semaphores):
     k, v, _, _, tables, _ = _paged(randn, gen, [50, 9], 2, 16, 8, torch.float32, False, device, 16)
-    q = randn(2, 4, 16)
+    q = randn(2, 4, 16)  # the buffers are keyed by a tensor's device (cuda:0, not cuda)
     ctx = torch.tensor([50, 9], dtype=torch.int32, device=device)
     ref = paged_attention_torch(q, k, v, tables, ctx, 0.25)
     launches = _combine_launches(monkeypatch)
     small = torch.zeros(3, dtype=torch.int32, device=device)
-    fresh_semaphores[torch.device(device)] = small
+    fresh_semaphores[q.device] = small
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
     assert len(launches) == 1  # needs 2 x 2 counters: two kernels, no allocation in the capture
-    assert fresh_semaphores[torch.device(device)] is small and not paged_plan._RETIRED
+    assert fresh_semaphores[q.device] is small and not paged_plan._RETIRED
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
-    grown = fresh_semaphores[torch.device(device)]
+    grown = fresh_semaphores[q.device]
     assert len(launches) == 1 and grown.numel() >= 4  # grown outside a capture: fused
     assert len(paged_plan._RETIRED) == 1 and paged_plan._RETIRED[0] is small  # kept alive
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
-    assert len(launches) == 1 and fresh_semaphores[torch.device(device)] is grown  # fused, as is
+    assert len(launches) == 1 and fresh_semaphores[q.device] is grown  # fused, as is
     assert (grown == 0).all()
