@@ -182,6 +182,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
                  device=device, dtype=dtype)
+    net.fold_norm_weights()  # where the fused decode layer runs (Triton ops, RMSNorm + SwiGLU)
     if kv_quant is not None:
         opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])

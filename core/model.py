@@ -6,6 +6,7 @@ step (all sequences concatenated), H = hidden, D = head_dim.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -70,17 +71,32 @@ class DecoderLayer(nn.Module):
         return s.norm == "rms" and s.gated_mlp and all(
             type(m) is Linear for m in (self.qkv, self.o, self.gate_up, self.down))
 
-    def forward_fused(self, stream, layer_idx, positions, rope, cache, meta):
-        """The layer at few tokens with the norms, SwiGLU and residual adds inside the
-        GEMMs (kernels/fused_linear.py): stream [T, H] (the residual stream) -> [T, H]."""
+    @torch.no_grad()
+    def fold_norm_weights(self) -> None:
+        """rms_norm(x, g) W^T == rms_norm(x, 1) (W g)^T: the norm weights move into the
+        qkv and gate_up columns, so the fused layer runs no norm kernel (the plain
+        layer's norms then multiply by ones)."""
+        for norm, lin in ((self.attn_norm, self.qkv), (self.mlp_norm, self.gate_up)):
+            # new tensors, never in place: loaded weights may share the caller's storage
+            lin.weight = (lin.weight.float() * norm.weight.float()[None, :]).to(lin.weight.dtype)
+            norm.weight = torch.ones_like(norm.weight)
+
+    def forward_fused(self, stream, layer_idx, positions, rope, cache, meta, sum_sq,
+                      want_next: bool):
+        """The layer at few tokens, norms folded into the GEMMs, SwiGLU and the residual
+        adds inside them (kernels/fused_linear.py): stream [T, H] (the residual stream)
+        and its sum of squares per row (partials [P, T]) -> the next stream, and its own
+        sums when ``want_next``."""
         s, ops = self.spec, self.ops
-        qkv = ops.rms_norm_linear(stream, self.attn_norm.weight, s.norm_eps, self.qkv.weight,
-                                  self.qkv.bias)  # [T, q + 2kv]
+        qkv = ops.normed_linear(stream, self.qkv.weight, self.qkv.bias, sum_sq,
+                                s.norm_eps)  # [T, q + 2kv]
         attn = self._attend(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
-        stream = ops.linear_residual(attn, self.o.weight, self.o.bias, stream)  # [T, H]
-        act = ops.rms_norm_swiglu(stream, self.mlp_norm.weight, s.norm_eps, self.gate_up.weight,
-                                  self.gate_up.bias)  # [T, I]
-        return ops.linear_residual(act, self.down.weight, self.down.bias, stream)
+        stream, sum_sq = ops.linear_residual(attn, self.o.weight, self.o.bias, stream,
+                                             sum_sq=True)  # [T, H], [P, T]
+        act = ops.normed_swiglu(stream, self.gate_up.weight, self.gate_up.bias, sum_sq,
+                                s.norm_eps)  # [T, I]
+        return ops.linear_residual(act, self.down.weight, self.down.bias, stream,
+                                   sum_sq=want_next)
 
     def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
         x, residual = self.attn_norm(h, residual)  # [T, H]
@@ -123,14 +139,26 @@ class DecoderModel(nn.Module):
         self.final_norm = Norm(spec.norm, spec.norm_eps, ops)
         if not spec.tie_embeddings:
             self.lm_head = Linear(ops)
+        self.norms_folded = False  # fold_norm_weights() turns the fused decode layer on
         self.rope = None
         if spec.position == "rope":
             self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,
                                      device)
 
     def _fused(self, tokens: int) -> bool:
-        return tokens <= getattr(self.ops, "fuse_max_rows", 0) and all(
-            layer.fusable() for layer in self.layers)
+        return self.norms_folded and tokens <= getattr(self.ops, "fuse_max_rows", 0)
+
+    def fold_norm_weights(self) -> bool:
+        """Move each layer's norm weights into its GEMMs (after the weights are loaded)
+        where the ops fuse and every layer can: the fused decode layer then runs. Returns
+        whether it did."""
+        if self.norms_folded or not getattr(self.ops, "fuse_max_rows", 0) or not all(
+                layer.fusable() for layer in self.layers):
+            return self.norms_folded
+        for layer in self.layers:
+            layer.fold_norm_weights()
+        self.norms_folded = True
+        return True
 
     @property
     def lm_head_weight(self):
@@ -144,8 +172,12 @@ class DecoderModel(nn.Module):
             h = h + F.embedding(positions, self.pos_embed.weight)
         residual = None
         if self._fused(h.shape[0]):  # h is the residual stream throughout
+            sum_sq = h.float().square().sum(-1)[None]  # [1, T]: the first norm's statistic
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                h = layer.forward_fused(h, i, positions, self.rope, cache, meta)
+                out = layer.forward_fused(h, i, positions, self.rope, cache, meta, sum_sq,
+                                          want_next=i < last)
+                h, sum_sq = out if i < last else (out, None)
         else:
             for i, layer in enumerate(self.layers):
                 h, residual = layer(h, residual, i, positions, self.rope, cache, meta)

@@ -43,14 +43,8 @@ if HAVE_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Hint the GPU to pull the lines at ``ptrs`` into L2 (no register, no fault)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 else:
-    load_row_add_residual = pdl_enter = prefetch_l2 = None
+    load_row_add_residual = pdl_enter = None
 
 
 _PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
@@ -70,15 +64,6 @@ def pdl_launch(device: torch.device) -> dict:
             or not _pdl_capable(device):
         return _PDL_OFF
     return _PDL_ON
-
-
-def prefetch_tiles(device: torch.device) -> int:
-    """Weight tiles a decode GEMM hints into L2 before it waits on the previous kernel
-    (``INFERGRAFT_GEMV_PREFETCH``, a power of 2; 0 = off). Only with PDL, which is what
-    lets the GEMM start while the previous kernel still runs; never in the interpreter."""
-    if not pdl_launch(device)["PDL"]:
-        return 0
-    return int(os.environ.get("INFERGRAFT_GEMV_PREFETCH", "0"))
 
 
 def interpreting() -> bool:

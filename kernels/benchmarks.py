@@ -119,57 +119,42 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
         del ws
 
 
-def _folded_norm_gemm(x, w, cfg):
-    """The RMSNorm-in-GEMM variant for norm weights folded into W: rstd only in the kernel."""
-    from .linear import launch_gemm, skinny_config
-    cfg = cfg or skinny_config(x.shape[0], w.shape[0], w.shape[1])
-    y = torch.empty((x.shape[0], w.shape[0]), device=x.device, dtype=x.dtype)
-    launch_gemm((triton_cdiv(w.shape[0], cfg["BLOCK_N"]), 1), cfg, x, w, None, y, eps=1e-6,
-                norm_folded=True)
-    return y
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
-    """The fused decode GEMMs (kernels/fused_linear.py) against the kernels they replace,
-    in TB/s of weights, for each combination of the fusion knobs, with a small tile sweep."""
+    """The fused decode GEMMs (kernels/fused_linear.py) against the kernel chains of the
+    plain layer they replace (TB/s of weights; the chains' time counts all their kernels),
+    with a small tile sweep."""
     from . import fused_linear as FL
     from .linear import linear_triton
-    from .rms_norm import rms_norm_triton
+    from .rms_norm import add_rms_norm_triton, rms_norm_triton
     from .silu_mul import silu_mul_triton
 
     dev = "cuda"
     x, xi = (torch.randn(m, k, device=dev, dtype=dtype) for k in (4096, 11008))
     g = torch.rand(4096, device=dev, dtype=dtype) + 0.5
+    ss = x.float().square().sum(-1)[None].repeat(128, 1) / 128  # [P, M] partials
     tiles = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=ns)
              for bn, bk, ns in itertools.product((32, 64), (64, 128, 256), (3, 4))]
-    cases = [  # name, weights, knobs (norm, swiglu), fused call (w, config), unfused call (w)
-        ("qkv+norm", "qkv", (True, True), lambda w, c: FL.rms_norm_linear_triton(x, g, 1e-6, w, config=c),
+    cases = [  # name, weights, fused call (w, config), the plain layer's kernels (w)
+        ("qkv normed", "qkv", lambda w, c: FL.normed_linear_triton(x, w, None, ss, 1e-6, config=c),
          lambda w: linear_triton(rms_norm_triton(x, g, 1e-6), w)),
-        ("gate_up+norm+silu", "gate_up", (True, True),
-         lambda w, c: FL.rms_norm_swiglu_triton(x, g, 1e-6, w, config=c),
+        ("gate_up normed+silu", "gate_up",
+         lambda w, c: FL.normed_swiglu_triton(x, w, None, ss, 1e-6, config=c),
          lambda w: silu_mul_triton(linear_triton(rms_norm_triton(x, g, 1e-6), w))),
-        ("gate_up+silu", "gate_up", (False, True),
-         lambda w, c: FL.rms_norm_swiglu_triton(x, g, 1e-6, w, config=c), None),
-        ("qkv+rstd (g in W)", "qkv", (True, True), lambda w, c: _folded_norm_gemm(x, w, c), None),
-        ("o+residual", "o", (True, True), lambda w, c: FL.linear_residual_triton(x, w, None, x, config=c),
-         lambda w: linear_triton(x, w) + x),
-        ("down+residual", "down", (True, True),
-         lambda w, c: FL.linear_residual_triton(xi, w, None, x, config=c),
-         lambda w: linear_triton(xi, w) + x),
+        ("o+residual+sumsq", "o", lambda w, c: FL.linear_residual_triton(x, w, None, x, True, config=c),
+         lambda w: add_rms_norm_triton(linear_triton(x, w), x, g, 1e-6)),
+        ("down+residual+sumsq", "down",
+         lambda w, c: FL.linear_residual_triton(xi, w, None, x, True, config=c),
+         lambda w: add_rms_norm_triton(linear_triton(xi, w), x, g, 1e-6)),
     ]
-    for name, gemm, (norm, swiglu), fused, plain in cases:
-        FL.FUSE_NORM, FL.FUSE_SWIGLU = norm, swiglu
+    for name, gemm, fused, plain in cases:
         n, k = LLAMA7B_GEMMS[gemm]
         ws = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(4)]
         nbytes = n * k * ws[0].element_size()
         it = itertools.cycle(ws)
-        line = f"{name:18s} M={m}  fused {nbytes / graph_time(lambda: fused(next(it), None)) / 1e12:4.2f} TB/s"
-        if plain is not None:
-            line += f"  unfused {nbytes / graph_time(lambda: plain(next(it))) / 1e12:4.2f} TB/s"
+        tf = graph_time(lambda: fused(next(it), None))
+        tp = graph_time(lambda: plain(next(it)))
+        line = (f"{name:20s} M={m}  fused {tf * 1e6:5.1f} us ({nbytes / tf / 1e12:4.2f} TB/s)  "
+                f"plain {tp * 1e6:5.1f} us ({nbytes / tp / 1e12:4.2f} TB/s)")
         best = []
         for cfg in tiles:
             try:

@@ -25,8 +25,8 @@ OPS = {
     "kv_write": "kv_write",
     "linear": "linear",
     "linear_partials": "linear",
-    "rms_norm_linear": "fused_linear",
-    "rms_norm_swiglu": "fused_linear",
+    "normed_linear": "fused_linear",
+    "normed_swiglu": "fused_linear",
     "linear_residual": "fused_linear",
     "layer_norm": "layer_norm",
     "add_layer_norm": "layer_norm",
@@ -73,8 +73,9 @@ def get_ops(device, backend: str = "auto") -> types.SimpleNamespace:
 
 def fuse_max_rows(backend: str) -> int:
     """Steps of at most this many tokens take the fused decode layer (norms, SwiGLU and
-    residual adds inside the GEMMs: ``kernels/fused_linear.py``); 0 = never (the torch
-    reference keeps the plain composition; ``INFERGRAFT_FUSE=0`` for A/B runs)."""
+    residual adds inside the GEMMs: ``kernels/fused_linear.py``); ``build`` folds the norm
+    weights into the GEMMs where this is > 0. 0 = never (the torch reference keeps the
+    plain composition and the weights as loaded; ``INFERGRAFT_FUSE=0`` for A/B runs)."""
     if backend != "triton" or os.environ.get("INFERGRAFT_FUSE") == "0":  # an A/B knob
         return 0
     from .linear import MAX_SKINNY_M

@@ -1,48 +1,49 @@
 """Decode GEMMs fused with their neighbours (kernels/linear.py's skinny kernel with its
-fusion flags on), for the decode layer at <= 16 rows (``DecoderLayer.forward_fused``):
+fusion flags on), for the decode layer at <= 16 rows (``DecoderLayer.forward_fused``),
+which runs no norm kernel at all:
 
-- ``rms_norm_linear``: rms_norm(x) W^T; with ``FUSE_NORM`` (off: slower, see below) the
-  norm happens on the way into the GEMM: x * g per tile, sum(x^2) alongside, * rstd at the
-  end; else the RMSNorm kernel (no residual add left in it) and the GEMM.
-- ``rms_norm_swiglu``: silu(n Wg^T) * (n Wu^T), n = rms_norm(x), on the fused gate_up
-  weight [2I, K] (gate rows, then up rows): [M, I] out, no [M, 2I] intermediate.
-- ``linear_residual``: x W^T + r (o and down: the residual stream's add).
+- ``linear_residual``: x W^T + r (o and down: the residual stream's add); with
+  ``sum_sq=True`` it also returns the new stream's sum of squares per row, as partial
+  sums [P, M] float32 (one row per program: deterministic, no atomics, no zeroing).
+- ``normed_linear``: rms_norm(x) W^T for a W whose columns already carry the norm weight
+  (``DecoderModel.fold_norm_weights``): x W^T * rstd, rstd from those partial sums.
+- ``normed_swiglu``: silu(n Wg^T) * (n Wu^T), n as above, on the fused gate_up weight
+  [2I, K] (gate rows, then up rows): [M, I] out, no [M, 2I] intermediate.
 
-The references compose the unfused ops, and so do the Triton entry points where the
-kernel does not apply (float32: exact cuBLAS; more rows than ``MAX_SKINNY_M``).
+Every fusion sits outside the GEMM's loop: x * g on the x operand inside it cost Triton
+3.6 its pipelining (qkv 1.02 TB/s vs 3.69 on the H200). The references compose torch ops,
+and so do the Triton entry points where the kernel does not apply (float32: exact
+cuBLAS; more rows than ``MAX_SKINNY_M``).
 """
-import os
-
 import torch
+import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, triton
-from .linear import MAX_SKINNY_M, launch_gemm, linear_torch, linear_triton, skinny_config
-from .rms_norm import rms_norm_torch, rms_norm_triton
-from .silu_mul import silu_mul_torch, silu_mul_triton
-
-
-# A/B knobs: which fusions the Triton entry points use (the residual add always). H200,
-# bf16, M=1, TB/s of weights (kernels/benchmarks.py --fused): gate_up with SwiGLU 3.99
-# (3.92 for norm + gate_up + silu_mul), o / down with the residual 3.11 / 3.69 (2.61 / 3.38
-# with a separate add). The norm inside the GEMM is off: x * g on the tl.dot operand
-# costs Triton 3.6 its weight pipelining (qkv 1.02 TB/s vs 3.69 for norm + GEMM).
-FUSE_NORM = os.environ.get("INFERGRAFT_FUSE_NORM", "0") == "1"
-FUSE_SWIGLU = os.environ.get("INFERGRAFT_FUSE_SWIGLU", "1") != "0"
+from ._triton import HAVE_TRITON, next_pow2, triton
+from .linear import MAX_SKINNY_M, launch_gemm, linear_torch, skinny_config
+from .silu_mul import silu_mul_torch
 
 
-def rms_norm_linear_torch(x, norm_weight, eps, weight, bias=None):
-    # x: [M, K], norm_weight: [K], weight: [N, K] -> [M, N]
-    return linear_torch(rms_norm_torch(x, norm_weight, eps), weight, bias)
+def _normed(x, sum_sq, eps):
+    # x: [M, K], sum_sq: [P, M] partial sums of x^2 -> rms_norm(x) with a unit weight,
+    # rounded to x's dtype like rms_norm_torch
+    rstd = torch.rsqrt(sum_sq.sum(0)[:, None] / x.shape[1] + eps)
+    return (x.float() * rstd).to(x.dtype)
 
 
-def rms_norm_swiglu_torch(x, norm_weight, eps, weight, bias=None):
-    # x: [M, K], weight: [2I, K] (gate | up) -> [M, I]
-    return silu_mul_torch(linear_torch(rms_norm_torch(x, norm_weight, eps), weight, bias))
+def normed_linear_torch(x, weight, bias, sum_sq, eps):
+    # x: [M, K], weight: [N, K] (norm weight folded in), sum_sq: [P, M] -> [M, N]
+    return linear_torch(_normed(x, sum_sq, eps), weight, bias)
 
 
-def linear_residual_torch(x, weight, bias, residual):
-    # x: [M, K], weight: [N, K], residual: [M, N] -> [M, N]
-    return linear_torch(x, weight, bias) + residual
+def normed_swiglu_torch(x, weight, bias, sum_sq, eps):
+    # x: [M, K], weight: [2I, K] (gate | up, norm weight folded in) -> [M, I]
+    return silu_mul_torch(normed_linear_torch(x, weight, bias, sum_sq, eps))
+
+
+def linear_residual_torch(x, weight, bias, residual, sum_sq: bool = False):
+    # x: [M, K], weight: [N, K], residual: [M, N] -> [M, N] (and its sum of squares [1, M])
+    out = linear_torch(x, weight, bias) + residual
+    return (out, out.float().square().sum(-1)[None]) if sum_sq else out
 
 
 def _fusable(x, weight) -> bool:
@@ -50,7 +51,7 @@ def _fusable(x, weight) -> bool:
         and x.dtype == weight.dtype
 
 
-def _check(x, weight, bias, n_out):
+def _output(x, weight, bias, n_out):
     m, k = x.shape
     assert weight.dim() == 2 and weight.shape[1] == k, \
         f"x is [{m}, {k}] but weight is {tuple(weight.shape)}"
@@ -61,56 +62,58 @@ def _check(x, weight, bias, n_out):
     return torch.empty((m, n_out), dtype=x.dtype, device=x.device)
 
 
-def _check_norm(x, norm_weight):
-    assert norm_weight.shape == (x.shape[1],) and norm_weight.stride(0) == 1, \
-        f"norm weight must be contiguous [{x.shape[1]}], got {tuple(norm_weight.shape)}"
+def _check_sum_sq(x, sum_sq):
+    assert sum_sq.dim() == 2 and sum_sq.shape[1] == x.shape[0] and sum_sq.is_contiguous() \
+        and sum_sq.dtype == torch.float32, \
+        f"sum_sq must be contiguous float32 [P, {x.shape[0]}] partial sums, got " \
+        f"{tuple(sum_sq.shape)} {sum_sq.dtype}"
 
 
-def rms_norm_linear_triton(x, norm_weight, eps, weight, bias=None, config=None):
-    _check_norm(x, norm_weight)
-    if not (FUSE_NORM and _fusable(x, weight)):
-        return linear_triton(rms_norm_triton(x, norm_weight, eps), weight, bias)
+def normed_linear_triton(x, weight, bias, sum_sq, eps, config=None):
+    _check_sum_sq(x, sum_sq)
+    if not _fusable(x, weight):
+        return F.linear(_normed(x, sum_sq, eps), weight, bias)
     m, k = x.shape
     n = weight.shape[0]
-    y = _check(x, weight, bias, n)
+    y = _output(x, weight, bias, n)
     cfg = dict(config or skinny_config(m, n, k))
-    launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y,
-                norm_weight=norm_weight.to(x.dtype), eps=eps)
+    launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, sum_sq=sum_sq,
+                eps=eps)
     return y
 
 
 def swiglu_config(m: int, i: int, k: int) -> dict:
     """Two [BN, BK] weight tiles (gate and up) per step: the bytes per stage of the
-    unfused gate_up's [64, 128] tiles."""
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=32, BLOCK_K=128,
-                num_warps=4, num_stages=3)
+    unfused gate_up's [64, 128] tiles; best of an H200 sweep (3.99 TB/s at M=1)."""
+    return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=32, BLOCK_K=128, num_warps=4,
+                num_stages=3)
 
 
-def rms_norm_swiglu_triton(x, norm_weight, eps, weight, bias=None, config=None):
-    _check_norm(x, norm_weight)
-    if not (FUSE_SWIGLU and _fusable(x, weight)):
-        return silu_mul_triton(rms_norm_linear_triton(x, norm_weight, eps, weight, bias))
+def normed_swiglu_triton(x, weight, bias, sum_sq, eps, config=None):
+    _check_sum_sq(x, sum_sq)
     assert weight.shape[0] % 2 == 0, f"gate_up weight needs an even row count, got {weight.shape[0]}"
-    norm = dict(norm_weight=norm_weight.to(x.dtype), eps=eps)
-    if not FUSE_NORM:
-        x, norm = rms_norm_triton(x, norm_weight, eps), {}
+    if not _fusable(x, weight):
+        return silu_mul_torch(F.linear(_normed(x, sum_sq, eps), weight, bias))
     m, k = x.shape
     i = weight.shape[0] // 2
-    y = _check(x, weight, bias, i)
+    y = _output(x, weight, bias, i)
     cfg = dict(config or swiglu_config(m, i, k))
-    launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i, **norm)
+    launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i,
+                sum_sq=sum_sq, eps=eps)
     return y
 
 
-def linear_residual_triton(x, weight, bias, residual, config=None):
-    if not _fusable(x, weight):
-        return linear_triton(x, weight, bias) + residual
+def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, config=None):
     m, k = x.shape
     n = weight.shape[0]
-    y = _check(x, weight, bias, n)
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, \
         f"residual must be [{m}, {n}] {x.dtype} with contiguous rows, got " \
         f"{tuple(residual.shape)} {residual.dtype}"
+    if not _fusable(x, weight):
+        return linear_residual_torch(x, weight, bias, residual, sum_sq)
+    y = _output(x, weight, bias, n)
     cfg = dict(config or skinny_config(m, n, k))
-    launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, residual=residual)
-    return y
+    programs = triton.cdiv(n, cfg["BLOCK_N"])
+    parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
+    launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts)
+    return (y, parts) if sum_sq else y

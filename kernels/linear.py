@@ -15,8 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._triton import (HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, prefetch_l2, prefetch_tiles,
-                      tl, triton)
+from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 
 # above this many rows cuBLAS streams the weights as fast (H200 sweep); an A/B knob
 MAX_SKINNY_M = int(os.environ.get("INFERGRAFT_SKINNY_MAX_M", "16"))
@@ -31,16 +30,22 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
 if HAVE_TRITON:
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, M, N, K, K_SPLIT, UP_ROWS,
-                            stride_xm, stride_wn, stride_ym, stride_ys, stride_rm, eps,
-                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
-                            RESIDUAL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ss_ptr, r_ptr, ss_out_ptr, M, N, K,
+                            K_SPLIT, UP_ROWS, SS_PARTS, stride_xm, stride_wn, stride_ym,
+                            stride_ys, stride_rm, eps,
+                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_P: tl.constexpr,
+                            SWIGLU: tl.constexpr,
+                            RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
         # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
-        # Fusions (kernels/fused_linear.py): NORM = RMSNorm of x on the way in (1: weight g
-        # applied to x here; 2: g already folded into W's columns, only rstd here),
-        # SWIGLU = silu(x Wg^T) * (x Wu^T) with Wu UP_ROWS rows below Wg, RESIDUAL = + r
+        # Fusions (kernels/fused_linear.py), all outside the loop, whose operands stay
+        # plain loads (x * g on the x operand cost Triton its pipelining: 4x slower):
+        # NORM = RMSNorm of x with its weight folded into W's columns: * rstd from the
+        # row's sum of squares, SS_PARTS partial sums ss [P, M]; SWIGLU = silu(x Wg^T) *
+        # (x Wu^T), Wu UP_ROWS rows below Wg; RESIDUAL = + r; SUM_SQ = each output row's
+        # sum of squares over this program's columns, to ss_out [programs, M].
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_lo = split * K_SPLIT
@@ -48,30 +53,14 @@ if HAVE_TRITON:
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]   # [BN, BK]
-        if PREFETCH > 0:  # W does not depend on the previous kernel: pull its first
-            # PREFETCH tiles into L2 while that kernel finishes (one hint per 128-byte line)
-            lines = tl.minimum(k_lo + tl.arange(0, PREFETCH * BLOCK_K // 64) * 64, K - 1)
-            first = (w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn
-                     + lines[None, :])                                          # [BN, lines]
-            prefetch_l2(first)
-            if SWIGLU:
-                prefetch_l2(first + UP_ROWS * stride_wn)
-        pdl_enter(PDL)
         x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]                # [BM, BK]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]   # [BN, BK]
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
         acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        sq = tl.full((BLOCK_M, BLOCK_K), 0.0, tl.float32)  # x^2, reduced after the loop
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kmask = (k0 + rk) < k_hi
             wmask = (rn[:, None] < N) & kmask[None, :]
             x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-            if NORM > 0:  # x * g now, * rstd (from the whole row) after the loop
-                xf = x.to(tl.float32)
-                sq += xf * xf  # a reduction per tile here made the GEMM 4x slower (H200)
-                if NORM == 1:
-                    g = tl.load(g_ptr + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-                    x = (xf * g[None, :]).to(x.dtype)
             w = tl.load(w_ptrs, mask=wmask, other=0.0)
             acc += tl.dot(x, tl.trans(w))                                       # [BM, BN]
             if SWIGLU:
@@ -79,8 +68,12 @@ if HAVE_TRITON:
                 acc_up += tl.dot(x, tl.trans(wu))                               # [BM, BN]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if NORM > 0:
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)                  # [BM]
+        rmask = rm < M
+        if NORM:
+            rp = tl.arange(0, BLOCK_P)
+            ss = tl.load(ss_ptr + rp[:, None] * M + rm[None, :],
+                         mask=(rp < SS_PARTS)[:, None] & rmask[None, :], other=0.0)  # [P, BM]
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)                  # [BM]
             acc = acc * rstd[:, None]
             acc_up = acc_up * rstd[:, None]
         if HAS_BIAS:
@@ -94,12 +87,16 @@ if HAVE_TRITON:
             gate = acc.to(out_ty).to(tl.float32)
             act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
             acc = act * acc_up.to(out_ty).to(tl.float32)
-        ymask = (rm[:, None] < M) & (rn[None, :] < N)
+        ymask = rmask[:, None] & (rn[None, :] < N)
         if RESIDUAL:  # the projection rounded, then + r like `x + residual` in torch
             r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ymask, other=0.0)
             acc = acc.to(out_ty).to(tl.float32) + r.to(tl.float32)
+        y = acc.to(out_ty)
         y_ptrs = y_ptr + split * stride_ys + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptrs, acc.to(out_ty), mask=ymask)
+        tl.store(y_ptrs, y, mask=ymask)
+        if SUM_SQ:  # the next RMSNorm's statistic, of the stored (rounded) values
+            yf = tl.where(ymask, y.to(tl.float32), 0.0)
+            tl.store(ss_out_ptr + pid * M + rm, tl.sum(yf * yf, axis=1), mask=rmask)
 
 
 def skinny_config(m: int, n: int, k: int) -> dict:
@@ -151,22 +148,23 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
     return y
 
 
-def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, norm_weight=None, eps=0.0,
-                residual=None, up_rows=0, norm_folded=False):
+def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps=0.0,
+                residual=None, up_rows=0, sum_sq_out=None):
     """Launch ``_skinny_gemm_kernel`` (callers check shapes): the optional fusions are on
-    when their inputs are given (``up_rows`` > 0: SwiGLU; ``norm_folded``: RMSNorm whose
-    weight is already in W's columns)."""
+    when their inputs are given (``sum_sq`` [P, M] float32 partial sums: RMSNorm with its
+    weight folded into W; ``up_rows`` > 0: SwiGLU; ``sum_sq_out`` [programs, M] float32)."""
     m, k = x.shape
     unused = weight  # a valid pointer for the inputs a variant never reads
     _skinny_gemm_kernel[grid](
-        x, weight, unused if bias is None else bias, y,
-        unused if norm_weight is None else norm_weight, unused if residual is None else residual,
+        x, weight, unused if bias is None else bias, y, unused if sum_sq is None else sum_sq,
+        unused if residual is None else residual, unused if sum_sq_out is None else sum_sq_out,
         m, y.shape[-1], k, k_split or max(k, 1), up_rows,
+        1 if sum_sq is None else sum_sq.shape[0],
         x.stride(0), weight.stride(0), y.stride(-2), m * y.shape[-1],
         0 if residual is None else residual.stride(0), float(eps),
-        HAS_BIAS=bias is not None, NORM=2 if norm_folded else int(norm_weight is not None),
-        SWIGLU=up_rows > 0,
-        RESIDUAL=residual is not None, PREFETCH=prefetch_tiles(x.device), **cfg,
+        HAS_BIAS=bias is not None, NORM=sum_sq is not None,
+        BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]), SWIGLU=up_rows > 0,
+        RESIDUAL=residual is not None, SUM_SQ=sum_sq_out is not None, **cfg,
         **pdl_launch(x.device))
 
 

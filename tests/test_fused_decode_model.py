@@ -1,8 +1,10 @@
-"""The fused decode layer (norms, SwiGLU and residual adds inside the GEMMs) inside the
-model: steps of <= ``fuse_max_rows`` tokens take it. Runs the Triton kernels in the
-interpreter (float16: the interpreter's bf16 differs from the GPU's) and compares logits
-and greedy tokens with the torch-reference kernels, which never fuse."""
+"""The fused decode layer (norm weights folded into the GEMMs, SwiGLU and residual adds
+inside them) inside the model: steps of <= ``fuse_max_rows`` tokens take it. Runs the
+Triton kernels in the interpreter (float16: the interpreter's bf16 differs from the GPU's)
+and compares logits and greedy tokens with the torch-reference kernels, which never fuse
+and keep the weights as loaded."""
 import pytest
+import torch
 
 from infergraft import core
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
@@ -18,18 +20,46 @@ KW = dict(max_seq_len=48, max_batch_size=2, dtype="float16", device="cpu")
 def _count_fused_calls(engine):
     calls = []
     ops = engine.model.ops
-    for name in ("rms_norm_linear", "rms_norm_swiglu", "linear_residual"):
+    for name in ("normed_linear", "normed_swiglu", "linear_residual"):
         op = getattr(ops, name)
         setattr(ops, name, lambda *a, _op=op, _n=name, **k: calls.append((_n, a[0].shape[0])) or _op(*a, **k))
     return calls
 
 
+def _with_random_norm_weights(hf):
+    """HF initialises RMSNorm weights to ones, which would make folding them a no-op."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return hf
+
+
+def test_folding_moves_the_norm_weights_into_qkv_and_gate_up():
+    hf = _with_random_norm_weights(random_model(tiny_llama_config(), seed=2))
+    kw = {**KW, "dtype": "float32"}
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    plain, folded = core.build(hf, kernels="torch", **kw), core.build(hf, kernels="triton", **kw)
+    # the caller's model is untouched (loading can share its storage: float32 on the CPU)
+    assert all(torch.equal(v, before[k]) for k, v in hf.state_dict().items())
+    for a, b in zip(plain.model.layers, folded.model.layers):
+        assert torch.equal(b.attn_norm.weight, torch.ones_like(a.attn_norm.weight))
+        assert torch.allclose(b.qkv.weight, a.qkv.weight * a.attn_norm.weight[None, :])
+        assert torch.allclose(b.gate_up.weight, a.gate_up.weight * a.mlp_norm.weight[None, :])
+        assert torch.equal(b.o.weight, a.o.weight) and torch.equal(b.down.weight, a.down.weight)
+    assert torch.equal(folded.model.final_norm.weight, plain.model.final_norm.weight)
+    before = folded.model.layers[0].qkv.weight.clone()
+    assert folded.model.fold_norm_weights() and torch.equal(folded.model.layers[0].qkv.weight, before)  # once
+
+
 @pytest.mark.parametrize("prompt_len", [5, 20])  # a fused prefill too / only the decode steps
 def test_fused_decode_layer_matches_the_reference(prompt_len):
-    hf = random_model(tiny_llama_config(), seed=4, scale=2.0)
+    hf = _with_random_norm_weights(random_model(tiny_llama_config(), seed=4, scale=2.0))
     ref = core.build(hf, kernels="torch", **KW)
     engine = core.build(hf, kernels="triton", **KW)
     assert engine.model.ops.fuse_max_rows >= 1 and ref.model.ops.fuse_max_rows == 0
+    assert engine.model.norms_folded and not ref.model.norms_folded
     calls = _count_fused_calls(engine)
     prompt = random_prompt(prompt_len, hf.config.vocab_size, 3)
     err = relative_error(engine.logits(prompt).float(), ref.logits(prompt).float())
@@ -43,11 +73,13 @@ def test_fused_decode_layer_matches_the_reference(prompt_len):
     assert len(decode) == 4 * layers * 5, (len(decode), calls[:8])  # 4 per layer, 5 steps
 
 
-def test_gpt2_and_zero_fuse_rows_keep_the_plain_layer():
+def test_gpt2_and_zero_fuse_rows_keep_the_plain_layer(monkeypatch):
     from infergraft.core.testing.models import tiny_gpt2_config
     gpt2 = core.build(random_model(tiny_gpt2_config(), seed=1), kernels="triton", **KW)
-    assert not gpt2.model._fused(1)  # LayerNorm + GELU: nothing to fuse
+    assert not gpt2.model._fused(1) and not gpt2.model.norms_folded  # LayerNorm + GELU
     llama = core.build(random_model(tiny_llama_config(), seed=1), kernels="triton", **KW)
-    assert llama.model._fused(1)
-    llama.model.ops.fuse_max_rows = 0
-    assert not llama.model._fused(1)
+    assert llama.model._fused(1) and not llama.model._fused(llama.model.ops.fuse_max_rows + 1)
+    monkeypatch.setenv("INFERGRAFT_FUSE", "0")  # the A/B knob: weights as loaded, plain layer
+    off = core.build(random_model(tiny_llama_config(), seed=1), kernels="triton", **KW)
+    assert off.model.ops.fuse_max_rows == 0 and not off.model.norms_folded
+    assert not off.model._fused(1)
