@@ -17,6 +17,11 @@ pytestmark = pytest.mark.skipif(not (HAVE_TRITON and interpreting()),
 KW = dict(max_seq_len=48, max_batch_size=2, dtype="float16", device="cpu")
 
 
+@pytest.fixture(autouse=True)
+def fused_layer_on(monkeypatch):
+    monkeypatch.setenv("INFERGRAFT_FUSE", "1")  # opt-in (kernels/dispatch.py says why)
+
+
 def _count_fused_calls(engine):
     calls = []
     ops = engine.model.ops
@@ -79,7 +84,7 @@ def test_gpt2_and_zero_fuse_rows_keep_the_plain_layer(monkeypatch):
     assert not gpt2.model._fused(1) and not gpt2.model.norms_folded  # LayerNorm + GELU
     llama = core.build(random_model(tiny_llama_config(), seed=1), kernels="triton", **KW)
     assert llama.model._fused(1) and not llama.model._fused(llama.model.ops.fuse_max_rows + 1)
-    monkeypatch.setenv("INFERGRAFT_FUSE", "0")  # the A/B knob: weights as loaded, plain layer
+    monkeypatch.delenv("INFERGRAFT_FUSE")  # the default: weights as loaded, plain layer
     off = core.build(random_model(tiny_llama_config(), seed=1), kernels="triton", **KW)
     assert off.model.ops.fuse_max_rows == 0 and not off.model.norms_folded
     assert not off.model._fused(1)
