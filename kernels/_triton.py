@@ -43,8 +43,21 @@ if HAVE_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """The first half of ``pdl_enter``: wait for the previous kernel only. A GEMM
+        calls ``pdl_release`` after its loop: dependents launched at its start would hold
+        SM resources (the next GEMM's shared memory) while its own later CTAs still wait."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def pdl_release(PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
 else:
-    load_row_add_residual = pdl_enter = None
+    load_row_add_residual = pdl_enter = pdl_wait = pdl_release = None
 
 
 _PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}

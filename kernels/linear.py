@@ -15,11 +15,13 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
+from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 
 # above this many rows cuBLAS streams the weights as fast (H200 sweep); an A/B knob
 MAX_SKINNY_M = int(os.environ.get("INFERGRAFT_SKINNY_MAX_M", "16"))
 MAX_ROWS = 64  # what the kernel takes (split-K partials use it up to here)
+# A/B knob: let dependent kernels launch after the K loop instead of at the start
+LATE_PDL_RELEASE = os.environ.get("INFERGRAFT_PDL_LATE", "0") == "1"
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -36,8 +38,11 @@ if HAVE_TRITON:
                             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_P: tl.constexpr,
                             SWIGLU: tl.constexpr,
                             RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                            LATE_RELEASE: tl.constexpr):
+        pdl_wait(PDL)
+        if not LATE_RELEASE:
+            pdl_release(PDL)
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
         # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
         # Fusions (kernels/fused_linear.py), all outside the loop, whose operands stay
@@ -68,6 +73,8 @@ if HAVE_TRITON:
                 acc_up += tl.dot(x, tl.trans(wu))                               # [BM, BN]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if LATE_RELEASE:
+            pdl_release(PDL)
         rmask = rm < M
         if NORM:
             rp = tl.arange(0, BLOCK_P)
@@ -165,7 +172,7 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
         HAS_BIAS=bias is not None, NORM=sum_sq is not None,
         BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]), SWIGLU=up_rows > 0,
         RESIDUAL=residual is not None, SUM_SQ=sum_sq_out is not None, **cfg,
-        **pdl_launch(x.device))
+        LATE_RELEASE=LATE_PDL_RELEASE, **pdl_launch(x.device))
 
 
 # -- split-K for the projections an add+RMSNorm follows -------------------------------------
