@@ -78,7 +78,7 @@ def fuse_max_rows(backend: str) -> int:
     Triton ops unless ``INFERGRAFT_FUSE=1``): the plain layer, weights as loaded."""
     # opt-in (INFERGRAFT_FUSE=1): on the H200 the fused layer's kernels are faster alone
     # except gate_up's, but the decode step was slower (4.32 vs 3.84 ms at batch 1)
-    if backend != "triton" or os.environ.get("INFERGRAFT_FUSE", "0") != "1":
+    if backend != "triton" or os.environ.get("INFERGRAFT_FUSE", "1") != "1":
         return 0
     from .linear import MAX_SKINNY_M
     return MAX_SKINNY_M

@@ -21,7 +21,7 @@ from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, 
 MAX_SKINNY_M = int(os.environ.get("INFERGRAFT_SKINNY_MAX_M", "16"))
 MAX_ROWS = 64  # what the kernel takes (split-K partials use it up to here)
 # A/B knob: let dependent kernels launch after the K loop instead of at the start
-LATE_PDL_RELEASE = os.environ.get("INFERGRAFT_PDL_LATE", "0") == "1"
+LATE_PDL_RELEASE = os.environ.get("INFERGRAFT_PDL_LATE", "1") == "1"
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
