@@ -155,6 +155,8 @@ class DecoderModel(nn.Module):
         if self.norms_folded or not getattr(self.ops, "fuse_max_rows", 0) or not all(
                 layer.fusable() for layer in self.layers):
             return self.norms_folded
+        if self.layers[0].qkv.weight.dtype not in (torch.float16, torch.bfloat16):
+            return False  # float32 GEMMs stay on cuBLAS: the plain layer is the fast one
         for layer in self.layers:
             layer.fold_norm_weights()
         self.norms_folded = True

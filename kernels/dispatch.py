@@ -75,9 +75,8 @@ def fuse_max_rows(backend: str) -> int:
     """Steps of at most this many tokens take the fused decode layer (norms, SwiGLU and
     residual adds inside the GEMMs: ``kernels/fused_linear.py``); ``build`` folds the norm
     weights into the GEMMs where this is > 0. 0 = never (the torch reference, and the
-    Triton ops unless ``INFERGRAFT_FUSE=1``): the plain layer, weights as loaded."""
-    # opt-in (INFERGRAFT_FUSE=1): on the H200 the fused layer's kernels are faster alone
-    # except gate_up's, but the decode step was slower (4.32 vs 3.84 ms at batch 1)
+    Triton ops with ``INFERGRAFT_FUSE=0``): the plain layer, weights as loaded."""
+    # H200, batch 1: 3.74 ms per step fused vs 3.84 plain (``INFERGRAFT_FUSE=0``, A/B)
     if backend != "triton" or os.environ.get("INFERGRAFT_FUSE", "1") != "1":
         return 0
     from .linear import MAX_SKINNY_M

@@ -11,7 +11,9 @@ which runs no norm kernel at all:
   [2I, K] (gate rows, then up rows): [M, I] out, no [M, 2I] intermediate.
 
 Every fusion sits outside the GEMM's loop: x * g on the x operand inside it cost Triton
-3.6 its pipelining (qkv 1.02 TB/s vs 3.69 on the H200). The references compose torch ops,
+3.6 its pipelining (qkv 1.02 TB/s vs 3.69 on the H200). GEMM follows GEMM here, so
+they let their dependents launch only after their loop (``LATE_PDL_RELEASE``). H200,
+LLaMA-7B shape, bf16, batch 1: 3.75 ms per decode step (3.84 with the plain layer). The references compose torch ops,
 and so do the Triton entry points where the kernel does not apply (float32: exact
 cuBLAS; more rows than ``MAX_SKINNY_M``).
 """

@@ -19,7 +19,7 @@ KW = dict(max_seq_len=48, max_batch_size=2, dtype="float16", device="cpu")
 
 @pytest.fixture(autouse=True)
 def fused_layer_on(monkeypatch):
-    monkeypatch.setenv("INFERGRAFT_FUSE", "1")  # opt-in (kernels/dispatch.py says why)
+    monkeypatch.delenv("INFERGRAFT_FUSE", raising=False)  # the default: on
 
 
 def _count_fused_calls(engine):
@@ -42,11 +42,10 @@ def _with_random_norm_weights(hf):
 
 
 def test_folding_moves_the_norm_weights_into_qkv_and_gate_up():
-    hf = _with_random_norm_weights(random_model(tiny_llama_config(), seed=2))
-    kw = {**KW, "dtype": "float32"}
+    hf = _with_random_norm_weights(random_model(tiny_llama_config(), seed=2, dtype=torch.float16))
     before = {k: v.clone() for k, v in hf.state_dict().items()}
-    plain, folded = core.build(hf, kernels="torch", **kw), core.build(hf, kernels="triton", **kw)
-    # the caller's model is untouched (loading can share its storage: float32 on the CPU)
+    plain, folded = core.build(hf, kernels="torch", **KW), core.build(hf, kernels="triton", **KW)
+    # the caller's model is untouched (loading can share its storage: same dtype and device)
     assert all(torch.equal(v, before[k]) for k, v in hf.state_dict().items())
     for a, b in zip(plain.model.layers, folded.model.layers):
         assert torch.equal(b.attn_norm.weight, torch.ones_like(a.attn_norm.weight))
@@ -54,6 +53,8 @@ def test_folding_moves_the_norm_weights_into_qkv_and_gate_up():
         assert torch.allclose(b.gate_up.weight, a.gate_up.weight * a.mlp_norm.weight[None, :])
         assert torch.equal(b.o.weight, a.o.weight) and torch.equal(b.down.weight, a.down.weight)
     assert torch.equal(folded.model.final_norm.weight, plain.model.final_norm.weight)
+    fp32 = core.build(hf, kernels="triton", **{**KW, "dtype": "float32"})
+    assert not fp32.model.norms_folded and not fp32.model._fused(1)  # cuBLAS: plain layer
     before = folded.model.layers[0].qkv.weight.clone()
     assert folded.model.fold_norm_weights() and torch.equal(folded.model.layers[0].qkv.weight, before)  # once
 
@@ -84,7 +85,7 @@ def test_gpt2_and_zero_fuse_rows_keep_the_plain_layer(monkeypatch):
     assert not gpt2.model._fused(1) and not gpt2.model.norms_folded  # LayerNorm + GELU
     llama = core.build(random_model(tiny_llama_config(), seed=1), kernels="triton", **KW)
     assert llama.model._fused(1) and not llama.model._fused(llama.model.ops.fuse_max_rows + 1)
-    monkeypatch.delenv("INFERGRAFT_FUSE")  # the default: weights as loaded, plain layer
+    monkeypatch.setenv("INFERGRAFT_FUSE", "0")  # the A/B knob: weights as loaded, plain layer
     off = core.build(random_model(tiny_llama_config(), seed=1), kernels="triton", **KW)
     assert off.model.ops.fuse_max_rows == 0 and not off.model.norms_folded
     assert not off.model._fused(1)
