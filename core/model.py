@@ -77,8 +77,9 @@ class DecoderLayer(nn.Module):
         qkv and gate_up columns, so the fused layer runs no norm kernel (the plain
         layer's norms then multiply by ones)."""
         for norm, lin in ((self.attn_norm, self.qkv), (self.mlp_norm, self.gate_up)):
-            # new tensors, never in place: loaded weights may share the caller's storage
-            lin.weight = (lin.weight.float() * norm.weight.float()[None, :]).to(lin.weight.dtype)
+            # new tensors, never in place: loaded weights may share the caller's storage;
+            # a 16-bit product rounds once, like the float32 one cast back (no fp32 copy)
+            lin.weight = lin.weight * norm.weight.to(lin.weight.dtype)[None, :]
             norm.weight = torch.ones_like(norm.weight)
 
     def forward_fused(self, stream, layer_idx, positions, rope, cache, meta, sum_sq,
