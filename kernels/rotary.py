@@ -63,6 +63,17 @@ if HAVE_TRITON:
         return cols, c, s, partner, sign, rot
 
     @triton.jit
+    def _token_and_q(q_ptr, qo_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_cs,
+                     HQ, D, HALF, BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's token and its cos/sin terms, with q already rotated into qo."""
+        tok = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        cols, c, s, partner, sign, rot = _cos_sin(cos_ptr, sin_ptr, pos, stride_cs, HALF, BLOCK_D)
+        _rotate_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, HQ, D,
+                      c, s, partner, sign, rot, cols, BLOCK_HQ)
+        return tok, cols, c, s, partner, sign, rot
+
+    @triton.jit
     def _rotary_kv_write_kernel(
         q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, idx0_ptr, idx1_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
@@ -71,11 +82,9 @@ if HAVE_TRITON:
         BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         # One program per token: rotate q (to qo), rotate k into its cache slot, copy v.
-        tok = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + tok).to(tl.int64)
-        cols, c, s, partner, sign, rot = _cos_sin(cos_ptr, sin_ptr, pos, stride_cs, HALF, BLOCK_D)
-        _rotate_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, HQ, D,
-                      c, s, partner, sign, rot, cols, BLOCK_HQ)
+        tok, cols, c, s, partner, sign, rot = _token_and_q(
+            q_ptr, qo_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_cs, HQ, D,
+            HALF, BLOCK_HQ, BLOCK_D)
         i0 = tl.load(idx0_ptr + tok).to(tl.int64)
         i1 = tl.load(idx1_ptr + tok).to(tl.int64)
         if i0 >= 0:  # negative: a padding row, written nowhere
@@ -95,11 +104,9 @@ if HAVE_TRITON:
         BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         # One program per token: cos/sin are read once and applied to all q and k heads.
-        tok = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + tok).to(tl.int64)
-        cols, c, s, partner, sign, rot = _cos_sin(cos_ptr, sin_ptr, pos, stride_cs, HALF, BLOCK_D)
-        _rotate_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, HQ, D,
-                      c, s, partner, sign, rot, cols, BLOCK_HQ)
+        tok, cols, c, s, partner, sign, rot = _token_and_q(
+            q_ptr, qo_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_cs, HQ, D,
+            HALF, BLOCK_HQ, BLOCK_D)
         _rotate_heads(k_ptr, ko_ptr, tok, stride_kt, stride_kh, HKV, D,
                       c, s, partner, sign, rot, cols, BLOCK_HKV)
 
