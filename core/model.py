@@ -86,8 +86,8 @@ class DecoderLayer(nn.Module):
                       want_next: bool):
         """The layer at few tokens, norms folded into the GEMMs, SwiGLU and the residual
         adds inside them (kernels/fused_linear.py): stream [T, H] (the residual stream)
-        and its sum of squares per row (partials [P, T]) -> the next stream, and its own
-        sums when ``want_next``."""
+        and its sum of squares per row (partials [P, T]) -> (the next stream, its sums
+        or None without ``want_next``)."""
         s, ops = self.spec, self.ops
         qkv = ops.normed_linear(stream, self.qkv.weight, self.qkv.bias, sum_sq,
                                 s.norm_eps)  # [T, q + 2kv]
@@ -96,8 +96,9 @@ class DecoderLayer(nn.Module):
                                              sum_sq=True)  # [T, H], [P, T]
         act = ops.normed_swiglu(stream, self.gate_up.weight, self.gate_up.bias, sum_sq,
                                 s.norm_eps)  # [T, I]
-        return ops.linear_residual(act, self.down.weight, self.down.bias, stream,
-                                   sum_sq=want_next)
+        out = ops.linear_residual(act, self.down.weight, self.down.bias, stream,
+                                  sum_sq=want_next)
+        return out if want_next else (out, None)
 
     def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
         x, residual = self.attn_norm(h, residual)  # [T, H]
@@ -178,9 +179,8 @@ class DecoderModel(nn.Module):
             sum_sq = h.float().square().sum(-1)[None]  # [1, T]: the first norm's statistic
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                out = layer.forward_fused(h, i, positions, self.rope, cache, meta, sum_sq,
-                                          want_next=i < last)
-                h, sum_sq = out if i < last else (out, None)
+                h, sum_sq = layer.forward_fused(h, i, positions, self.rope, cache, meta, sum_sq,
+                                                want_next=i < last)
         else:
             for i, layer in enumerate(self.layers):
                 h, residual = layer(h, residual, i, positions, self.rope, cache, meta)

@@ -40,9 +40,8 @@ if HAVE_TRITON:
         """Programmatic dependent launch (Hopper): wait until the previous kernel has
         finished and flushed, then let the next one launch, so its launch and CTA setup
         overlap this kernel instead of following it (decode runs ~350 kernels a step)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)
+        pdl_release(PDL)
 
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, triton
-from .linear import MAX_SKINNY_M, launch_gemm, linear_torch, skinny_config
+from .linear import MAX_SKINNY_M, check_gemm, launch_gemm, linear_torch, skinny_config
 from .silu_mul import silu_mul_torch
 
 
@@ -54,14 +54,8 @@ def _fusable(x, weight) -> bool:
 
 
 def _output(x, weight, bias, n_out):
-    m, k = x.shape
-    assert weight.dim() == 2 and weight.shape[1] == k, \
-        f"x is [{m}, {k}] but weight is {tuple(weight.shape)}"
-    assert weight.is_contiguous() and (k <= 1 or x.stride(1) == 1), \
-        "weight and x rows must be contiguous"
-    assert bias is None or bias.shape == (weight.shape[0],), \
-        f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}"
-    return torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    check_gemm(x, weight, bias)
+    return torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
 
 
 def _check_sum_sq(x, sum_sq):

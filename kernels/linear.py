@@ -138,10 +138,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
     K tiles) whose sum over S is the product; 1: [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
-    assert weight.shape[1] == k, f"x has K={k} but weight is {tuple(weight.shape)}"
-    assert x.dtype == weight.dtype, f"x {x.dtype} != weight {weight.dtype}"
-    assert weight.is_contiguous() and (k <= 1 or x.stride(1) == 1), "weight and x rows must be contiguous"
-    assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
+    check_gemm(x, weight, bias)
     assert 0 < m <= MAX_ROWS, f"skinny GEMM takes 1..{MAX_ROWS} rows, got {m}"
     cfg = dict(config or skinny_config(m, n, k))
     if split_k > 1:  # whole K tiles per split; splits past K are dropped
@@ -155,6 +152,15 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     launch_gemm(grid, cfg, x, weight, bias, y, k_split=k_split)
     return y
+
+
+def check_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None) -> None:
+    """What ``_skinny_gemm_kernel`` needs of x [M, K], weight [N, K] and bias [N]."""
+    k, n = x.shape[1], weight.shape[0]
+    assert weight.dim() == 2 and weight.shape[1] == k, f"x has K={k} but weight is {tuple(weight.shape)}"
+    assert x.dtype == weight.dtype, f"x {x.dtype} != weight {weight.dtype}"
+    assert weight.is_contiguous() and (k <= 1 or x.stride(1) == 1), "weight and x rows must be contiguous"
+    assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
 
 
 def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps=0.0,
