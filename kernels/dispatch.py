@@ -79,5 +79,5 @@ def fuse_max_rows(backend: str) -> int:
     # H200, batch 1: 3.74 ms per step fused vs 3.84 plain (``INFERGRAFT_FUSE=0``, A/B)
     if backend != "triton" or os.environ.get("INFERGRAFT_FUSE", "1") != "1":
         return 0
-    from .linear import MAX_SKINNY_M
-    return MAX_SKINNY_M
+    from .fused_linear import FUSE_MAX_ROWS
+    return FUSE_MAX_ROWS

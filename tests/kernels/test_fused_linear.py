@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from infergraft.kernels import fused_linear as FL
-from infergraft.kernels.linear import MAX_SKINNY_M
 
 from .tolerances import TOLERANCES
 
@@ -22,7 +21,7 @@ def fuse_fp32(monkeypatch, device, dtype):
     if dtype is torch.float32:
         if device == "cuda":
             pytest.skip("float32 on CUDA uses tf32 in tl.dot; the entry points route it to cuBLAS")
-        monkeypatch.setattr(FL, "_fusable", lambda x, w: 0 < x.shape[0] <= MAX_SKINNY_M)
+        monkeypatch.setattr(FL, "_fusable", lambda x, w: 0 < x.shape[0] <= FL.FUSE_MAX_ROWS)
 
 
 def _close(out, ref32, what):
@@ -95,6 +94,39 @@ def test_linear_residual_and_its_sum_of_squares(device, dtype, randn, poisoned_e
     torch.testing.assert_close(alone, out, rtol=0, atol=0)  # without the sums: same output
 
 
+@pytest.mark.parametrize("m,n,k,splits", [(1, 40, 300, 2), (20, 33, 200, 3), (32, 64, 96, 4)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_reduced_by_the_last_split(device, dtype, randn, poisoned_empty, fuse_fp32,
+                                           m, n, k, splits, bias):
+    """Split-K with the reduction in the kernel: same output as the unsplit kernel up to
+    float32 summation order, the sums of squares of what it stored, and the semaphores
+    left at zero for the next call (run twice)."""
+    from infergraft.kernels import paged_plan
+
+    x, r = randn(m, k, dtype=dtype), randn(m, n, dtype=dtype) * 4
+    w = randn(n, k, dtype=dtype) / k ** 0.5
+    b = randn(n, dtype=dtype) if bias else None
+    ref = FL.linear_residual_torch(x.float(), w.float(), None if b is None else b.float(), r.float())
+    for _ in range(2):
+        out, parts = FL.linear_residual_triton(x, w, b, r, sum_sq=True, split=(splits, _cfg(m)))
+        _close(out, ref, f"M={m} N={n} K={k} S={splits}")
+        assert parts.shape == (-(-n // 16), m)
+        torch.testing.assert_close(parts.sum(0), out.float().square().sum(-1), rtol=1e-5, atol=1e-5)
+        sems = paged_plan._SEMAPHORES[out.device]
+        assert not sems.any(), "a counter was left non-zero"
+    unsplit = FL.linear_residual_triton(x, w, b, r, config=_cfg(m))
+    tol = TOLERANCES[dtype]  # the two differ only in float32 summation order, then rounding
+    torch.testing.assert_close(out, unsplit, atol=tol["atol"] * 2, rtol=tol["rtol"] * 2)
+
+
+def test_split_k_is_deterministic(device, randn):
+    """The last split adds the partials in split order, whichever finished last."""
+    x, r = randn(24, 512, dtype=torch.float16), randn(24, 64, dtype=torch.float16)
+    w = randn(64, 512, dtype=torch.float16) / 20
+    outs = [FL.linear_residual_triton(x, w, None, r, split=(8, _cfg(24))) for _ in range(3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_a_decode_layer_chain_matches_the_unfused_composition(device, randn):
     """o + residual -> normed gate_up (weights folded) -> down + residual, with the sums
     of squares handed along, equals norm -> GEMM -> silu -> GEMM -> add in float16."""
@@ -114,8 +146,8 @@ def test_a_decode_layer_chain_matches_the_unfused_composition(device, randn):
 
 
 def test_unfusable_inputs_take_the_composition(device, randn):
-    """float32 and more than MAX_SKINNY_M rows: torch ops, same results as the references."""
-    for dt, rows in ((torch.float16, MAX_SKINNY_M + 1), (torch.float32, 2)):
+    """float32 and more than FL.FUSE_MAX_ROWS rows: torch ops, same results as the references."""
+    for dt, rows in ((torch.float16, FL.FUSE_MAX_ROWS + 1), (torch.float32, 2)):
         x, r = randn(rows, 32, dtype=dt), randn(rows, 48, dtype=dt)
         w, ss = randn(48, 32, dtype=dt) / 6, _sum_sq_parts(x, 3)
         tol = TOLERANCES[dt]
