@@ -1,12 +1,10 @@
 """Decode GEMMs fused with their neighbours (kernels/linear.py's skinny kernel with its
-fusion flags on), for the decode layer at <= ``FUSE_MAX_ROWS`` (32) rows (``DecoderLayer.forward_fused``),
-which runs no norm kernel at all:
+fusion flags on), for the decode layer at <= ``FUSE_MAX_ROWS`` (32) rows
+(``DecoderLayer.forward_fused``), which runs no norm kernel at all:
 
 - ``linear_residual``: x W^T + r (o and down: the residual stream's add); with
   ``sum_sq=True`` it also returns the new stream's sum of squares per row, as partial
   sums [P, M] float32 (one row per program: deterministic, no atomics, no zeroing).
-  Above 16 rows it splits K (``residual_split``): the last split of each column tile to
-  finish (a semaphore) adds the float32 partials in split order and runs the epilogue.
 - ``normed_linear``: rms_norm(x) W^T for a W whose columns already carry the norm weight
   (``DecoderModel.fold_norm_weights``): x W^T * rstd, rstd from those partial sums.
 - ``normed_swiglu``: silu(n Wg^T) * (n Wu^T), n as above, on the fused gate_up weight
@@ -19,14 +17,13 @@ LLaMA-7B shape, bf16, batch 1: 3.75 ms per decode step (3.84 with the plain laye
 and so do the Triton entry points where the kernel does not apply (float32: exact
 cuBLAS; more rows than ``FUSE_MAX_ROWS``).
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
-import os
-
 from ._triton import HAVE_TRITON, next_pow2, triton
 from .linear import check_gemm, launch_gemm, linear_torch, skinny_config
-from .paged_plan import _semaphores
 from .silu_mul import silu_mul_torch
 
 # steps of up to this many tokens run the fused decode layer (an A/B knob): H200, batch
@@ -108,19 +105,7 @@ def normed_swiglu_triton(x, weight, bias, sum_sq, eps, config=None):
     return y
 
 
-def residual_split(m: int, n: int, k: int) -> tuple[int, dict] | None:
-    """(S, tiles) for split-K in ``linear_residual`` (the last split to finish reduces and
-    runs the epilogue), or None for one program per column tile."""
-    if m <= 16 or os.environ.get("INFERGRAFT_FUSED_SPLIT", "1") != "1":
-        return None
-    block_m = max(16, next_pow2(m))
-    if k <= 4096:
-        return 2, dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    return 4, dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-
-
-def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, config=None,
-                           split=None):
+def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, config=None):
     m, k = x.shape
     n = weight.shape[0]
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, \
@@ -129,17 +114,8 @@ def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, conf
     if not _fusable(x, weight):
         return linear_residual_torch(x, weight, bias, residual, sum_sq)
     y = _output(x, weight, bias, n)
-    plan = split if split is not None else (None if config else residual_split(m, n, k))
-    cfg = dict(plan[1] if plan else config or skinny_config(m, n, k))
+    cfg = dict(config or skinny_config(m, n, k))
     programs = triton.cdiv(n, cfg["BLOCK_N"])
     parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
-    sems = _semaphores(x.device, programs) if plan and plan[0] > 1 else None
-    if sems is None:  # one split (also inside a capture that would have to grow the counters)
-        launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts)
-    else:
-        k_split = -(-k // plan[0] // cfg["BLOCK_K"]) * cfg["BLOCK_K"]  # whole K tiles
-        splits = -(-k // k_split)
-        ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-        launch_gemm((programs, splits), cfg, x, weight, bias, y, k_split=k_split,
-                    residual=residual, sum_sq_out=parts, workspace=ws, semaphores=sems)
+    launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts)
     return (y, parts) if sum_sq else y

@@ -34,14 +34,12 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
 if HAVE_TRITON:
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ss_ptr, r_ptr, ss_out_ptr, ws_ptr,
-                            sem_ptr, M, N, K,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ss_ptr, r_ptr, ss_out_ptr, M, N, K,
                             K_SPLIT, UP_ROWS, SS_PARTS, stride_xm, stride_wn, stride_ym,
                             stride_ys, stride_rm, eps,
                             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_P: tl.constexpr,
                             SWIGLU: tl.constexpr,
-                            RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr, FIXUP: tl.constexpr,
-                            BLOCK_M: tl.constexpr,
+                            RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                             LATE_RELEASE: tl.constexpr):
         pdl_wait(PDL)
@@ -54,9 +52,7 @@ if HAVE_TRITON:
         # NORM = RMSNorm of x with its weight folded into W's columns: * rstd from the
         # row's sum of squares, SS_PARTS partial sums ss [P, M]; SWIGLU = silu(x Wg^T) *
         # (x Wu^T), Wu UP_ROWS rows below Wg; RESIDUAL = + r; SUM_SQ = each output row's
-        # sum of squares over this program's columns, to ss_out [programs, M]. FIXUP =
-        # split-K whose last split to finish (a semaphore per column tile) sums the float32
-        # partials ws [S, M, N] in split order and runs the epilogue: one [M, N] output.
+        # sum of squares over this program's columns, to ss_out [programs, M].
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_lo = split * K_SPLIT
@@ -82,32 +78,6 @@ if HAVE_TRITON:
         if LATE_RELEASE:
             pdl_release(PDL)
         rmask = rm < M
-        ymask = rmask[:, None] & (rn[None, :] < N)
-        last = True
-        if FIXUP:
-            ws = ws_ptr + rm[:, None] * N + rn[None, :]                        # [BM, BN]
-            tl.store(ws + split * M * N, acc, mask=ymask)
-            # a scalar atomic runs on one thread: the barrier orders every thread's
-            # partial stores before its release (as in the paged attention kernel)
-            tl.debug_barrier()
-            cnt = sem_ptr + pid
-            last = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1
-        if last:
-            if FIXUP:  # the other splits' partials are visible (acquire); split order
-                acc = tl.load(ws, mask=ymask, other=0.0)
-                for s in range(1, tl.num_programs(1)):
-                    acc += tl.load(ws + s * M * N, mask=ymask, other=0.0)
-                tl.store(cnt, 0)  # zero again for the next call or graph replay
-            # FIXUP: the reduced sum takes split 0's place (the bias, the [M, N] output)
-            _epilogue(acc, acc_up, pid, split * (1 - FIXUP), rm, rn, rmask, ymask, M, N, K, UP_ROWS, SS_PARTS,
-                      b_ptr, y_ptr, ss_ptr, r_ptr, ss_out_ptr, stride_ym, stride_ys, stride_rm,
-                      eps, HAS_BIAS, NORM, BLOCK_P, SWIGLU, RESIDUAL, SUM_SQ)
-
-    @triton.jit
-    def _epilogue(acc, acc_up, pid, split, rm, rn, rmask, ymask, M, N, K, UP_ROWS, SS_PARTS,
-                  b_ptr, y_ptr, ss_ptr, r_ptr, ss_out_ptr, stride_ym, stride_ys, stride_rm, eps,
-                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_P: tl.constexpr,
-                  SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr):
         if NORM:
             rp = tl.arange(0, BLOCK_P)
             ss = tl.load(ss_ptr + rp[:, None] * M + rm[None, :],
@@ -126,6 +96,7 @@ if HAVE_TRITON:
             gate = acc.to(out_ty).to(tl.float32)
             act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
             acc = act * acc_up.to(out_ty).to(tl.float32)
+        ymask = rmask[:, None] & (rn[None, :] < N)
         if RESIDUAL:  # the projection rounded, then + r like `x + residual` in torch
             r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ymask, other=0.0)
             acc = acc.to(out_ty).to(tl.float32) + r.to(tl.float32)
@@ -193,26 +164,22 @@ def check_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None) -> None:
 
 
 def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps=0.0,
-                residual=None, up_rows=0, sum_sq_out=None, workspace=None, semaphores=None):
+                residual=None, up_rows=0, sum_sq_out=None):
     """Launch ``_skinny_gemm_kernel`` (callers check shapes): the optional fusions are on
     when their inputs are given (``sum_sq`` [P, M] float32 partial sums: RMSNorm with its
-    weight folded into W; ``up_rows`` > 0: SwiGLU; ``sum_sq_out`` [programs, M] float32;
-    ``workspace`` [S, M, N] float32 with ``semaphores`` (>= grid[0] zero int32): split-K
-    reduced in the kernel into y [M, N])."""
+    weight folded into W; ``up_rows`` > 0: SwiGLU; ``sum_sq_out`` [programs, M] float32)."""
     m, k = x.shape
     unused = weight  # a valid pointer for the inputs a variant never reads
     _skinny_gemm_kernel[grid](
         x, weight, unused if bias is None else bias, y, unused if sum_sq is None else sum_sq,
         unused if residual is None else residual, unused if sum_sq_out is None else sum_sq_out,
-        unused if workspace is None else workspace, unused if semaphores is None else semaphores,
         m, y.shape[-1], k, k_split or max(k, 1), up_rows,
         1 if sum_sq is None else sum_sq.shape[0],
         x.stride(0), weight.stride(0), y.stride(-2), m * y.shape[-1],
         0 if residual is None else residual.stride(0), float(eps),
         HAS_BIAS=bias is not None, NORM=sum_sq is not None,
         BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]), SWIGLU=up_rows > 0,
-        RESIDUAL=residual is not None, SUM_SQ=sum_sq_out is not None,
-        FIXUP=workspace is not None, **cfg,
+        RESIDUAL=residual is not None, SUM_SQ=sum_sq_out is not None, **cfg,
         LATE_RELEASE=LATE_PDL_RELEASE, **pdl_launch(x.device))
 
 

@@ -59,11 +59,9 @@ def test_folding_moves_the_norm_weights_into_qkv_and_gate_up():
     assert folded.model.fold_norm_weights() and torch.equal(folded.model.layers[0].qkv.weight, before)  # once
 
 
-# a fused prefill too (24 rows: o and down split K, reduced in the kernel) / only the
-# decode steps fused (40 rows: more than FUSE_MAX_ROWS)
+# a fused prefill too (5, 24 rows) / only the decode steps (40: more than FUSE_MAX_ROWS)
 @pytest.mark.parametrize("prompt_len", [5, 24, 40])
 def test_fused_decode_layer_matches_the_reference(prompt_len):
-    # K = 256 (o) and 512 (down): whole 128-wide K tiles for 2 and 4 real splits
     config = tiny_llama_config(hidden_size=256, intermediate_size=512)
     hf = _with_random_norm_weights(random_model(config, seed=4, scale=2.0))
     ref = core.build(hf, kernels="torch", **KW)

@@ -94,39 +94,6 @@ def test_linear_residual_and_its_sum_of_squares(device, dtype, randn, poisoned_e
     torch.testing.assert_close(alone, out, rtol=0, atol=0)  # without the sums: same output
 
 
-@pytest.mark.parametrize("m,n,k,splits", [(1, 40, 300, 2), (20, 33, 200, 3), (32, 64, 96, 4)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_split_k_reduced_by_the_last_split(device, dtype, randn, poisoned_empty, fuse_fp32,
-                                           m, n, k, splits, bias):
-    """Split-K with the reduction in the kernel: same output as the unsplit kernel up to
-    float32 summation order, the sums of squares of what it stored, and the semaphores
-    left at zero for the next call (run twice)."""
-    from infergraft.kernels import paged_plan
-
-    x, r = randn(m, k, dtype=dtype), randn(m, n, dtype=dtype) * 4
-    w = randn(n, k, dtype=dtype) / k ** 0.5
-    b = randn(n, dtype=dtype) if bias else None
-    ref = FL.linear_residual_torch(x.float(), w.float(), None if b is None else b.float(), r.float())
-    for _ in range(2):
-        out, parts = FL.linear_residual_triton(x, w, b, r, sum_sq=True, split=(splits, _cfg(m)))
-        _close(out, ref, f"M={m} N={n} K={k} S={splits}")
-        assert parts.shape == (-(-n // 16), m)
-        torch.testing.assert_close(parts.sum(0), out.float().square().sum(-1), rtol=1e-5, atol=1e-5)
-        sems = paged_plan._SEMAPHORES[out.device]
-        assert not sems.any(), "a counter was left non-zero"
-    unsplit = FL.linear_residual_triton(x, w, b, r, config=_cfg(m))
-    tol = TOLERANCES[dtype]  # the two differ only in float32 summation order, then rounding
-    torch.testing.assert_close(out, unsplit, atol=tol["atol"] * 2, rtol=tol["rtol"] * 2)
-
-
-def test_split_k_is_deterministic(device, randn):
-    """The last split adds the partials in split order, whichever finished last."""
-    x, r = randn(24, 512, dtype=torch.float16), randn(24, 64, dtype=torch.float16)
-    w = randn(64, 512, dtype=torch.float16) / 20
-    outs = [FL.linear_residual_triton(x, w, None, r, split=(8, _cfg(24))) for _ in range(3)]
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
-
-
 def test_a_decode_layer_chain_matches_the_unfused_composition(device, randn):
     """o + residual -> normed gate_up (weights folded) -> down + residual, with the sums
     of squares handed along, equals norm -> GEMM -> silu -> GEMM -> add in float16."""
