@@ -33,21 +33,32 @@ def kernel_table(model, runner, cache, bs: int, top: int = 25) -> str:
     with torch.inference_mode():
         model(tokens, cache, meta)
         torch.cuda.synchronize()
-        return profiled(lambda: model(tokens, cache, meta), top)
+        return profiled(lambda: model(tokens, cache, meta), top, layers=len(model.layers))
 
 
-def profiled(fn, top: int = 25) -> str:
-    """Per-kernel GPU time of one call of ``fn`` (synchronised)."""
+def profiled(fn, top: int = 25, layers: int = 0) -> str:
+    """Per-kernel GPU time of one call of ``fn`` (synchronised). With ``layers``, a kernel
+    launched k times per layer (the decode GEMMs: qkv, o, gate_up, down) is split into
+    ``name #i``, its i-th launch in each layer, by launch order."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total, count = defaultdict(float), defaultdict(int)
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            total[ev.name[:60]] += ev.device_time
-            count[ev.name[:60]] += 1
+    events = sorted((ev for ev in prof.events() if ev.device_type.name == "CUDA"),
+                    key=lambda ev: ev.time_range.start)
+    launches = defaultdict(int)
+    for ev in events:
+        launches[ev.name[:60]] += 1
+    total, count, seen = defaultdict(float), defaultdict(int), defaultdict(int)
+    for ev in events:
+        name = ev.name[:60]
+        per_layer = launches[name] // layers if layers and launches[name] % layers == 0 else 1
+        if per_layer > 1:
+            name = f"{name} #{seen[ev.name[:60]] % per_layer}"
+            seen[ev.name[:60]] += 1
+        total[name] += ev.device_time
+        count[name] += 1
     s = sum(total.values())
     lines = [f"    sum of kernel time {s / 1e3:.3f} ms over {sum(count.values())} kernels"]
     for name, t in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
