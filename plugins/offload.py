@@ -20,7 +20,7 @@ from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 
 from .block_allocator import blocks_for, cache_sizes, is_count
-from .paged import PagedBackend, PagedCache, check_kv_quantizer
+from .paged import HOLE, PagedBackend, PagedCache, check_kv_quantizer
 
 
 class OffloadCache(PagedCache):
@@ -43,7 +43,7 @@ class OffloadCache(PagedCache):
 
     # -- residency ----------------------------------------------------------------------------
     def _working_set(self, seq_ids) -> set[int]:
-        return {b for s in seq_ids for b in self._tables[s]}
+        return {b for s in seq_ids for b in self._live_blocks(s)}
 
     def _step_problem(self, seq_ids, counts):
         problem = super()._step_problem(seq_ids, counts)
@@ -114,7 +114,7 @@ class OffloadCache(PagedCache):
             self.stream.synchronize()
 
     def _physical(self, blocks):
-        return [self._slot[b] for b in blocks]
+        return [self._slot[b] if b != HOLE else 0 for b in blocks]
 
     def _block_freed(self, block):
         self._in_slow.discard(block)
@@ -149,7 +149,7 @@ class OffloadCache(PagedCache):
         """Move a sequence's resident blocks to the slow pool now (they come back when a
         step needs them); blocks shared with other sequences move too."""
         out = []
-        for b in self._tables[seq_id]:
+        for b in self._live_blocks(seq_id):
             if b in self._slot:
                 slot = self._slot.pop(b)
                 del self._lru[b]
@@ -166,13 +166,13 @@ class OffloadCache(PagedCache):
         kv = []
         for i in (0, 1):  # K, then V
             rows = [torch.empty(0, hkv, d, dtype=self.dtype, device=self.device)]
-            for b in self._tables[seq_id]:
+            for b in self._live_blocks(seq_id):
                 pools, idx = (fast, self._slot[b]) if b in self._slot else (self.slow, b)
                 x = pools[i][layer][idx].to(self.device)  # [BS, Hkv, D]
                 if self.quant:
                     x = (x.float() * pools[2 + i][layer][idx].to(self.device)[..., None])
                 rows.append(x.to(self.dtype))
-            kv.append(torch.cat(rows)[:self._len[seq_id]])
+            kv.append(torch.cat(rows)[:self._len[seq_id] - self._dropped_tokens(seq_id)])
         return kv[0], kv[1]
 
     def stats(self):

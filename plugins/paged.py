@@ -5,7 +5,10 @@ Per layer K and V are ``[num_blocks, block_size, Hkv, D]`` (int8 K/V add float32
 ``(table[p // block_size], p % block_size)``. A sequence takes blocks as it grows and
 returns them when freed, so the only waste is its last, partial block. ``fork`` shares
 a parent's full blocks (ref-counted) and copies its partial one, so shared blocks are
-never written (copy-on-write done eagerly, at the fork).
+never written (copy-on-write done eagerly, at the fork). With a sliding window W, a
+block whose tokens no later query can see (all before ``start - W + 1`` of a step) goes
+back to the pool: its table entry becomes ``HOLE`` (storage block 0 in the tables the
+kernels get; the decode kernel starts at ``length - W`` and never reads it).
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from infergraft.core.hookspecs import hookimpl
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
 from .paged_graph import PagedGraphInputs, PagedMeta
+
+HOLE = -1  # a table entry whose block went back to the pool (out of every later window)
 
 
 class PagedCache(PagedGraphInputs, KVCache):
@@ -60,9 +65,24 @@ class PagedCache(PagedGraphInputs, KVCache):
 
     def free(self, seq_id):
         for b in self._tables.pop(seq_id):
-            if self.allocator.release(b):
-                self._block_freed(b)
+            self._release(b)
         del self._len[seq_id], self._reserved[seq_id]
+
+    def _release(self, b: int) -> None:
+        if b != HOLE and self.allocator.release(b):
+            self._block_freed(b)
+
+    def _first_live(self, start: int) -> int:
+        """Leading blocks of a sequence with ``start`` tokens before a step that no query of
+        that step or any later one sees (the window's first key is start - W + 1)."""
+        return max(0, start - self.window + 1) // self.block_size if self.window else 0
+
+    def _drop_out_of_window(self, seq_id, start: int) -> None:
+        table = self._tables[seq_id]
+        for j in range(self._first_live(start)):
+            if table[j] != HOLE:
+                self._release(table[j])
+                table[j] = HOLE
 
     def length(self, seq_id):
         return self._len[seq_id]
@@ -75,7 +95,8 @@ class PagedCache(PagedGraphInputs, KVCache):
         partial = n % self.block_size != 0
         new = self.allocator.take(1 if partial else 0)  # raises before anything changes
         for b in table[:full]:
-            self.allocator.share(b)
+            if b != HOLE:
+                self.allocator.share(b)
         if partial:
             self._copy_block(table[full], new[0], exclude=set(table))
         self._tables[child] = table[:full] + new
@@ -111,6 +132,7 @@ class PagedCache(PagedGraphInputs, KVCache):
             if grow > 0:
                 self._tables[s] += self.allocator.take(grow)
             self._len[s] = start + n
+            self._drop_out_of_window(s, start)
         self._before_step(seq_ids)
         return starts
 
@@ -154,8 +176,9 @@ class PagedCache(PagedGraphInputs, KVCache):
         for j, (start, n) in enumerate(zip(meta.starts, meta.counts)):
             if start == 0 and not self.quant:  # a fresh prompt: its K/V are this step's own
                 kj, vj = k[off:off + n], v[off:off + n]  # [n, Hkv, D], what was just written
-            else:
-                kj, vj = self._gather(layer, meta.tables[j], start + n)  # [L, Hkv, D]
+            else:  # keys from the first block still in the window: [L, Hkv, D]
+                first = self._first_live(start)
+                kj, vj = self._gather(layer, meta.tables[j][first:], start + n - first * self.block_size)
             qj = q[off:off + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             oj = self._sdpa(qj, kj.transpose(0, 1).unsqueeze(0), vj.transpose(0, 1).unsqueeze(0),
                             start, n)
@@ -174,12 +197,13 @@ class PagedCache(PagedGraphInputs, KVCache):
         return k, v
 
     def _sdpa(self, q, k, v, start, n):
+        # k, v: the last L keys of the start + n (older ones are out of every window)
         if start == 0 and not self.window:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                   enable_gqa=True)
         qpos = torch.arange(start, start + n, device=q.device)[:, None]
-        kpos = torch.arange(start + n, device=q.device)[None, :]
-        mask = kpos <= qpos  # [n, start+n]
+        kpos = torch.arange(start + n - k.shape[-2], start + n, device=q.device)[None, :]
+        mask = kpos <= qpos  # [n, L]
         if self.window:
             mask &= kpos > qpos - self.window
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
@@ -187,8 +211,8 @@ class PagedCache(PagedGraphInputs, KVCache):
 
     # -- hooks for backends built on this one (offload) -----------------------------------
     def _physical(self, blocks: list[int]) -> list[int]:
-        """Storage index of each logical block (here: the same)."""
-        return blocks
+        """Storage index of each logical block (here: the same; a hole reads block 0)."""
+        return [0 if b == HOLE else b for b in blocks]
 
     def _before_step(self, seq_ids) -> None:
         """Called by prepare after the tables grew, before metadata is built."""
@@ -207,9 +231,16 @@ class PagedCache(PagedGraphInputs, KVCache):
 
     # -- inspection --------------------------------------------------------------------------
     def read(self, seq_id, layer):
-        table = torch.tensor(self._physical(self._tables[seq_id]), dtype=torch.long,
-                             device=self.device)
-        return self._gather(layer, table, self._len[seq_id])
+        """K and V of the tokens still held: all, or those after the dropped blocks."""
+        live = self._live_blocks(seq_id)
+        table = torch.tensor(self._physical(live), dtype=torch.long, device=self.device)
+        return self._gather(layer, table, self._len[seq_id] - self._dropped_tokens(seq_id))
+
+    def _live_blocks(self, seq_id) -> list[int]:
+        return [b for b in self._tables[seq_id] if b != HOLE]
+
+    def _dropped_tokens(self, seq_id) -> int:
+        return self._tables[seq_id].count(HOLE) * self.block_size
 
     def _pool_bytes(self, pools) -> int:
         return sum(t.numel() * t.element_size() for pool in pools if pool for t in pool)
@@ -224,10 +255,14 @@ class PagedCache(PagedGraphInputs, KVCache):
 
     def check_invariants(self):
         super().check_invariants()
-        self.allocator.check(self._tables.values())
+        self.allocator.check(self._live_blocks(s) for s in self._tables)
         bs = self.block_size
         for s, table in self._tables.items():
             n = self._len[s]
+            holes = table.count(HOLE)
+            assert table[:holes] == [HOLE] * holes, f"sequence {s!r}: holes after live blocks {table}"
+            assert holes * bs <= max(0, n - (self.window or n)), \
+                f"sequence {s!r} dropped {holes} blocks of {n} tokens (window {self.window})"
             assert 0 <= n <= self.max_seq_len, f"sequence {s!r} holds {n} tokens"
             want = blocks_for(max(n, self._reserved[s]), bs)
             assert len(table) == want, f"sequence {s!r}: {len(table)} blocks for {n} tokens " \

@@ -51,9 +51,11 @@ def test_greedy_and_logits_match_contiguous(reference, backend):
     assert st["sequences"] == 0 and st["blocks_free"] == st["blocks_total"]
     engine.cache.check_invariants()
     sched = engine.scheduler
-    if backend == "paged-preempting":  # 30 blocks of 4 cannot hold 4 sequences of ~80 tokens
+    if getattr(hf.config, "sliding_window", None):  # out-of-window blocks go back: pools suffice
+        assert sched.num_preemptions == 0 and st.get("swapped_out", 0) == 0
+    elif backend == "paged-preempting":  # 30 blocks of 4 cannot hold 4 sequences of ~80 tokens
         assert sched.num_preemptions > 0
-    if backend == "offload":
+    elif backend == "offload":
         assert st["swapped_out"] > 0 and st["swapped_in"] > 0 and sched.num_paused > 0
 
 
