@@ -79,10 +79,11 @@ class PagedCache(PagedGraphInputs, KVCache):
 
     def _drop_out_of_window(self, seq_id, start: int) -> None:
         table = self._tables[seq_id]
-        for j in range(self._first_live(start)):
-            if table[j] != HOLE:
-                self._release(table[j])
-                table[j] = HOLE
+        for j in range(self._first_live(start) - 1, -1, -1):  # newest first: O(new holes)
+            if table[j] == HOLE:
+                break  # the holes are a prefix: the rest went at earlier steps
+            self._release(table[j])
+            table[j] = HOLE
 
     def length(self, seq_id):
         return self._len[seq_id]
