@@ -132,7 +132,8 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
     x, xi = (torch.randn(m, k, device=dev, dtype=dtype) for k in (4096, 11008))
     g = torch.rand(4096, device=dev, dtype=dtype) + 0.5
     ss = x.float().square().sum(-1)[None].repeat(128, 1) / 128  # [P, M] partials
-    tiles = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=ns)
+    tiles = [dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,
+                  num_warps=4, num_stages=ns)
              for bn, bk, ns in itertools.product((32, 64), (64, 128, 256), (3, 4))]
     cases = [  # name, weights, fused call (w, config), the plain layer's kernels (w)
         ("qkv normed", "qkv", lambda w, c: FL.normed_linear_triton(x, w, None, ss, 1e-6, config=c),
@@ -169,19 +170,20 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--m", default="1,8,32,64")
+    p.add_argument("--m", default=None, help="rows (default 1,8,32,64; --fused: 1)")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--split", default=None, help="e.g. 1,8,32: split-K sweep for o and down")
-    p.add_argument("--fused", action="store_true", help="fused decode GEMMs vs unfused, M=1")
+    p.add_argument("--fused", action="store_true", help="fused decode GEMMs vs unfused")
     a = p.parse_args(argv)
     kernel_gap()
     if a.fused:
-        sweep_fused()
+        for m in (a.m or "1").split(","):
+            sweep_fused(int(m))
         return 0
     if a.split:
         sweep_split([int(m) for m in a.split.split(",")])
         return 0
-    sweep_linear([int(m) for m in a.m.split(",")], sweep=not a.no_sweep)
+    sweep_linear([int(m) for m in (a.m or "1,8,32,64").split(",")], sweep=not a.no_sweep)
     return 0
 
 
