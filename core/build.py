@@ -126,14 +126,17 @@ def _kv_quantizer(backend, quantizers):
 def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
           device_memory=None, cuda_graphs: bool | None = None,
-          prefill_graphs: bool | None = None, **plugin_options) -> Engine:
+          prefill_graphs: bool | None = None, max_prefill_tokens: int | None = None,
+          **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine (see DESIGN §3).
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V must fit in (default:
     the free memory of a CUDA device; unchecked on the CPU). ``cuda_graphs``: decode
     under CUDA graphs (default: on CUDA when the cache supports it); ``prefill_graphs``:
     a single fresh prompt's prefill too, per length bucket (default: with ``cuda_graphs``
-    when the cache supports it)."""
+    when the cache supports it). ``max_prefill_tokens``: tokens one prefill step feeds at
+    most (default max(max_seq_len, 2048)); a longer prompt is prefilled in chunks that
+    alternate with the running sequences' decode steps."""
     t0 = time.perf_counter()
     pm, sel = select_plugins(get_plugin_manager(), plugins)
     source = resolve_source(model, tokenizer)
@@ -186,7 +189,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if kv_quant is not None:
         opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
-    engine = Engine(net.eval(), cache, source.tokenizer, plan, spec)
+    engine = Engine(net.eval(), cache, source.tokenizer, plan, spec,
+                    _prefill_budget(max_prefill_tokens))
     engine.graph_runner = _graph_runner(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = _prefill_graphs(net, cache, plan, engine.graph_runner,
                                             prefill_graphs)
@@ -223,3 +227,10 @@ def _prefill_graphs(net, cache, plan, decode_runner, wanted):
                         f"capture a prefill (paged, or contiguous without a sliding window or "
                         f"int8 K/V); got {plan.cache_backend} with kv_dtype={plan.kv_dtype}")
     return PrefillGraphRunner(net, cache, plan.max_seq_len, share_pool_with=decode_runner)
+
+
+def _prefill_budget(n):
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise PlanError(f"max_prefill_tokens must be an integer >= 1 (or None for the "
+                        f"default), got {n!r}")
+    return n

@@ -18,12 +18,13 @@ Prompt = Union[str, list]
 
 
 class Engine:
-    def __init__(self, model, cache, tokenizer, plan, spec):
+    def __init__(self, model, cache, tokenizer, plan, spec, max_prefill_tokens=None):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.plan, self.spec = plan, spec
         self.device = torch.device(plan.device)
-        self.scheduler = Scheduler(cache, plan.max_batch_size,
-                                   max_prefill_tokens=max(plan.max_seq_len, 2048))
+        # tokens one prefill step feeds at most (longer prompts go in chunks)
+        self.scheduler = Scheduler(cache, plan.max_batch_size, max_prefill_tokens=(
+            max_prefill_tokens or max(plan.max_seq_len, 2048)))
         eos = set(spec.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -76,12 +77,13 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        seqs = step.seqs
+        seqs, counts = step.seqs, step.counts
         if step.kind == "prefill":  # after a preemption: prompt + output so far
-            counts = [s.num_tokens for s in seqs]
-            tokens = [t for s in seqs for t in tokens_of(s)]
+            tokens = []
+            for s, n in zip(seqs, counts):  # this step's chunk of what is not fed yet
+                done = s.num_tokens - s.prefill_left
+                tokens += tokens_of(s)[done:done + n]
         else:
-            counts = [1] * len(seqs)
             tokens = [s.output_ids[-1] for s in seqs]
         runner = self.graph_runner
         graphed = step.kind == "decode" and runner is not None and runner.bucket(len(seqs))
@@ -98,7 +100,13 @@ class Engine:
             token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
             logits = self.model(token_t, self.cache, meta,
                                 None if step.kind == "decode" else last.to(self.device))
-        new = sample(logits, seqs)
+        if step.kind == "prefill":
+            for s, n in zip(seqs, counts):
+                s.prefill_left -= n
+            ready = [i for i, s in enumerate(seqs) if not s.prefill_left]  # whole prompt fed
+            if len(ready) < len(seqs):  # a chunk: no token yet
+                seqs, logits = [seqs[i] for i in ready], logits[ready]
+        new = sample(logits, seqs) if seqs else []
         forked = self._fork_samples(seqs, logits) if self._forks and step.kind == "prefill" else []
         now = time.perf_counter()
         for seq, tok in zip(seqs, new):

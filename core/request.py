@@ -74,6 +74,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None
         self.text = ""  # detokenised output so far (stop strings trimmed)
+        self.prefill_left = 0  # tokens of an admitted prompt not yet fed (chunked prefill)
         self.metrics = RequestMetrics()
         self.generator = None
         if not params.greedy:

@@ -2,7 +2,10 @@
 
 Each step is either a prefill of newly admitted sequences or one decode token for
 running sequences; finished sequences leave (and free their cache) between steps, so
-new requests join a running batch without waiting for it to drain.
+new requests join a running batch without waiting for it to drain. A prompt longer than
+``max_prefill_tokens`` is prefilled in chunks of that size (its cache reserved whole at
+admission), one chunk per step, alternating with the running sequences' decode steps so
+their tokens keep coming; it samples its first token after its last chunk.
 
 When the cache runs short (a paged cache out of blocks, an offloaded one whose fast
 pool cannot hold every running sequence at once) the decode step takes the running
@@ -29,6 +32,7 @@ class SchedulerError(InfergraftError, RuntimeError):
 class Step:
     kind: str  # "prefill" | "decode"
     seqs: list
+    counts: list  # tokens each sequence feeds (decode: 1 each; prefill: a chunk or all)
 
 
 def tokens_of(seq: Sequence) -> list[int]:
@@ -45,6 +49,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order (oldest first)
         self.num_preemptions = 0
         self.num_paused = 0  # sequence-steps sat out because the cache was short
+        self._last_kind = None  # chunks alternate with decode steps
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,60 +66,84 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step | None:
-        admitted = self._admit()
-        if admitted:
-            self.running.extend(admitted)
-            return Step("prefill", admitted)
-        if self.running:
-            return Step("decode", self._decode_batch())
+        step = self._schedule()
+        self._last_kind = step.kind if step else None
+        return step
+
+    def _schedule(self) -> Step | None:
+        chunked = [s for s in self.running if s.prefill_left]  # mid-prefill, oldest first
+        decoding = [s for s in self.running if not s.prefill_left]
+        if chunked and (not decoding or self._last_kind != "prefill"):
+            seq = chunked[0]  # its next chunk (the cache was reserved at admission)
+            n = min(seq.prefill_left, self.max_prefill_tokens)
+            if self.cache.can_append([seq.id], [n]):
+                return Step("prefill", [seq], [n])
+        if not chunked:
+            admitted, counts = self._admit()
+            if admitted:
+                self.running.extend(admitted)
+                return Step("prefill", admitted, counts)
+        if decoding:
+            batch = self._decode_batch(decoding)
+            if not batch:  # every decoding sequence was preempted: admit or chunk again
+                return self._schedule()
+            return Step("decode", batch, [1] * len(batch))
+        if chunked:
+            raise SchedulerError(f"the cache cannot take the next {n}-token chunk of "
+                                 f"sequence {seq.id} (stats: {self.cache.stats()})")
         return None
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self) -> tuple[list[Sequence], list[int]]:
         admitted, ids, counts = [], [], []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             n = seq.num_tokens
             if admitted and sum(counts) + n > self.max_prefill_tokens:
                 break
+            take = min(n, self.max_prefill_tokens)  # only the first can be a chunk
             if not self.cache.can_allocate(n):
                 break
             self.cache.allocate(seq.id, n)
-            if not self.cache.can_append(ids + [seq.id], counts + [n]):
+            if not self.cache.can_append(ids + [seq.id], counts + [take]):
                 self.cache.free(seq.id)  # the step as a whole would not fit
                 break
             self.waiting.popleft()
-            seq.status = Status.RUNNING
+            seq.status, seq.prefill_left = Status.RUNNING, n
             admitted.append(seq)
             ids.append(seq.id)
-            counts.append(n)
+            counts.append(take)
         if not admitted and self.waiting and not self.running and \
                 not self.cache.can_allocate(self.waiting[0].num_tokens):
             raise SchedulerError(
                 f"the cache cannot take a {self.waiting[0].num_tokens}-token sequence even "
                 f"with nothing running (stats: {self.cache.stats()})")
-        return admitted
+        return admitted, counts
 
-    def _decode_batch(self) -> list[Sequence]:
-        if self.cache.can_append([s.id for s in self.running], [1] * len(self.running)):
-            return list(self.running)
+    def _decode_batch(self, decoding: list[Sequence]) -> list[Sequence]:
+        if self.cache.can_append([s.id for s in decoding], [1] * len(decoding)):
+            return decoding
         while True:
             batch = []
-            for seq in self.running:  # oldest first; the rest pause for this step
+            for seq in decoding:  # oldest first; the rest pause for this step
                 if self.cache.can_append([s.id for s in batch + [seq]], [1] * (len(batch) + 1)):
                     batch.append(seq)
             if batch:
-                self.num_paused += len(self.running) - len(batch)
+                self.num_paused += len(decoding) - len(batch)
                 return batch
             if len(self.running) == 1:
                 raise SchedulerError(f"the cache cannot extend its only sequence by one token "
                                      f"(stats: {self.cache.stats()})")
-            self.preempt(self.running[-1])
+            victim = self.running[-1]
+            self.preempt(victim)
+            decoding = [s for s in decoding if s is not victim]
+            if not decoding:
+                return []
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the cache, requeue first, keep the tokens so far."""
         self.running.remove(seq)
         self.cache.free(seq.id)
-        seq.status = Status.WAITING
+        seq.status, seq.prefill_left = Status.WAITING, 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -1,0 +1,70 @@
+"""Chunked prefill: prompts longer than ``max_prefill_tokens`` are fed in chunks that
+alternate with the running sequences' decode steps; the tokens are the same as with
+whole prompts (the CPU runs the torch references; parity with HF is checked elsewhere)."""
+import pytest
+
+from infergraft import core
+from infergraft.core.errors import PlanError
+from infergraft.core.request import SamplingParams
+from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
+                                            tiny_mistral_config)
+
+LENGTHS = (5, 30, 17, 41, 9)
+KW = dict(max_seq_len=96, max_batch_size=4)
+CASES = {  # name -> (config, plugins, options)
+    "llama-contiguous": (tiny_llama_config, [], {}),
+    "llama-paged": (tiny_llama_config, ["paged"], dict(block_size=4)),
+    "llama-paged-preempting": (tiny_llama_config, ["paged"], dict(block_size=4, num_blocks=30)),
+    "mistral-window8-contiguous": (lambda: tiny_mistral_config(sliding_window=8), [], {}),
+    "mistral-window8-paged": (lambda: tiny_mistral_config(sliding_window=8), ["paged"],
+                              dict(block_size=4)),
+    "llama-kv-int8": (tiny_llama_config, ["kv-int8"], {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_chunks_give_the_tokens_of_whole_prompts(case):
+    config, plugins, options = CASES[case]
+    hf = random_model(config(), seed=5, scale=5.0)
+    prompts = [random_prompt(n, 256, 200 + n) for n in LENGTHS]
+    whole = core.build(hf, plugins=plugins, **options, **KW)
+    chunked = core.build(hf, plugins=plugins, max_prefill_tokens=8, **options, **KW)
+    want = [c.token_ids for c in whole.generate(prompts, max_new_tokens=30)]
+    assert [c.token_ids for c in chunked.generate(prompts, max_new_tokens=30)] == want
+    if case == "llama-paged-preempting":  # preempted sequences are prefilled again in chunks
+        assert chunked.scheduler.num_preemptions > 0
+    chunked.cache.check_invariants()
+    assert chunked.cache.stats()["sequences"] == 0
+
+
+def test_running_sequences_keep_decoding_while_a_long_prompt_chunks():
+    hf = random_model(tiny_llama_config(), seed=6)
+    engine = core.build(hf, max_prefill_tokens=8, **KW)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    short = engine.add_request(random_prompt(4, 256, 1), params)
+    engine.step()  # its prefill: first token
+    assert len(short.output_ids) == 1
+    long = engine.add_request(random_prompt(50, 256, 2), params)
+    kinds = []
+    while not long.output_ids:
+        before = len(short.output_ids)
+        engine.step()
+        kinds.append("decode" if len(short.output_ids) > before else "chunk")
+    # 50 tokens in chunks of 8: 7 chunk steps, a decode step between each two
+    assert kinds.count("chunk") == 7 and kinds.count("decode") == 6, kinds
+    assert all(a != b for a, b in zip(kinds, kinds[1:])), kinds
+    assert long.metrics.ttft is not None and len(long.output_ids) == 1
+    while engine.has_unfinished():
+        engine.step()
+    whole = core.build(hf, **KW)
+    again = whole.add_request(long.prompt_ids, params)
+    while whole.has_unfinished():
+        whole.step()
+    assert long.output_ids == again.output_ids and len(again.output_ids) == 40
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_prefill_budget_is_refused(bad):
+    hf = random_model(tiny_llama_config(), seed=6)
+    with pytest.raises(PlanError, match="max_prefill_tokens must be an integer >= 1"):
+        core.build(hf, max_prefill_tokens=bad, **KW)
