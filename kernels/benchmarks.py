@@ -14,6 +14,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from ._triton import next_pow2
+
 LLAMA7B_GEMMS = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
                  "down": (4096, 11008), "lm_head": (32000, 4096)}
 
@@ -108,7 +110,7 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
                     f"{split_config(m, n, k)}")
             best = (0, None)
             for sk, bn, bk, ns in itertools.product(splits, (32, 64, 128), (64, 128, 256), (3, 4)):
-                cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,
+                cfg = dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=bn, BLOCK_K=bk,
                            num_warps=4, num_stages=ns)
                 try:
                     bw = tb(lambda: skinny_gemm(x, next(it), config=cfg, split_k=sk))
@@ -132,7 +134,7 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
     x, xi = (torch.randn(m, k, device=dev, dtype=dtype) for k in (4096, 11008))
     g = torch.rand(4096, device=dev, dtype=dtype) + 0.5
     ss = x.float().square().sum(-1)[None].repeat(128, 1) / 128  # [P, M] partials
-    tiles = [dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,
+    tiles = [dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=bn, BLOCK_K=bk,
                   num_warps=4, num_stages=ns)
              for bn, bk, ns in itertools.product((32, 64), (64, 128, 256), (3, 4))]
     cases = [  # name, weights, fused call (w, config), the plain layer's kernels (w)

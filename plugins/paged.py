@@ -133,7 +133,8 @@ class PagedCache(PagedGraphInputs, KVCache):
             if grow > 0:
                 self._tables[s] += self.allocator.take(grow)
             self._len[s] = start + n
-            self._drop_out_of_window(s, start)
+            if self.window:
+                self._drop_out_of_window(s, start)
         self._before_step(seq_ids)
         return starts
 

@@ -290,5 +290,5 @@ def make_cache_test(factory, *, max_examples: int = 200, step_count: int = 25,
 
 def _settings(max_examples: int, step_count: int) -> settings:
     return kit_settings(max_examples=max_examples, stateful_step_count=step_count, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                           HealthCheck.data_too_large])
+                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                               HealthCheck.data_too_large])

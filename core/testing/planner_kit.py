@@ -132,8 +132,8 @@ class PlannerStageTests(PlannerFixtures):
             check_stages(planner, spec, planner.plan(spec, w, **self.plan_options), w)
 
     @strategies.kit_settings(max_examples=25, deadline=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                              HealthCheck.differing_executors])
+                             suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                    HealthCheck.differing_executors])
     @given(drawn=strategies.model_specs())
     def test_any_spec_is_planned_or_refused_clearly(self, planner, drawn):
         for w in self.world_sizes:

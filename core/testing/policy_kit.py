@@ -171,8 +171,8 @@ class PolicyParityTests(PolicyFixtures):
                                 rtol=self.rtol)
 
     @strategies.kit_settings(max_examples=8, deadline=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                              HealthCheck.differing_executors])
+                             suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                    HealthCheck.differing_executors])
     @given(data=st.data())
     def test_logits_match_hf_on_drawn_prompts(self, engine, hf_model, data):
         ids = data.draw(strategies.prompts(hf_model.config.vocab_size, max_len=40), "prompt")
