@@ -83,8 +83,17 @@ class KVCache:
 
     def attention(self, layer: int, q, k, v, meta, rope=None) -> torch.Tensor:
         """Write this step's k, v ([T, Hkv, D]) and attend: q [T, Hq, D] -> [T, Hq, D].
-        ``rope``: only for caches that set ``fuses_rotary`` (q, k then still unrotated)."""
+        ``rope``: only for caches that set ``fuses_rotary`` (q, k then still unrotated).
+        k = v = None: the step's producer already wrote them (``decode_kv_slots``)."""
         raise NotImplementedError
+
+    def decode_kv_slots(self, layer: int, meta) -> tuple | None:
+        """Optional: where a decode step's K/V go, for a producer that writes them itself
+        (the fused qkv GEMM: RoPE and the write in its epilogue, one kernel fewer per
+        layer): (k_cache, v_cache [NB, BS, Hkv, D], idx0 [T], idx1 [T]), token t at
+        ``cache[idx0[t], idx1[t]]``, nowhere where idx0 < 0; the producer then calls
+        ``attention(layer, rotated q, None, None, meta)``. None: write through attention."""
+        return None
 
     def read(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V a sequence holds for ``layer``: ([L, Hkv, D], [L, Hkv, D])."""

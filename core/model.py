@@ -89,9 +89,16 @@ class DecoderLayer(nn.Module):
         and its sum of squares per row (partials [P, T]) -> (the next stream, its sums
         or None without ``want_next``)."""
         s, ops = self.spec, self.ops
-        qkv = ops.normed_linear(stream, self.qkv.weight, self.qkv.bias, sum_sq,
-                                s.norm_eps)  # [T, q + 2kv]
-        attn = self._attend(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
+        slots_of = getattr(cache, "decode_kv_slots", None)  # third-party caches may lack it
+        slots = None if rope is None or slots_of is None else slots_of(layer_idx, meta)
+        if slots is not None:  # RoPE and the K/V write in the qkv GEMM's epilogue
+            q = ops.normed_qkv_rope(stream, self.qkv.weight, self.qkv.bias, sum_sq, s.norm_eps,
+                                    rope[0], rope[1], positions, s.num_heads, *slots)  # [T, Hq, D]
+            attn = cache.attention(layer_idx, q, None, None, meta).reshape(-1, s.q_size)
+        else:
+            qkv = ops.normed_linear(stream, self.qkv.weight, self.qkv.bias, sum_sq,
+                                    s.norm_eps)  # [T, q + 2kv]
+            attn = self._attend(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
         stream, sum_sq = ops.linear_residual(attn, self.o.weight, self.o.bias, stream,
                                              sum_sq=True)  # [T, H], [P, T]
         act = ops.normed_swiglu(stream, self.gate_up.weight, self.gate_up.bias, sum_sq,

@@ -135,8 +135,8 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
     g = torch.rand(4096, device=dev, dtype=dtype) + 0.5
     ss = x.float().square().sum(-1)[None].repeat(128, 1) / 128  # [P, M] partials
     tiles = [dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=bn, BLOCK_K=bk,
-                  num_warps=4, num_stages=ns)
-             for bn, bk, ns in itertools.product((32, 64), (64, 128, 256), (3, 4))]
+                  num_warps=nw, num_stages=ns)
+             for bn, bk, ns, nw in itertools.product((32, 64), (64, 128, 256, 512), (3, 4), (4, 8))]
     cases = [  # name, weights, fused call (w, config), the plain layer's kernels (w)
         ("qkv normed", "qkv", lambda w, c: FL.normed_linear_triton(x, w, None, ss, 1e-6, config=c),
          lambda w: linear_triton(rms_norm_triton(x, g, 1e-6), w)),
@@ -164,9 +164,10 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
                 best.append((nbytes / graph_time(lambda: fused(next(it), cfg), replays=5) / 1e12, cfg))
             except Exception:  # out of shared memory etc.
                 continue
-        top = sorted(best, key=lambda b: -b[0])[:2]
-        print(line + "  best " + "; ".join(f"{bw:4.2f} {c['BLOCK_N']}x{c['BLOCK_K']}x{c['num_stages']}"
-                                         for bw, c in top), flush=True)
+        top = sorted(best, key=lambda b: -b[0])[:3]
+        print(line + "  best " + "; ".join(
+            f"{bw:4.2f} {c['BLOCK_N']}x{c['BLOCK_K']}x{c['num_stages']}/{c['num_warps']}w"
+            for bw, c in top), flush=True)
         del ws
 
 

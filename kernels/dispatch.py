@@ -27,6 +27,7 @@ OPS = {
     "linear_partials": "linear",
     "normed_linear": "fused_linear",
     "normed_swiglu": "fused_linear",
+    "normed_qkv_rope": "fused_linear",
     "linear_residual": "fused_linear",
     "layer_norm": "layer_norm",
     "add_layer_norm": "layer_norm",

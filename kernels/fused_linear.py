@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, triton
 from .linear import check_gemm, launch_gemm, linear_torch, skinny_config
+from .rotary import rotary_kv_write_torch, rotary_kv_write_triton
 from .silu_mul import silu_mul_torch
 
 # steps of up to this many tokens run the fused decode layer (an A/B knob): H200, batch
@@ -85,10 +86,12 @@ def normed_linear_triton(x, weight, bias, sum_sq, eps, config=None):
 
 
 def swiglu_config(m: int, i: int, k: int) -> dict:
-    """Two [BN, BK] weight tiles (gate and up) per step: the bytes per stage of the
-    unfused gate_up's [64, 128] tiles; best of an H200 sweep (3.99 TB/s at M=1)."""
-    return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=32, BLOCK_K=128, num_warps=4,
-                num_stages=3)
+    """Two [BN, BK] weight tiles (gate and up) per step: at M <= 16 the bytes per stage of
+    the unfused gate_up's [64, 128] tiles (H200 sweep: 3.99 TB/s at M=1); above, twice as
+    wide, so each column tile re-reads x from L2 half as often (M=32: 3.79 vs 3.59 TB/s
+    alone, decode step at batch 32 6.31 vs 6.53 ms, same call)."""
+    return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=32 if m <= 16 else 64, BLOCK_K=128,
+                num_warps=4, num_stages=3)
 
 
 def normed_swiglu_triton(x, weight, bias, sum_sq, eps, config=None):
@@ -119,3 +122,69 @@ def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, conf
     parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
     launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts)
     return (y, parts) if sum_sq else y
+
+
+def _heads(qkv, num_heads, num_kv_heads, d):
+    # qkv: [T, (Hq + 2 Hkv) D] -> views q [T, Hq, D], k, v [T, Hkv, D]
+    t, q_size, kv_size = qkv.shape[0], num_heads * d, num_kv_heads * d
+    return (qkv[:, :q_size].view(t, num_heads, d),
+            qkv[:, q_size:q_size + kv_size].view(t, num_kv_heads, d),
+            qkv[:, q_size + kv_size:].view(t, num_kv_heads, d))
+
+
+def normed_qkv_rope_torch(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
+                          k_cache, v_cache, idx0, idx1):
+    """The decode step's attention input: rms_norm(x) W^T (norm weight folded into W) split
+    into heads, RoPE on q and k, k and v written to ``cache[idx0[t], idx1[t]]`` (rows
+    with idx0 < 0 nowhere) -> rotated q [T, Hq, D]. Caches: [NB, BS, Hkv, D]."""
+    qkv = normed_linear_torch(x, weight, bias, sum_sq, eps)
+    q, k, v = _heads(qkv, num_heads, k_cache.shape[2], k_cache.shape[3])
+    return rotary_kv_write_torch(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
+
+
+# up to this many rows the qkv GEMM rotates and writes K/V itself (an A/B knob): H200,
+# batch 1: 3.70 ms per step vs 3.745 with the rotary kernel; batch 32: 6.51 vs 6.41
+QKV_ROPE_MAX_ROWS = int(os.environ.get("INFERGRAFT_QKV_ROPE_MAX_ROWS", "16"))
+
+
+def qkv_rope_config(m: int, half: int, k: int) -> dict:
+    """Two [BN, BK] tiles a step (dims and their rotate-half partners), from the same
+    in-model A/B at batch 1: 32 x 128 x 4 stages 3.70 ms, x 3 stages 3.73, 16 x 128 3.85."""
+    return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=min(32, half), BLOCK_K=128, num_warps=4,
+                num_stages=4 if m <= 16 else 3)
+
+
+def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
+                           k_cache, v_cache, idx0, idx1, config=None):
+    """Same contract as ``normed_qkv_rope_torch``; one GEMM whose epilogue rotates and
+    stores q, k and v where it applies (16-bit, <= ``QKV_ROPE_MAX_ROWS`` rows, all of
+    every head rotated, D / 2 a multiple of 16), else ``normed_linear`` +
+    ``rotary_kv_write``."""
+    _check_sum_sq(x, sum_sq)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    half = cos.shape[1]
+    assert weight.shape[0] == (num_heads + 2 * hkv) * d, \
+        f"qkv weight has {weight.shape[0]} rows, not (Hq={num_heads} + 2 Hkv={hkv}) x D={d}"
+    cfg = dict(config or qkv_rope_config(x.shape[0], half, x.shape[1]))
+    if not (_fusable(x, weight) and x.shape[0] <= QKV_ROPE_MAX_ROWS and 2 * half == d
+            and half % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16
+            and k_cache.dtype == v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride()):
+        qkv = normed_linear_triton(x, weight, bias, sum_sq, eps)
+        q, k, v = _heads(qkv, num_heads, hkv, d)
+        return rotary_kv_write_triton(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
+    m = x.shape[0]
+    check_gemm(x, weight, bias)
+    for name, t in (("positions", positions), ("idx0", idx0), ("idx1", idx1)):
+        assert t.shape == (m,) and not t.is_floating_point() and t.device == x.device, \
+            f"{name} must be integer [{m}] on {x.device}, got {tuple(t.shape)} {t.dtype} {t.device}"
+    assert cos.shape == sin.shape and cos.dtype == sin.dtype == torch.float32 \
+        and cos.stride(1) == sin.stride(1) == 1 and cos.stride(0) == sin.stride(0), \
+        f"cos/sin must be float32 [P, D/2] alike, got {tuple(cos.shape)} {cos.dtype}, " \
+        f"{tuple(sin.shape)} {sin.dtype}"
+    assert k_cache.stride(-1) == 1, f"caches must be contiguous in head_dim, strides {k_cache.stride()}"
+    q = torch.empty((m, num_heads * d), dtype=x.dtype, device=x.device)
+    rope = (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
+            v_cache, num_heads, hkv)
+    launch_gemm((weight.shape[0] // (2 * cfg["BLOCK_N"]), 1), cfg, x, weight, bias, q,
+                sum_sq=sum_sq, eps=eps, up_rows=half, rope=rope)
+    return q.view(m, num_heads, d)

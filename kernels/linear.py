@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
+from .rotary import rope_pair_store
 
 # above this many rows cuBLAS streams the weights as fast (H200 sweep); an A/B knob
 MAX_SKINNY_M = int(os.environ.get("INFERGRAFT_SKINNY_MAX_M", "16"))
@@ -37,8 +38,10 @@ if HAVE_TRITON:
     def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ss_ptr, r_ptr, ss_out_ptr, M, N, K,
                             K_SPLIT, UP_ROWS, SS_PARTS, stride_xm, stride_wn, stride_ym,
                             stride_ys, stride_rm, eps,
+                            pos_ptr, cos_ptr, sin_ptr, idx0_ptr, idx1_ptr, kc_ptr, vc_ptr,
+                            stride_cs, stride_c0, stride_c1, stride_ch, HQ, HKV,
                             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_P: tl.constexpr,
-                            SWIGLU: tl.constexpr,
+                            SWIGLU: tl.constexpr, ROPE: tl.constexpr,
                             RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                             LATE_RELEASE: tl.constexpr):
@@ -52,13 +55,20 @@ if HAVE_TRITON:
         # NORM = RMSNorm of x with its weight folded into W's columns: * rstd from the
         # row's sum of squares, SS_PARTS partial sums ss [P, M]; SWIGLU = silu(x Wg^T) *
         # (x Wu^T), Wu UP_ROWS rows below Wg; RESIDUAL = + r; SUM_SQ = each output row's
-        # sum of squares over this program's columns, to ss_out [programs, M].
+        # sum of squares over this program's columns, to ss_out [programs, M]; ROPE = the
+        # qkv projection at decode: columns paired with their rotate-half partners (UP_ROWS
+        # = head_dim / 2 below), rotated, q stored to y [M, HQ * D], k / v to cache slots.
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_lo = split * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
         rm = tl.arange(0, BLOCK_M)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROPE:  # head pid // tiles of a half-head, BLOCK_N dims from j0 (and j0 + D/2)
+            head = pid // (UP_ROWS // BLOCK_N)
+            j0 = pid % (UP_ROWS // BLOCK_N) * BLOCK_N
+            rn = head * 2 * UP_ROWS + j0 + tl.arange(0, BLOCK_N)
+        else:
+            rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]                # [BM, BK]
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]   # [BN, BK]
@@ -70,7 +80,7 @@ if HAVE_TRITON:
             x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=wmask, other=0.0)
             acc += tl.dot(x, tl.trans(w))                                       # [BM, BN]
-            if SWIGLU:
+            if SWIGLU or ROPE:
                 wu = tl.load(w_ptrs + UP_ROWS * stride_wn, mask=wmask, other=0.0)
                 acc_up += tl.dot(x, tl.trans(wu))                               # [BM, BN]
             x_ptrs += BLOCK_K
@@ -88,10 +98,16 @@ if HAVE_TRITON:
         if HAS_BIAS:
             if split == 0:  # the bias goes into one split only
                 acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-                if SWIGLU:
+                if SWIGLU or ROPE:
                     acc_up += tl.load(b_ptr + UP_ROWS + rn, mask=rn < N,
                                       other=0.0).to(tl.float32)[None, :]
         out_ty = y_ptr.dtype.element_ty
+        if ROPE:  # the projection rounded, as rotary_kv_write gets it
+            rope_pair_store(acc.to(out_ty).to(tl.float32), acc_up.to(out_ty).to(tl.float32),
+                            rm, rmask, head, j0, UP_ROWS, y_ptr, stride_ym, pos_ptr, cos_ptr,
+                            sin_ptr, stride_cs, idx0_ptr, idx1_ptr, kc_ptr, vc_ptr, stride_c0,
+                            stride_c1, stride_ch, HQ, HKV, BLOCK_N)
+            return
         if SWIGLU:  # rounded like silu_mul on the stored gate_up: silu(g) then the product
             gate = acc.to(out_ty).to(tl.float32)
             act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
@@ -116,9 +132,8 @@ def skinny_config(m: int, n: int, k: int) -> dict:
     if n >= 16384:  # gate_up, lm_head: 4.1-4.2 TB/s (M=32: 3.85 with 64-wide K tiles)
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if m <= 16 else 64, num_warps=4,
                     num_stages=3 if m <= 16 else 4)
-    if n >= 8192:  # fused qkv: 3.8 TB/s
-        return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4,
-                    num_stages=4 if m <= 16 else 3)
+    if n >= 8192:  # fused qkv: 3.8 TB/s (M=32: 3.60, in the decode step at batch 32 -0.02 ms)
+        return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=4)  # o, down
 
 
@@ -164,21 +179,27 @@ def check_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None) -> None:
 
 
 def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps=0.0,
-                residual=None, up_rows=0, sum_sq_out=None):
+                residual=None, up_rows=0, sum_sq_out=None, rope=None):
     """Launch ``_skinny_gemm_kernel`` (callers check shapes): the optional fusions are on
     when their inputs are given (``sum_sq`` [P, M] float32 partial sums: RMSNorm with its
-    weight folded into W; ``up_rows`` > 0: SwiGLU; ``sum_sq_out`` [programs, M] float32)."""
+    weight folded into W; ``up_rows`` > 0: SwiGLU; ``sum_sq_out`` [programs, M] float32;
+    ``rope`` = (positions, cos, sin, idx0, idx1, k_cache, v_cache, Hq, Hkv) with
+    ``up_rows`` = D / 2: the decode qkv projection, y = rotated q [M, Hq * D])."""
     m, k = x.shape
     unused = weight  # a valid pointer for the inputs a variant never reads
+    pos, cos, sin, idx0, idx1, kc, vc, hq, hkv = rope or (unused,) * 7 + (0, 0)
     _skinny_gemm_kernel[grid](
         x, weight, unused if bias is None else bias, y, unused if sum_sq is None else sum_sq,
         unused if residual is None else residual, unused if sum_sq_out is None else sum_sq_out,
-        m, y.shape[-1], k, k_split or max(k, 1), up_rows,
+        m, weight.shape[0] if rope else y.shape[-1], k, k_split or max(k, 1), up_rows,
         1 if sum_sq is None else sum_sq.shape[0],
         x.stride(0), weight.stride(0), y.stride(-2), m * y.shape[-1],
         0 if residual is None else residual.stride(0), float(eps),
+        pos, cos, sin, idx0, idx1, kc, vc, cos.stride(0) if rope else 0,
+        *(kc.stride()[:3] if rope else (0, 0, 0)), hq, hkv,
         HAS_BIAS=bias is not None, NORM=sum_sq is not None,
-        BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]), SWIGLU=up_rows > 0,
+        BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]),
+        SWIGLU=up_rows > 0 and rope is None, ROPE=rope is not None,
         RESIDUAL=residual is not None, SUM_SQ=sum_sq_out is not None, **cfg,
         LATE_RELEASE=LATE_PDL_RELEASE, **pdl_launch(x.device))
 

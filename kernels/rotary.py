@@ -97,6 +97,42 @@ if HAVE_TRITON:
                      x.to(vc_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def rope_pair_store(a, b, rm, rmask, head, j0, HALF, q_ptr, stride_qm, pos_ptr, cos_ptr,
+                        sin_ptr, stride_cs, idx0_ptr, idx1_ptr, kc_ptr, vc_ptr, stride_c0,
+                        stride_c1, stride_ch, HQ, HKV, BLOCK_N: tl.constexpr):
+        """Epilogue of the fused decode qkv GEMM (kernels/linear.py, ROPE): a, b [BM, BN]
+        float32 are dims j0.. of head ``head`` (q heads, then k, then v) and their
+        rotate-half partners (+ HALF) for rows rm; q and k are rotated at each row's
+        position; q goes to q_ptr [M, HQ, 2 * HALF], k and v to cache[idx0, idx1] (rows
+        with idx0 < 0: nowhere), as rotary_kv_write stores them."""
+        j = j0 + tl.arange(0, BLOCK_N)
+        if head < HQ + HKV:
+            pos = tl.load(pos_ptr + rm, mask=rmask, other=0).to(tl.int64)
+            cs = pos[:, None] * stride_cs + j[None, :]                     # [BM, BN]
+            c = tl.load(cos_ptr + cs, mask=rmask[:, None], other=1.0)
+            s = tl.load(sin_ptr + cs, mask=rmask[:, None], other=0.0)
+            a_rot = a * c - b * s
+            b = b * c + a * s
+            a = a_rot
+        if head < HQ:
+            dst = q_ptr + rm[:, None] * stride_qm + head * 2 * HALF + j[None, :]
+            tl.store(dst, a.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
+            tl.store(dst + HALF, b.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
+        else:
+            i0 = tl.load(idx0_ptr + rm, mask=rmask, other=-1).to(tl.int64)
+            i1 = tl.load(idx1_ptr + rm, mask=rmask, other=0).to(tl.int64)
+            mask = (rmask & (i0 >= 0))[:, None]
+            kv = head - HQ
+            off = i0[:, None] * stride_c0 + i1[:, None] * stride_c1 \
+                + (kv % HKV).to(tl.int64) * stride_ch + j[None, :]          # [BM, BN]
+            if kv < HKV:
+                tl.store(kc_ptr + off, a.to(kc_ptr.dtype.element_ty), mask=mask)
+                tl.store(kc_ptr + off + HALF, b.to(kc_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.store(vc_ptr + off, a.to(vc_ptr.dtype.element_ty), mask=mask)
+                tl.store(vc_ptr + off + HALF, b.to(vc_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rotary_kernel(
         q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
@@ -109,6 +145,9 @@ if HAVE_TRITON:
             HALF, BLOCK_HQ, BLOCK_D)
         _rotate_heads(k_ptr, ko_ptr, tok, stride_kt, stride_kh, HKV, D,
                       c, s, partner, sign, rot, cols, BLOCK_HKV)
+
+else:
+    rope_pair_store = None
 
 
 def _check_heads(name, x, t, d, device):

@@ -156,10 +156,20 @@ class PagedCache(PagedGraphInputs, KVCache):
 
     fuses_rotary = True  # decode: RoPE and the K/V write in one kernel
 
+    def decode_kv_slots(self, layer, meta):
+        if not meta.decode or self.quant:  # int8 K/V quantise on write
+            return None
+        self._wait(layer)
+        return self.k[layer], self.v[layer], meta.slot_block, meta.slot_offset
+
     def attention(self, layer, q, k, v, meta, rope=None):
         self._wait(layer)
         kc, vc = self.k[layer], self.v[layer]  # [NB, BS, Hkv, D]
         ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
+        if k is None:  # written by the producer (decode_kv_slots), q rotated
+            assert meta.decode and not self.quant, "K/V written ahead only at decode, not int8"
+            return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
+                                            self.scale, self.window)
         if rope is not None and meta.decode and not self.quant:
             q = self.ops.rotary_kv_write(q, k, v, *rope, kc, vc, meta.slot_block, meta.slot_offset)
             return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,

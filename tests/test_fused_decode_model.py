@@ -91,3 +91,25 @@ def test_gpt2_and_zero_fuse_rows_keep_the_plain_layer(monkeypatch):
     off = core.build(random_model(tiny_llama_config(), seed=1), kernels="triton", **KW)
     assert off.model.ops.fuse_max_rows == 0 and not off.model.norms_folded
     assert not off.model._fused(1)
+
+
+def test_paged_decode_steps_write_k_v_from_the_qkv_gemm():
+    """With the paged cache a decode step's qkv GEMM rotates q and k and writes K/V to the
+    cache itself (``normed_qkv_rope``, no rotary kernel): the same greedy tokens as the
+    torch reference, one such call per layer and step, prompts still on ``normed_linear``."""
+    config = tiny_llama_config(hidden_size=256, intermediate_size=512)  # head_dim 64
+    hf = _with_random_norm_weights(random_model(config, seed=5, scale=2.0))
+    ref = core.build(hf, kernels="torch", plugins=["paged"], **KW)
+    engine = core.build(hf, kernels="triton", plugins=["paged"], **KW)
+    calls = []
+    ops = engine.model.ops
+    for name in ("normed_qkv_rope", "normed_linear"):
+        op = getattr(ops, name)
+        setattr(ops, name, lambda *a, _op=op, _n=name, **k: calls.append((_n, a[0].shape[0])) or _op(*a, **k))
+    prompts = [random_prompt(9, hf.config.vocab_size, 6), random_prompt(4, hf.config.vocab_size, 7)]
+    got = [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)]
+    assert got == [r.token_ids for r in ref.generate(prompts, max_new_tokens=5)]
+    layers = hf.config.num_hidden_layers
+    fused = [rows for name, rows in calls if name == "normed_qkv_rope"]
+    assert len(fused) == 4 * layers and set(fused) == {2}, calls  # 4 decode steps, 2 rows each
+    assert all(rows > 2 for name, rows in calls if name == "normed_linear")  # the prompts

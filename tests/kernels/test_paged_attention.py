@@ -163,11 +163,13 @@ def test_tuning_knobs(device, randn, gen, poisoned_empty, block_n, num_warps, nu
 def test_split_plan_depends_on_shapes_only():
     # LLaMA-2-7B decode on an H200 (132 SMs): table of 576 tokens, BLOCK_N 64 -> 9 tiles
     assert split_plan(1, 32, 576, None, 132, 64) == 9      # one tile per split
-    assert split_plan(8, 32, 576, None, 132, 64) == 3      # 768 programs
-    assert split_plan(64, 32, 576, None, 132, 64) == 1     # enough programs already
+    assert split_plan(8, 32, 576, None, 132, 64) == 5      # 1,280 programs
+    assert split_plan(16, 32, 576, None, 132, 32) == 3     # 512 pairs: under 4 per SM
+    assert split_plan(32, 32, 576, None, 132, 32) == 1     # 1,024 pairs: enough already
+    assert split_plan(64, 32, 576, None, 132, 64) == 1
     assert split_plan(1, 8, 576, 100, 132, 64) == 2        # splits the window length
     assert split_plan(1, 8, 40, 4096, 132, 64) == 1        # window wider than the table
-    assert split_plan(1, 32, 2048, None, 132, 32) == 16    # 17 wanted: 4 of 64 tiles each
+    assert split_plan(1, 32, 2048, None, 132, 32) == 32    # 33 wanted: 2 of 64 tiles each
     assert split_plan(4, 2, 576, None, 4, 64, num_splits=7) == 7  # forced S kept
     assert split_plan(4, 2, 64, None, 4, 64, num_splits=3) == 3   # even if some are empty
     for bsz in (1, 3, 8, 32, 64, 256):
