@@ -93,14 +93,15 @@ def test_gpt2_and_zero_fuse_rows_keep_the_plain_layer(monkeypatch):
     assert not off.model._fused(1)
 
 
-def test_paged_decode_steps_write_k_v_from_the_qkv_gemm():
-    """With the paged cache a decode step's qkv GEMM rotates q and k and writes K/V to the
+@pytest.mark.parametrize("backend", ["paged", "offload"])
+def test_paged_decode_steps_write_k_v_from_the_qkv_gemm(backend):
+    """With the paged caches a decode step's qkv GEMM rotates q and k and writes K/V to the
     cache itself (``normed_qkv_rope``, no rotary kernel): the same greedy tokens as the
     torch reference, one such call per layer and step, prompts still on ``normed_linear``."""
     config = tiny_llama_config(hidden_size=256, intermediate_size=512)  # head_dim 64
     hf = _with_random_norm_weights(random_model(config, seed=5, scale=2.0))
-    ref = core.build(hf, kernels="torch", plugins=["paged"], **KW)
-    engine = core.build(hf, kernels="triton", plugins=["paged"], **KW)
+    ref = core.build(hf, kernels="torch", plugins=[backend], **KW)
+    engine = core.build(hf, kernels="triton", plugins=[backend], **KW)
     calls = []
     ops = engine.model.ops
     for name in ("normed_qkv_rope", "normed_linear"):
