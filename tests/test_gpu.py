@@ -93,19 +93,26 @@ def test_bf16_llama7b_shape_logits_and_first_divergence():
     assert err_ours <= 1.5 * err_hf + 1e-3
 
 
-def test_bf16_batch_decode_through_split_k_partials():
-    """At 17..64 rows the o/down projections hand float32 split-K partials to the next
-    add+RMSNorm: one graph decode step at batch 24, bf16, against HF (bf16 error vs float32
-    no worse than HF's own)."""
+@pytest.mark.parametrize("batch", [4, 24, 40])
+def test_bf16_batch_decode_step_through_graphs(batch):
+    """One graph decode step in bf16 against HF (bf16 error vs float32 no worse than HF's
+    own), down each decode path: 4 rows, the fused layer with RoPE and the K/V write in
+    the qkv GEMM; 24, the fused layer with the rotary kernel; 40, the plain layer whose
+    o/down projections hand float32 split-K partials to the next add+RMSNorm."""
+    from infergraft.kernels.fused_linear import FUSE_MAX_ROWS, QKV_ROPE_MAX_ROWS
     from infergraft.kernels.linear import split_config
 
     cfg = tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                             num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
-    hf, engine = _gpu_pair(cfg, "paged", dtype=torch.bfloat16, max_seq_len=64, max_batch_size=24)
-    assert split_config(24, 256, 256) is not None and split_config(24, 256, 512) is not None
-    prompts = [random_prompt(10 + i % 7, 1024, 100 + i) for i in range(24)]
+    hf, engine = _gpu_pair(cfg, "paged", dtype=torch.bfloat16, max_seq_len=64,
+                           max_batch_size=batch)
+    path = "qkv+rope" if batch <= QKV_ROPE_MAX_ROWS else "fused" if batch <= FUSE_MAX_ROWS \
+        else "split"
+    assert path == {4: "qkv+rope", 24: "fused", 40: "split"}[batch]
+    assert path != "split" or split_config(batch, 256, 256) is not None
+    prompts = [random_prompt(10 + i % 7, 1024, 100 + i) for i in range(batch)]
     seqs = [engine.add_request(p) for p in prompts]
-    engine.step()  # one prefill step for all 24: each gets its first token
+    engine.step()  # one prefill step for all: each gets its first token
     assert all(len(s.output_ids) == 1 for s in seqs)
     with torch.inference_mode():  # as engine.step: the graph's buffers are inference tensors
         ours = engine.graph_runner.decode([s.id for s in seqs], [s.output_ids[-1] for s in seqs])
@@ -114,5 +121,6 @@ def test_bf16_batch_decode_through_split_k_partials():
     hf.float()
     ref = torch.stack([hf_logits(hf, x)[-1] for x in ids])
     err_ours, err_hf = relative_error(ours.float().cpu(), ref), relative_error(hf16, ref)
-    print(f"\nbatch-24 bf16 decode logits vs float32: ours {err_ours:.2e}, HF bf16 {err_hf:.2e}")
+    print(f"\nbatch-{batch} bf16 decode logits vs float32 ({path}): ours {err_ours:.2e}, "
+          f"HF bf16 {err_hf:.2e}")
     assert err_ours <= 1.5 * err_hf + 1e-3
