@@ -134,9 +134,9 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     the free memory of a CUDA device; unchecked on the CPU). ``cuda_graphs``: decode
     under CUDA graphs (default: on CUDA when the cache supports it); ``prefill_graphs``:
     a single fresh prompt's prefill too, per length bucket (default: with ``cuda_graphs``
-    when the cache supports it). ``max_prefill_tokens``: tokens one prefill step feeds at
-    most (default max(max_seq_len, 2048)); a longer prompt is prefilled in chunks that
-    alternate with the running sequences' decode steps."""
+    when the cache supports it). ``max_prefill_tokens``: prompt tokens one prefill step
+    feeds at most (default max(max_seq_len, 2048)); a longer prompt is prefilled in
+    chunks, each step also carrying one decode token of every running sequence."""
     t0 = time.perf_counter()
     pm, sel = select_plugins(get_plugin_manager(), plugins)
     source = resolve_source(model, tokenizer)

@@ -81,6 +81,9 @@ class Engine:
         if step.kind == "prefill":  # after a preemption: prompt + output so far
             tokens = []
             for s, n in zip(seqs, counts):  # this step's chunk of what is not fed yet
+                if not s.prefill_left:  # a decoding sequence riding along a chunk
+                    tokens.append(s.output_ids[-1])
+                    continue
                 done = s.num_tokens - s.prefill_left
                 tokens += tokens_of(s)[done:done + n]
         else:
@@ -102,7 +105,7 @@ class Engine:
                                 None if step.kind == "decode" else last.to(self.device))
         if step.kind == "prefill":
             for s, n in zip(seqs, counts):
-                s.prefill_left -= n
+                s.prefill_left -= min(n, s.prefill_left)  # riders (decoding) stay at 0
             ready = [i for i, s in enumerate(seqs) if not s.prefill_left]  # whole prompt fed
             if len(ready) < len(seqs):  # a chunk: no token yet
                 seqs, logits = [seqs[i] for i in ready], logits[ready]

@@ -4,8 +4,10 @@ Each step is either a prefill of newly admitted sequences or one decode token fo
 running sequences; finished sequences leave (and free their cache) between steps, so
 new requests join a running batch without waiting for it to drain. A prompt longer than
 ``max_prefill_tokens`` is prefilled in chunks of that size (its cache reserved whole at
-admission), one chunk per step, alternating with the running sequences' decode steps so
-their tokens keep coming; it samples its first token after its last chunk.
+admission), one chunk per step, and the running sequences' decode tokens ride in the same
+step (one each), so their tokens keep coming every step; where the cache cannot take
+both, chunk steps and decode steps alternate. The prompt samples its first token after
+its last chunk.
 
 When the cache runs short (a paged cache out of blocks, an offloaded one whose fast
 pool cannot hold every running sequence at once) the decode step takes the running
@@ -32,7 +34,9 @@ class SchedulerError(InfergraftError, RuntimeError):
 class Step:
     kind: str  # "prefill" | "decode"
     seqs: list
-    counts: list  # tokens each sequence feeds (decode: 1 each; prefill: a chunk or all)
+    # tokens each sequence feeds (decode: 1 each; prefill: a chunk or all, and 1 for each
+    # decoding sequence riding along a chunk: its prefill_left is 0)
+    counts: list
 
 
 def tokens_of(seq: Sequence) -> list[int]:
@@ -73,10 +77,14 @@ class Scheduler:
     def _schedule(self) -> Step | None:
         chunked = [s for s in self.running if s.prefill_left]  # mid-prefill, oldest first
         decoding = [s for s in self.running if not s.prefill_left]
-        if chunked and (not decoding or self._last_kind != "prefill"):
+        if chunked:
             seq = chunked[0]  # its next chunk (the cache was reserved at admission)
             n = min(seq.prefill_left, self.max_prefill_tokens)
-            if self.cache.can_append([seq.id], [n]):
+            ids, counts = [s.id for s in decoding] + [seq.id], [1] * len(decoding) + [n]
+            if decoding and self.cache.can_append(ids, counts):  # decode tokens ride along
+                return Step("prefill", decoding + [seq], counts)
+        if chunked and (not decoding or self._last_kind != "prefill"):
+            if self.cache.can_append([seq.id], [n]):  # short of room: alternate
                 return Step("prefill", [seq], [n])
         if not chunked:
             admitted, counts = self._admit()

@@ -1,6 +1,6 @@
 """Chunked prefill: prompts longer than ``max_prefill_tokens`` are fed in chunks that
-alternate with the running sequences' decode steps; the tokens are the same as with
-whole prompts (the CPU runs the torch references; parity with HF is checked elsewhere)."""
+carry the running sequences' decode tokens (alternating with decode steps where the cache
+is short); the tokens are the same as with whole prompts (the CPU runs the torch references; parity with HF is checked elsewhere)."""
 import pytest
 
 from infergraft import core
@@ -30,7 +30,16 @@ def test_chunks_give_the_tokens_of_whole_prompts(case):
     whole = core.build(hf, plugins=plugins, **options, **KW)
     chunked = core.build(hf, plugins=plugins, max_prefill_tokens=8, **options, **KW)
     want = [c.token_ids for c in whole.generate(prompts, max_new_tokens=30)]
+    mixed, schedule = [], chunked.scheduler.schedule
+
+    def record():  # prefill steps that carry decode tokens (riders: nothing left to prefill)
+        step = schedule()
+        if step and step.kind == "prefill" and any(not s.prefill_left for s in step.seqs):
+            mixed.append(step.counts)
+        return step
+    chunked.scheduler.schedule = record
     assert [c.token_ids for c in chunked.generate(prompts, max_new_tokens=30)] == want
+    assert mixed and all(c[:-1] == [1] * (len(c) - 1) for c in mixed), mixed
     if case == "llama-paged-preempting":  # preempted sequences are prefilled again in chunks
         assert chunked.scheduler.num_preemptions > 0
     chunked.cache.check_invariants()
@@ -45,14 +54,14 @@ def test_running_sequences_keep_decoding_while_a_long_prompt_chunks():
     engine.step()  # its prefill: first token
     assert len(short.output_ids) == 1
     long = engine.add_request(random_prompt(50, 256, 2), params)
-    kinds = []
+    steps = []  # (chunk tokens fed, short got a token) per step
     while not long.output_ids:
-        before = len(short.output_ids)
+        before, left = len(short.output_ids), long.prefill_left or 50
         engine.step()
-        kinds.append("decode" if len(short.output_ids) > before else "chunk")
-    # 50 tokens in chunks of 8: 7 chunk steps, a decode step between each two
-    assert kinds.count("chunk") == 7 and kinds.count("decode") == 6, kinds
-    assert all(a != b for a, b in zip(kinds, kinds[1:])), kinds
+        steps.append((left - long.prefill_left, len(short.output_ids) > before))
+    # 50 tokens in chunks of 8: 7 steps; the admission step feeds the first chunk alone,
+    # each later chunk carries short's decode token (no step without a chunk)
+    assert steps == [(8, False)] + [(8, True)] * 5 + [(2, True)], steps
     assert long.metrics.ttft is not None and len(long.output_ids) == 1
     while engine.has_unfinished():
         engine.step()
