@@ -11,7 +11,7 @@ import torch
 from .engine import Engine
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
 from .memory import check_fits, device_budget
-from .model import DecoderModel
+from .model import DecoderModel, Linear, QuantizedLinear
 from .plan import Plan
 from .plugins import PluginManager, get_plugin_manager
 from .source import resolve_source
@@ -123,6 +123,24 @@ def _kv_quantizer(backend, quantizers):
     return kv[0] if kv else None
 
 
+def _weight_quantizer(quantizers):
+    """The chosen weight quantiser (at most one)."""
+    found = [q for q in quantizers if q.applies_to == "weights"]
+    if len(found) > 1:
+        raise PlanError(f"plugins name two weight quantizers, {found[0].name!r} and "
+                        f"{found[1].name!r}; choose one")
+    return found[0] if found else None
+
+
+def _packer(quantizer, ops):
+    """load_weights' slot callback: a slot the quantiser packs becomes a QuantizedLinear."""
+    def pack(slot, module, weight):
+        if not (quantizer.quantizes(slot) and type(module) is Linear):
+            return None
+        return QuantizedLinear(quantizer, quantizer.pack(weight), module.bias, ops)
+    return pack
+
+
 def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
           device_memory=None, cuda_graphs: bool | None = None,
@@ -150,6 +168,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     quantizers = [pm.quantizers().get(n) for n in sel.quantizers]
     opts = _split_options([backend, planner, *quantizers], plugin_options)
     kv_quant = _kv_quantizer(backend, quantizers)
+    weight_quant = _weight_quantizer(quantizers)
 
     max_seq_len = int(max_seq_len or min(spec.max_position, DEFAULT_MAX_SEQ_LEN))
     max_batch_size = int(max_batch_size or DEFAULT_MAX_BATCH_SIZE)
@@ -169,7 +188,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         kv_dtype=kv_quant.kv_dtype if kv_quant else str(dtype).replace("torch.", ""),
         quantizers=tuple(sel.quantizers),
         planner=planner.name, parallel=planner.plan(spec, 1, **opts[1]),
-        weight_bytes=spec.param_count * elem,
+        weight_bytes=weight_quant.weight_bytes(spec, elem) if weight_quant
+        else spec.param_count * elem,
         kv_bytes_per_token=backend.bytes_per_token(spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(spec, dtype),
         options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window)
@@ -183,8 +203,9 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if progress:
         from tqdm import tqdm
         tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
+    pack = None if weight_quant is None else _packer(weight_quant, ops)
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
-                 device=device, dtype=dtype)
+                 device=device, dtype=dtype, on_slot_ready=pack)  # packed as they stream in
     net.fold_norm_weights()  # where the fused decode layer runs (Triton ops, RMSNorm + SwiGLU)
     if kv_quant is not None:
         opts[0]["kv_quantizer"] = kv_quant

@@ -127,8 +127,9 @@ class MemoryPlan(KVSizes):
 def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                 kv_quantizer=None, max_seq_len: Optional[int] = None,
                 max_batch_size: int = 8, budget: Optional[int] = None,
-                budget_source: str = "") -> MemoryPlan:
-    """The memory plan of ``spec`` (weights from ``spec.param_count``)."""
+                budget_source: str = "", weight_quantizer=None) -> MemoryPlan:
+    """The memory plan of ``spec`` (weights from ``spec.param_count``, packed by
+    ``weight_quantizer`` when given)."""
     max_seq_len = int(max_seq_len or min(spec.max_position, 4096))
     if max_seq_len < 1 or max_batch_size < 1:
         raise PlanError(f"max_seq_len and max_batch_size must be >= 1, got {max_seq_len}, "
@@ -136,7 +137,8 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
                       kv_dtype=kv_dtype.replace("torch.", ""),
-                      weight_bytes=spec.param_count * element_bytes(dtype),
+                      weight_bytes=weight_quantizer.weight_bytes(spec, element_bytes(dtype))
+                      if weight_quantizer else spec.param_count * element_bytes(dtype),
                       kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
                       max_seq_len=max_seq_len, max_batch_size=int(max_batch_size),
                       budget=budget, budget_source=budget_source)

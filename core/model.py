@@ -6,6 +6,8 @@ step (all sequences concatenated), H = hidden, D = head_dim.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,21 @@ class Linear(nn.Module):
 
     def forward(self, x):
         return self.linear(x, self.weight, self.bias)
+
+
+class QuantizedLinear(nn.Module):
+    """y = quantizer.matmul(x, packed) (+ b): a weight quantiser's packed projection
+    (core/quant.py); ``core.build`` swaps it in for a ``Linear`` as the weight loads."""
+
+    def __init__(self, quantizer, packed, bias, ops):
+        super().__init__()
+        self.quantizer, self.packed = quantizer, packed
+        self._kw = {"ops": ops} if "ops" in inspect.signature(quantizer.matmul).parameters else {}
+        self.register_buffer("bias", bias)
+
+    def forward(self, x):
+        y = self.quantizer.matmul(x, self.packed, **self._kw)  # [T, K] -> [T, N]
+        return y if self.bias is None else y + self.bias
 
 
 class Norm(nn.Module):

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "(default: the checkpoint's)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="K/V storage (auto: the weights dtype; int8: the kv-int8 quantizer)")
+    p.add_argument("--weights", default="auto", choices=("auto", "int8"),
+                   help="weight storage (auto: the weights dtype; int8: the int8 quantizer)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--device-memory", default=None,
@@ -36,6 +38,15 @@ def kv_quantizer_for(kv_dtype: str):
              if q.applies_to == "kv" and getattr(q, "kv_dtype", None) == kv_dtype]
     if not found:
         raise PlanError(f"no registered K/V quantizer stores {kv_dtype!r}")
+    return found[0]
+
+
+def weight_quantizer_for(name: str):
+    """The registered weight quantiser ``name`` (PlanError if none is)."""
+    found = [q for q in get_plugin_manager().quantizers()
+             if q.applies_to == "weights" and q.name == name]
+    if not found:
+        raise PlanError(f"no registered weight quantizer named {name!r}")
     return found[0]
 
 
@@ -55,7 +66,9 @@ def run(args) -> int:
         budget, source = device_budget("cuda" if torch.cuda.is_available() else "cpu")
         if budget is None:
             budget, source = host_memory(), "host RAM"
+    weight_quant = None if args.weights == "auto" else weight_quantizer_for(args.weights)
     mem = plan_memory(spec, model=name, dtype=dtype, kv_quantizer=kv_quant,
+                      weight_quantizer=weight_quant,
                       max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                       budget=budget, budget_source=source)
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights

@@ -29,6 +29,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.paged",
     "infergraft.plugins.offload",
     "infergraft.plugins.kv_int8",
+    "infergraft.plugins.weight_int8",
     "infergraft.plugins.single_device",
 )
 ENTRY_POINT_GROUP = "infergraft"

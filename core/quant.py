@@ -3,8 +3,13 @@
 A quantiser says what it applies to:
 
 * ``applies_to = "weights"``: it packs weights and supplies the matmul that reads them
-  (its methods are defined with the first weight quantiser; ``core.build`` does not
-  call weight quantisers yet).
+  (the contract of ``core.testing.quant_kit``: ``max_relative_error``, ``pack``,
+  ``unpack``, ``matmul``, ``packed_bytes``). While ``core.build`` streams the checkpoint,
+  each weight slot it ``quantizes`` is packed as soon as it fills (one tensor at a time:
+  no full-precision copy of the model is ever held) and its ``Linear`` becomes a
+  ``core.model.QuantizedLinear`` calling ``matmul(x, packed)`` (with ``ops=``, the
+  engine's kernels, when the method takes that keyword). ``packed_bytes_of`` sizes the
+  memory plan before any weight loads. At most one per engine.
 * ``applies_to = "kv"``: it changes how the KV cache stores K and V. It does no work of
   its own: ``core.build`` hands it to the cache backend (``create(..., kv_quantizer=q)``),
   and the backend quantises inside its KV-write kernel and dequantises inside its
@@ -12,9 +17,12 @@ A quantiser says what it applies to:
 """
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 QUANTIZER_TARGETS = ("weights", "kv")
+_PROJECTION = re.compile(r"^layers\.\d+\.(qkv|o|gate_up|fc_in|down)\.weight$")
 
 
 class Quantizer:
@@ -36,3 +44,24 @@ class Quantizer:
         """K and V bytes one token occupies across all layers, scales included."""
         per_head = spec.head_dim * self.kv_element_bytes + self.kv_scale_bytes
         return 2 * spec.num_layers * spec.num_kv_heads * per_head
+
+    # -- weight quantisers (see core.testing.quant_kit for pack / unpack / matmul) -------
+    def quantizes(self, slot: str) -> bool:
+        """Whether ``core.build`` packs this weight slot: by default every decoder layer's
+        projection (qkv, o, gate_up or fc_in, down); embeddings, lm_head and norms stay."""
+        return bool(_PROJECTION.search(slot))
+
+    def packed_bytes_of(self, shape: tuple, element_bytes: int) -> int:
+        """Bytes ``pack`` makes of a weight of ``shape`` (default: as dense; override)."""
+        return math.prod(shape) * element_bytes
+
+    def weight_bytes(self, spec, element_bytes: int) -> int:
+        """Bytes of all the model's weights with the slots it ``quantizes`` packed."""
+        from .model import slot_layout
+
+        dense = packed = 0
+        for slot, (shape, _) in slot_layout(spec).items():
+            if self.quantizes(slot):
+                packed += self.packed_bytes_of(shape, element_bytes)
+                dense += math.prod(shape)
+        return packed + (spec.param_count - dense) * element_bytes

@@ -34,6 +34,7 @@ OPS = {
     "gelu": "gelu",
     "kv_write_int8": "kv_write",
     "paged_attention": "paged_attention",
+    "int8_linear": "int8_linear",
 }
 BACKENDS = ("auto", "torch", "triton")
 

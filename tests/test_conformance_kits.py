@@ -1,7 +1,8 @@
 """The kits themselves: real test plugins pass them, deliberately wrong ones are caught.
 
-The int8 quantiser and the tensor x pipeline planner here are test plugins, not
-built-ins: no weight quantiser or multi-device planner ships yet, and the kits must be
+The int8 quantiser and the tensor x pipeline planner here are test plugins, written
+apart from the built-ins (the `int8` weight quantiser passes the kit in
+tests/test_weight_int8.py; no multi-device planner ships yet), so that the kits are
 proven on something that really splits and packs.
 """
 import attrs

@@ -57,6 +57,14 @@ def test_plan_cli_reads_only_the_config(tmp_path, capsys):
     rows = dict(line.split("  ", 1) for line in text.splitlines())
     assert rows["fits"].strip() == "NO"  # 8 x 2048 tokens do not
     assert rows["largest batch at 2048 tokens"].strip() == str(fit) and fit == 6
+    # int8 weights: the 32 layers' projections (qkv 12288, o 4096, gate_up 22016, down 4096
+    # rows) at 1 byte + a float32 scale per row; embeddings, lm_head and norms at 2 bytes
+    assert main(["plan", str(tmp_path), "--dtype", "float16", "--weights", "int8",
+                 "--max-seq-len", "2048", "--json"]) == 0
+    packed = 32 * (12288 * 4096 + 4096 * 4096 + 22016 * 4096 + 4096 * 11008)
+    rows = 32 * (12288 + 4096 + 22016 + 4096)
+    want = packed + 4 * rows + 2 * (6_738_415_616 - packed)
+    assert json.loads(capsys.readouterr().out)["weight_bytes"] == want == 7_006_265_344
 
 
 def test_plan_cli_demo_alias_and_bad_input(capsys):

@@ -1,0 +1,103 @@
+"""int8 weight-only linear (W8A16): y = x (q * s)^T + b with q int8 [N, K] and one float32
+scale per output row s [N] (symmetric, ``quantize_int8``).
+
+The kernel streams the int8 tiles (half the bytes of bf16: decode reads every weight
+once a step), widens them to x's dtype in registers (exact: |q| <= 127) and applies the
+per-row scale once, in the epilogue, since (x q^T) * s == x (q * s)^T row by row.
+"""
+import torch
+
+from ._triton import HAVE_TRITON, tl, triton
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (q int8 [N, K], scale float32 [N]): s = max|w_row| / 127,
+    q = round(w / s); an all-zero row gets s = 1 (q = 0)."""
+    assert weight.dim() == 2 and weight.is_floating_point(), \
+        f"weight must be a float [N, K] matrix, got {tuple(weight.shape)} {weight.dtype}"
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def int8_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias=None) -> torch.Tensor:
+    # x: [M, K], qweight: [N, K] int8, scale: [N] float32, bias: [N] -> [M, N] in x's dtype
+    y = torch.nn.functional.linear(x.float(), qweight.float()) * scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _int8_linear_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
+                            stride_xm, stride_qn, stride_ym,
+                            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # one program per [BLOCK_M, BLOCK_N] output tile
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]    # [BM, BK]
+        q_ptrs = q_ptr + rn[:, None].to(tl.int64) * stride_qn + rk[None, :]    # [BN, BK]
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+            q = tl.load(q_ptrs, mask=(rn[:, None] < N) & kmask[None, :], other=0)
+            w = q.to(x.dtype)  # exact: |q| <= 127
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")           # [BM, BN]
+            else:
+                acc += tl.dot(x, tl.trans(w))
+            x_ptrs += BLOCK_K
+            q_ptrs += BLOCK_K
+        nmask = rn < N
+        acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & nmask[None, :])
+
+
+def int8_config(m: int, n: int, k: int) -> dict:
+    """Decode (few rows): one row tile, narrow column tiles so every SM streams weights;
+    prefill: square tiles. Not tuned on a GPU yet."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64 if m <= 64 else 128, BLOCK_N=64, BLOCK_K=64, num_warps=4,
+                num_stages=3)
+
+
+def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None,
+                       config=None) -> torch.Tensor:
+    """Same contract as ``int8_linear_torch``, one kernel; x may have leading dims."""
+    assert qweight.dim() == 2 and qweight.dtype == torch.int8 and qweight.is_contiguous(), \
+        f"qweight must be contiguous int8 [N, K], got {tuple(qweight.shape)} {qweight.dtype}"
+    n, k = qweight.shape
+    assert x.shape[-1] == k, f"x has K={x.shape[-1]} but qweight is {tuple(qweight.shape)}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
+    assert scale.shape == (n,) and scale.dtype == torch.float32, \
+        f"scale must be float32 [{n}], got {tuple(scale.shape)} {scale.dtype}"
+    assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
+    for name, t in (("qweight", qweight), ("scale", scale)) + ((("bias", bias),) if bias is not None else ()):
+        assert t.device == x.device, f"{name} on {t.device} but x on {x.device}"
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if k > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*lead, n)
+    cfg = dict(config or int8_config(m, n, k))
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    _int8_linear_kernel[grid](
+        x2, qweight, scale, qweight if bias is None else bias, y, m, n, k,
+        x2.stride(0), qweight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **cfg)
+    return y.reshape(*lead, n)

@@ -1,0 +1,87 @@
+"""The int8 weight-only quantiser (``plugins=["int8"]``): projections packed as the
+checkpoint streams in, the plan sized for int8, outputs close to the unquantised engine's
+(the torch reference on the CPU, and the Triton kernel in the interpreter)."""
+import pytest
+import torch
+
+from infergraft import core
+from infergraft.core.build import _weight_quantizer
+from infergraft.core.errors import PlanError
+from infergraft.core.testing.models import (random_model, random_prompt, tiny_gpt2_config,
+                                            tiny_llama_config)
+from infergraft.core.testing.parity import relative_error
+from infergraft.kernels._triton import HAVE_TRITON, interpreting
+from infergraft.core.model import QuantizedLinear
+from infergraft.core.testing.quant_kit import QuantizerTests
+from infergraft.plugins.weight_int8 import WeightInt8
+
+KW = dict(max_seq_len=64, max_batch_size=2)
+PROJECTIONS = ("qkv", "o", "down")
+
+
+def _weight_bytes(engine):
+    """What the model holds: its buffers plus every packed projection."""
+    packed = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
+    return sum(b.numel() * b.element_size() for b in engine.model.buffers() if b is not None) \
+        + sum(m.quantizer.packed_bytes(m.packed) for m in packed)
+
+
+class TestBuiltinInt8(QuantizerTests):
+    """The conformance kit, on the built-in quantiser."""
+
+    @pytest.fixture
+    def quantizer(self):
+        return core.get_plugin_manager().quantizers().get("int8")
+
+
+@pytest.mark.parametrize("config", [tiny_llama_config, tiny_gpt2_config])
+def test_int8_engine_is_close_to_the_float_one(config):
+    hf = random_model(config(), seed=3, scale=2.0)
+    ref = core.build(hf, **KW)
+    engine = core.build(hf, plugins=["paged", "int8"], **KW)
+    assert engine.plan.quantizers == ("int8",)
+    for layer in engine.model.layers:
+        for name in PROJECTIONS + (("gate_up",) if hasattr(layer, "gate_up") else ("fc_in",)):
+            lin = getattr(layer, name)
+            assert isinstance(lin, QuantizedLinear) and lin.packed.q.dtype == torch.int8
+    # the plan counts what is held: int8 projections + a float32 scale per row, the rest as is
+    assert engine.plan.weight_bytes == _weight_bytes(engine) < 0.6 * ref.plan.weight_bytes
+    prompt = random_prompt(12, hf.config.vocab_size, 1)
+    err = relative_error(engine.logits(prompt).float(), ref.logits(prompt).float())
+    assert 0 < err < 3e-2, err  # quantised (not the float weights), and close
+    got = engine.generate(prompt, max_new_tokens=8)[0].token_ids
+    assert got[:4] == ref.generate(prompt, max_new_tokens=8)[0].token_ids[:4]
+
+
+def test_biases_survive_packing_and_the_dequantised_weights_are_within_half_a_step():
+    hf = random_model(tiny_gpt2_config(), seed=4)  # c_attn / c_fc carry biases
+    ref, engine = core.build(hf, **KW), core.build(hf, plugins=["int8"], **KW)
+    for a, b in zip(ref.model.layers, engine.model.layers):
+        for name in PROJECTIONS + ("fc_in",):
+            plain, packed = getattr(a, name), getattr(b, name)
+            assert torch.equal(packed.bias, plain.bias)
+            dequant = packed.packed.q.float() * packed.packed.scale[:, None]
+            step = packed.packed.scale[:, None]
+            assert bool(((dequant - plain.weight.float()).abs() <= step / 2 + 1e-7).all())
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and interpreting()), reason="needs TRITON_INTERPRET=1")
+def test_triton_kernel_in_the_model_matches_the_reference_ops():
+    hf = random_model(tiny_llama_config(hidden_size=128, intermediate_size=256), seed=5,
+                      scale=2.0)
+    kw = dict(KW, dtype="float16")
+    ref = core.build(hf, plugins=["int8"], kernels="torch", **kw)
+    engine = core.build(hf, plugins=["int8"], kernels="triton", **kw)
+    assert not engine.model.norms_folded  # the plain decode layer: packed weights
+    prompt = random_prompt(9, hf.config.vocab_size, 2)
+    assert relative_error(engine.logits(prompt).float(), ref.logits(prompt).float()) < 5e-3
+    assert engine.generate(prompt, max_new_tokens=5)[0].token_ids == \
+        ref.generate(prompt, max_new_tokens=5)[0].token_ids
+
+
+def test_one_weight_quantizer_at_most():
+    class Other(WeightInt8):
+        name = "int4"
+    assert _weight_quantizer([]) is None
+    with pytest.raises(PlanError, match="two weight quantizers, 'int8' and 'int4'"):
+        _weight_quantizer([WeightInt8(), Other()])
