@@ -134,7 +134,7 @@ def test_bf16_int8_weights_decode_through_graphs():
                             num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
     hf, plain = _gpu_pair(cfg, "paged", dtype=torch.bfloat16, max_seq_len=96, max_batch_size=4)
     engine = core.build(hf, plugins=["paged", "int8"], device="cuda", dtype="bfloat16",
-                        max_seq_len=96, max_batch_size=4)
+                        max_seq_len=96, max_batch_size=4, prefill_graphs=False)  # same prefill
     eager = core.build(hf, plugins=["paged", "int8"], device="cuda", dtype="bfloat16",
                        max_seq_len=96, max_batch_size=4, cuda_graphs=False)
     prompt = random_prompt(20, 1024, 9)
