@@ -22,8 +22,10 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
 }
 
 
-def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int):
-    """(hf_model, engine) on the same weights."""
+def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
+                plugins=()):
+    """(hf_model, engine) on the same weights; ``plugins`` added to the engine's (the
+    paged cache on CUDA), e.g. ("int8",)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from . import build
@@ -40,7 +42,8 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int)
 
         path = ensure_demo_model(name) if name in ALIASES else name
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return hf, build(hf, plugins=["paged"] if str(device).startswith("cuda") else None,
+    base = ["paged"] if str(device).startswith("cuda") else []
+    return hf, build(hf, plugins=base + list(plugins) or None,
                      dtype=dtype, device=device, max_batch_size=max_batch_size,
                      max_seq_len=max_seq_len)
 
@@ -102,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=None,
                    help="comma list of infergraft,hf-eager,hf-static (static on CUDA only)")
     p.add_argument("--out", default=".bench", help="folder for results.json and tpot.png")
+    p.add_argument("--plugins", default="",
+                   help="comma list of plugins for our engine, e.g. int8 (weights; the "
+                        "roofline then counts the packed bytes)")
 
 
 def run(args) -> int:
@@ -112,7 +118,9 @@ def run(args) -> int:
     prompt_len = args.prompt_len or (512 if gpu else 64)
     new_tokens = args.new_tokens or (64 if gpu else 32)
     systems = (args.systems or ("infergraft,hf-eager,hf-static" if gpu else "infergraft,hf-eager")).split(",")
-    hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens)
+    plugins = [p for p in args.plugins.split(",") if p]
+    hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,
+                             plugins)
     print(engine.plan, file=sys.stderr)
     results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, systems,
                                 log=lambda m: print(m, file=sys.stderr))

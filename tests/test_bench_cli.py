@@ -22,3 +22,15 @@ def test_bench_tiny_shape_writes_table_and_json(tmp_path, capsys):
         assert 0 < r["roofline_ms"]
     floor = {r["batch"]: r["roofline_ms"] for r in data["results"]}
     assert floor[2] > floor[1]
+
+
+def test_bench_with_int8_weights_counts_the_packed_bytes(tmp_path, capsys):
+    args = ["--model", "tiny", "--device", "cpu", "--batches", "1", "--prompt-len", "8",
+            "--new-tokens", "4", "--systems", "infergraft"]
+    step_bytes = []  # the roofline's bytes per decode step: floor x measured bandwidth
+    for extra, out in (([], tmp_path / "a"), (["--plugins", "int8"], tmp_path / "b")):
+        assert main(args + extra + ["--out", str(out)]) == 0
+        data = json.loads((out / "results.json").read_text())
+        step_bytes.append(data["results"][0]["roofline_ms"] / 1e3 * data["copy_bandwidth_Bps"])
+    capsys.readouterr()
+    assert step_bytes[1] < 0.7 * step_bytes[0]  # int8 projections, the rest as before
