@@ -34,6 +34,17 @@ class Engine:
         self.prefill_graphs = None  # core.prefill_graph.PrefillGraphRunner, likewise
         self.pipeline = DecodePipeline(self)  # greedy graph decode, one step ahead
 
+    @property
+    def prefill_graphs(self):
+        return self._prefill_graphs
+
+    @prefill_graphs.setter
+    def prefill_graphs(self, runner):
+        # a prompt the runner can replay is admitted alone: decode riders would stop it
+        self._prefill_graphs = runner
+        self.scheduler.solo_prefill = None if runner is None else \
+            (lambda seqs, counts: runner.bucket(seqs, counts) is not None)
+
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -2,11 +2,14 @@
 
 Each step is either a prefill of newly admitted sequences or one decode token for
 running sequences; finished sequences leave (and free their cache) between steps, so
-new requests join a running batch without waiting for it to drain. A prompt longer than
+new requests join a running batch without waiting for it to drain; the running sequences'
+decode tokens ride in the admission step too (one each), unless the admitted prompt
+could replay a captured prefill graph (``solo_prefill``), which takes it alone. A prompt
+longer than
 ``max_prefill_tokens`` is prefilled in chunks of that size (its cache reserved whole at
-admission), one chunk per step, and the running sequences' decode tokens ride in the same
-step (one each), so their tokens keep coming every step; where the cache cannot take
-both, chunk steps and decode steps alternate. The prompt samples its first token after
+admission), one chunk per step, and the decode tokens ride in each, so the running
+sequences' tokens keep coming every step; where the cache cannot take both, chunk steps
+and decode steps alternate. The prompt samples its first token after
 its last chunk.
 
 When the cache runs short (a paged cache out of blocks, an offloaded one whose fast
@@ -53,7 +56,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order (oldest first)
         self.num_preemptions = 0
         self.num_paused = 0  # sequence-steps sat out because the cache was short
-        self._last_kind = None  # chunks alternate with decode steps
+        self._last_kind = None  # chunks alternate with decode steps when short of room
+        # (admitted, counts) -> True where the step should run alone (set by the engine)
+        self.solo_prefill = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -90,7 +95,8 @@ class Scheduler:
             admitted, counts = self._admit()
             if admitted:
                 self.running.extend(admitted)
-                return Step("prefill", admitted, counts)
+                riders = self._riders(decoding, admitted, counts)
+                return Step("prefill", riders + admitted, [1] * len(riders) + counts)
         if decoding:
             batch = self._decode_batch(decoding)
             if not batch:  # every decoding sequence was preempted: admit or chunk again
@@ -100,6 +106,14 @@ class Scheduler:
             raise SchedulerError(f"the cache cannot take the next {n}-token chunk of "
                                  f"sequence {seq.id} (stats: {self.cache.stats()})")
         return None
+
+    def _riders(self, decoding, admitted, counts) -> list[Sequence]:
+        """The decoding sequences that feed their token in this admission step: all of
+        them where the cache takes them too and the step need not run alone, else none."""
+        if not decoding or (self.solo_prefill is not None and self.solo_prefill(admitted, counts)):
+            return []
+        ids = [s.id for s in decoding + admitted]
+        return decoding if self.cache.can_append(ids, [1] * len(decoding) + counts) else []
 
     def _admit(self) -> tuple[list[Sequence], list[int]]:
         admitted, ids, counts = [], [], []

@@ -59,9 +59,9 @@ def test_running_sequences_keep_decoding_while_a_long_prompt_chunks():
         before, left = len(short.output_ids), long.prefill_left or 50
         engine.step()
         steps.append((left - long.prefill_left, len(short.output_ids) > before))
-    # 50 tokens in chunks of 8: 7 steps; the admission step feeds the first chunk alone,
-    # each later chunk carries short's decode token (no step without a chunk)
-    assert steps == [(8, False)] + [(8, True)] * 5 + [(2, True)], steps
+    # 50 tokens in chunks of 8: 7 steps, each carrying short's decode token (the
+    # admission step too), never a step without a chunk
+    assert steps == [(8, True)] * 6 + [(2, True)], steps
     assert long.metrics.ttft is not None and len(long.output_ids) == 1
     while engine.has_unfinished():
         engine.step()
@@ -77,3 +77,21 @@ def test_bad_prefill_budget_is_refused(bad):
     hf = random_model(tiny_llama_config(), seed=6)
     with pytest.raises(PlanError, match="max_prefill_tokens must be an integer >= 1"):
         core.build(hf, max_prefill_tokens=bad, **KW)
+
+
+def test_an_admission_step_runs_alone_where_a_prefill_graph_would_take_it():
+    """On CUDA a single fresh prompt replays a captured prefill graph, which takes no
+    decode tokens: the engine's ``solo_prefill`` (the graph runner's bucket test) keeps
+    such an admission step alone; the running sequence decodes in the next step."""
+    hf = random_model(tiny_llama_config(), seed=6)
+    engine = core.build(hf, **KW)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    short = engine.add_request(random_prompt(4, 256, 1), params)
+    engine.step()
+    asked = []
+    engine.scheduler.solo_prefill = lambda seqs, counts: asked.append(counts) or True
+    new = engine.add_request(random_prompt(6, 256, 2), params)
+    assert engine.step() == [new] and len(short.output_ids) == 1 and asked == [[6]]
+    engine.scheduler.solo_prefill = None  # two prompts together: short rides along
+    a, b = (engine.add_request(random_prompt(n, 256, n), params) for n in (3, 5))
+    assert set(engine.step()) == {short, new, a, b} and len(short.output_ids) == 2
