@@ -7,7 +7,7 @@ per-row scale once, in the epilogue, since (x q^T) * s == x (q * s)^T row by row
 """
 import torch
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_TRITON, pdl_launch, pdl_release, pdl_wait, tl, triton
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +37,8 @@ if HAVE_TRITON:
     def _int8_linear_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                             stride_xm, stride_qn, stride_ym,
                             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)  # as linear.py: dependents launch after the K loop
         # one program per [BLOCK_M, BLOCK_N] output tile
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,6 +57,7 @@ if HAVE_TRITON:
                 acc += tl.dot(x, tl.trans(w))
             x_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
+        pdl_release(PDL)
         nmask = rn < N
         acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
         if HAS_BIAS:
@@ -99,5 +101,5 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     _int8_linear_kernel[grid](
         x2, qweight, scale, qweight if bias is None else bias, y, m, n, k,
         x2.stride(0), qweight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **cfg)
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **cfg, **pdl_launch(x.device))
     return y.reshape(*lead, n)

@@ -6,6 +6,8 @@ packed as the checkpoint streams in and multiplied by ``ops.int8_linear``, which
 the int8 tiles in registers: decode reads about half the bytes of bf16. Embeddings, the
 lm_head and norms stay in the model dtype. The fused decode layer (norm weights folded
 into the projections) needs plain weights, so a quantised model runs the plain layer.
+On the CPU the torch reference widens every weight at every call: slower than float
+there; the format is for GPU decode, where the weight bytes bound the step.
 """
 from __future__ import annotations
 
