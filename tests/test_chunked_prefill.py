@@ -2,6 +2,8 @@
 carry the running sequences' decode tokens (alternating with decode steps where the cache
 is short); the tokens are the same as with whole prompts (the CPU runs the torch references; parity with HF is checked elsewhere)."""
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from infergraft import core
 from infergraft.core.errors import PlanError
@@ -95,3 +97,44 @@ def test_an_admission_step_runs_alone_where_a_prefill_graph_would_take_it():
     engine.scheduler.solo_prefill = None  # two prompts together: short rides along
     a, b = (engine.add_request(random_prompt(n, 256, n), params) for n in (3, 5))
     assert set(engine.step()) == {short, new, a, b} and len(short.output_ids) == 2
+
+
+_MODEL: dict = {}
+_ALONE: dict = {}  # (case, prompt seed, length, new tokens) -> tokens generated alone
+
+
+@given(arrivals=st.lists(st.tuples(st.integers(0, 6), st.integers(2, 40), st.integers(1, 12)),
+                         min_size=3, max_size=7),
+       budget=st.sampled_from([3, 8, 64]), case=st.sampled_from(["contiguous", "paged-tight"]))
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+def test_random_arrivals_get_the_tokens_they_get_alone(arrivals, budget, case):
+    """Requests arriving at random steps, with chunks, decode riders, pauses and
+    preemptions in any mix (of the 40 examples, 6 preempt and 7 pause on the tight
+    pool): each gets the greedy tokens it gets when run alone."""
+    plugins, options = {"contiguous": ([], {}),
+                        "paged-tight": (["paged"], dict(block_size=4, num_blocks=16))}[case]
+    hf = _MODEL.setdefault("m", random_model(tiny_llama_config(), seed=5, scale=5.0))
+    engine = core.build(hf, plugins=plugins, max_prefill_tokens=budget, **options,
+                        max_seq_len=64, max_batch_size=4)  # paged: 64 tokens in all
+    pending = sorted(((step, i, n, new) for i, (step, n, new) in enumerate(arrivals)))
+    seqs, step = {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, i, n, new = pending.pop(0)
+            seqs[i] = engine.add_request(random_prompt(n, 256, 300 + i),
+                                         SamplingParams(max_new_tokens=new, ignore_eos=True))
+        engine.step()
+        step += 1
+        assert step < 500, "the engine stopped making progress"
+    for i, seq in seqs.items():
+        key = (i, len(seq.prompt_ids), seq.params.max_new_tokens)
+        if key not in _ALONE:
+            alone = core.build(hf, **KW)
+            ref = alone.add_request(seq.prompt_ids, seq.params)
+            while alone.has_unfinished():
+                alone.step()
+            _ALONE[key] = ref.output_ids
+        assert seq.output_ids == _ALONE[key], (i, arrivals)
+    engine.cache.check_invariants()
+    assert engine.cache.stats()["sequences"] == 0
