@@ -61,7 +61,8 @@ def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
     for name in names:
         kinds = [k for k, r in regs.items() if name in r]
         if not kinds:
-            known = "; ".join(f"{k}s: {', '.join(r.names()) or '-'}" for k, r in regs.items())
+            known = "; ".join(f"{'policies' if k == 'policy' else k + 's'}: "
+                              f"{', '.join(r.names()) or '-'}" for k, r in regs.items())
             raise UnknownPluginError(f"unknown plugin {name!r}. Registered {known}")
         kind = kinds[0]
         if kind == "quantizer":

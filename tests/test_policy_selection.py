@@ -92,8 +92,11 @@ def test_forced_policy_that_does_not_fit_fails_clearly(models, forced, family):
 
 
 def test_unknown_policy_name_fails_clearly(models):
-    with pytest.raises(UnknownPluginError, match="unknown plugin 'mistrall'"):
+    with pytest.raises(UnknownPluginError, match="unknown plugin 'mistrall'") as err:
         _build(models["mistral"], ["mistrall"])
+    # what is registered, by kind, to pick from
+    assert "Registered policies: " in str(err.value) and "llama, mistral" in str(err.value)
+    assert "quantizers: int8, kv-int8" in str(err.value)
 
 
 def test_two_claimants_without_a_choice_name_both(models, rival):
