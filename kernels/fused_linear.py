@@ -181,7 +181,8 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
         and cos.stride(1) == sin.stride(1) == 1 and cos.stride(0) == sin.stride(0), \
         f"cos/sin must be float32 [P, D/2] alike, got {tuple(cos.shape)} {cos.dtype}, " \
         f"{tuple(sin.shape)} {sin.dtype}"
-    assert k_cache.stride(-1) == 1, f"caches must be contiguous in head_dim, strides {k_cache.stride()}"
+    assert k_cache.stride(-1) == 1, \
+        f"caches must be contiguous in head_dim, strides {k_cache.stride()}"
     q = torch.empty((m, num_heads * d), dtype=x.dtype, device=x.device)
     rope = (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
             v_cache, num_heads, hkv)

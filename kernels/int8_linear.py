@@ -86,8 +86,8 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     assert scale.shape == (n,) and scale.dtype == torch.float32, \
         f"scale must be float32 [{n}], got {tuple(scale.shape)} {scale.dtype}"
     assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
-    for name, t in (("qweight", qweight), ("scale", scale)) + ((("bias", bias),) if bias is not None else ()):
-        assert t.device == x.device, f"{name} on {t.device} but x on {x.device}"
+    for name, t in (("qweight", qweight), ("scale", scale), ("bias", bias)):
+        assert t is None or t.device == x.device, f"{name} on {t.device} but x on {x.device}"
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if k > 1 and x2.stride(1) != 1:
