@@ -5,6 +5,7 @@ LLaMA-2-7B-shaped layer (cuBLAS vs the skinny Triton GEMM over a config sweep), 
 per-kernel cost inside a CUDA graph. ``--split 1,32,64`` sweeps split-K (o, down) and the
 unsplit kernel (qkv, gate_up) at those row counts against cuBLAS. ``--fused``: the fused
 decode GEMMs (norm, SwiGLU, residual inside) against the kernels they replace.
+``--int8``: the int8 weight-only GEMM against bf16, with a tile sweep.
 """
 from __future__ import annotations
 
@@ -171,14 +172,50 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
         del ws
 
 
+def sweep_int8(ms) -> None:
+    """The int8 weight-only GEMM (kernels/int8_linear.py) against the bf16 skinny GEMM on
+    the same shapes: TB/s of the bytes each reads, with a tile sweep."""
+    from .int8_linear import int8_config, int8_linear_triton, quantize_int8
+    from .linear import linear_triton
+
+    tiles = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=ns)
+             for bn, bk, ns in itertools.product((32, 64), (128, 256, 512), (3, 4))]
+    for name, (n, k) in LLAMA7B_GEMMS.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(4)]
+        packed = [quantize_int8(w) for w in ws]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            it, itq = itertools.cycle(ws), itertools.cycle(packed)
+            t16 = graph_time(lambda: linear_triton(x, next(it)))
+            t8 = graph_time(lambda: int8_linear_triton(x, *next(itq)))
+            best = []
+            for cfg in tiles if m <= 16 else [int8_config(m, n, k)]:
+                try:
+                    t = graph_time(lambda: int8_linear_triton(x, *next(itq), config=cfg), replays=5)
+                except Exception:  # out of shared memory etc.
+                    continue
+                best.append((t, cfg))
+            t_best, cfg = min(best, key=lambda b: b[0])
+            print(f"{name:8s} M={m:2d}  bf16 {t16 * 1e6:6.1f} us "
+                  f"({2 * n * k / t16 / 1e12:4.2f} TB/s)"
+                  f"  int8 {t8 * 1e6:6.1f} us ({n * k / t8 / 1e12:4.2f} TB/s)  best "
+                  f"{t_best * 1e6:6.1f} us {cfg['BLOCK_N']}x{cfg['BLOCK_K']}x{cfg['num_stages']}",
+                  flush=True)
+        del ws, packed
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default=None, help="rows (default 1,8,32,64; --fused: 1)")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--split", default=None, help="e.g. 1,8,32: split-K sweep for o and down")
     p.add_argument("--fused", action="store_true", help="fused decode GEMMs vs unfused")
+    p.add_argument("--int8", action="store_true", help="int8 weight-only GEMM vs bf16")
     a = p.parse_args(argv)
     kernel_gap()
+    if a.int8:
+        sweep_int8([int(m) for m in (a.m or "1,8,32").split(",")])
+        return 0
     if a.fused:
         for m in (a.m or "1").split(","):
             sweep_fused(int(m))
