@@ -10,7 +10,7 @@ import torch
 
 from .engine import Engine
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
-from .memory import check_fits, device_budget
+from .memory import check_fits, device_budget, weight_bytes
 from .model import DecoderModel, Linear, QuantizedLinear
 from .plan import Plan
 from .plugins import PluginManager, get_plugin_manager
@@ -181,7 +181,6 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     from infergraft.kernels import get_ops  # here, not at import: it imports triton
 
     ops = get_ops(device, kernels)
-    elem = torch.empty((), dtype=dtype).element_size()
     plan = Plan(
         model=source.name, architecture=spec.architecture, policy=policy.name,
         dtype=str(dtype).replace("torch.", ""), device=str(device), kernels=ops.backend,
@@ -189,8 +188,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         kv_dtype=kv_quant.kv_dtype if kv_quant else str(dtype).replace("torch.", ""),
         quantizers=tuple(sel.quantizers),
         planner=planner.name, parallel=planner.plan(spec, 1, **opts[1]),
-        weight_bytes=weight_quant.weight_bytes(spec, elem) if weight_quant
-        else spec.param_count * elem,
+        weight_bytes=weight_bytes(spec, dtype, weight_quant),
         kv_bytes_per_token=backend.bytes_per_token(spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(spec, dtype),
         options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window)

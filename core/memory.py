@@ -28,6 +28,13 @@ def kv_bytes_per_token(spec, dtype: torch.dtype, kv_quantizer=None) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element_bytes(dtype)
 
 
+def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
+    """Bytes of all the model's weights (the quantised slots packed when quantised)."""
+    if weight_quantizer is not None:
+        return weight_quantizer.weight_bytes(spec, element_bytes(dtype))
+    return spec.param_count * element_bytes(dtype)
+
+
 def as_bytes(size) -> int:
     """``80GiB`` / ``512MiB`` / an int -> bytes (PlanError on anything else)."""
     if isinstance(size, int) and size > 0:
@@ -137,8 +144,7 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
                       kv_dtype=kv_dtype.replace("torch.", ""),
-                      weight_bytes=weight_quantizer.weight_bytes(spec, element_bytes(dtype))
-                      if weight_quantizer else spec.param_count * element_bytes(dtype),
+                      weight_bytes=weight_bytes(spec, dtype, weight_quantizer),
                       kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
                       max_seq_len=max_seq_len, max_batch_size=int(max_batch_size),
                       budget=budget, budget_source=budget_source)
