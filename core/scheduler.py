@@ -5,12 +5,11 @@ running sequences; finished sequences leave (and free their cache) between steps
 new requests join a running batch without waiting for it to drain; the running sequences'
 decode tokens ride in the admission step too (one each), unless the admitted prompt
 could replay a captured prefill graph (``solo_prefill``), which takes it alone. A prompt
-longer than
-``max_prefill_tokens`` is prefilled in chunks of that size (its cache reserved whole at
-admission), one chunk per step, and the decode tokens ride in each, so the running
-sequences' tokens keep coming every step; where the cache cannot take both, chunk steps
-and decode steps alternate. The prompt samples its first token after
-its last chunk.
+longer than ``max_prefill_tokens`` is prefilled in chunks of that size (its cache
+reserved whole at admission), one chunk per step, and the decode tokens ride in each, so
+the running sequences' tokens keep coming every step; where the cache cannot take both,
+chunk steps and decode steps alternate. The prompt samples its first token after its
+last chunk.
 
 When the cache runs short (a paged cache out of blocks, an offloaded one whose fast
 pool cannot hold every running sequence at once) the decode step takes the running
@@ -85,9 +84,9 @@ class Scheduler:
         if chunked:
             seq = chunked[0]  # its next chunk (the cache was reserved at admission)
             n = min(seq.prefill_left, self.max_prefill_tokens)
-            ids, counts = [s.id for s in decoding] + [seq.id], [1] * len(decoding) + [n]
-            if decoding and self.cache.can_append(ids, counts):  # decode tokens ride along
-                return Step("prefill", decoding + [seq], counts)
+            riders = self._riders(decoding, [seq], [n])  # decode tokens ride along
+            if riders:
+                return Step("prefill", riders + [seq], [1] * len(riders) + [n])
         if chunked and (not decoding or self._last_kind != "prefill"):
             if self.cache.can_append([seq.id], [n]):  # short of room: alternate
                 return Step("prefill", [seq], [n])
@@ -107,12 +106,15 @@ class Scheduler:
                                  f"sequence {seq.id} (stats: {self.cache.stats()})")
         return None
 
-    def _riders(self, decoding, admitted, counts) -> list[Sequence]:
-        """The decoding sequences that feed their token in this admission step: all of
-        them where the cache takes them too and the step need not run alone, else none."""
-        if not decoding or (self.solo_prefill is not None and self.solo_prefill(admitted, counts)):
+    def _riders(self, decoding, prefilling, counts) -> list[Sequence]:
+        """The decoding sequences that feed their token in this prefill step (admitted
+        prompts, or a chunk): all of them where the cache takes them too and the step
+        need not run alone, else none. A later chunk never replays a prefill graph (those
+        take fresh prompts only), so ``solo_prefill`` keeps only admission steps alone."""
+        solo = self.solo_prefill
+        if not decoding or (solo is not None and solo(prefilling, counts)):
             return []
-        ids = [s.id for s in decoding + admitted]
+        ids = [s.id for s in decoding + prefilling]
         return decoding if self.cache.can_append(ids, [1] * len(decoding) + counts) else []
 
     def _admit(self) -> tuple[list[Sequence], list[int]]:
