@@ -168,18 +168,15 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
         ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
         if k is None:  # written by the producer (decode_kv_slots), q rotated
             assert meta.decode and not self.quant, "K/V written ahead only at decode, not int8"
-            return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
-                                            self.scale, self.window)
-        if rope is not None and meta.decode and not self.quant:
+        elif rope is not None and meta.decode and not self.quant:  # one kernel for both
             q = self.ops.rotary_kv_write(q, k, v, *rope, kc, vc, meta.slot_block, meta.slot_offset)
-            return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
-                                            self.scale, self.window)
-        if rope is not None:
-            q, k = self.ops.rotary(q, k, *rope)  # [T, H, D] each
-        if self.quant:
-            self.ops.kv_write_int8(k, v, kc, vc, ks, vs, meta.slot_block, meta.slot_offset)
         else:
-            self.ops.kv_write(k, v, kc, vc, meta.slot_block, meta.slot_offset)
+            if rope is not None:
+                q, k = self.ops.rotary(q, k, *rope)  # [T, H, D] each
+            if self.quant:
+                self.ops.kv_write_int8(k, v, kc, vc, ks, vs, meta.slot_block, meta.slot_offset)
+            else:
+                self.ops.kv_write(k, v, kc, vc, meta.slot_block, meta.slot_offset)
         if meta.decode:  # q: [B, Hq, D], one token per sequence
             return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
                                             self.scale, self.window, ks, vs)
