@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, triton
 from .linear import check_gemm, launch_gemm, linear_torch, skinny_config
-from .rotary import rotary_kv_write_torch, rotary_kv_write_triton
+from .kv_write import _check_kv_write
+from .rotary import _check_rotary, rotary_kv_write_torch, rotary_kv_write_triton
 from .silu_mul import silu_mul_torch
 
 # steps of up to this many tokens run the fused decode layer (an A/B knob): H200, batch
@@ -174,16 +175,12 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
         return rotary_kv_write_triton(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
     m = x.shape[0]
     check_gemm(x, weight, bias)
-    for name, t in (("positions", positions), ("idx0", idx0), ("idx1", idx1)):
-        assert t.shape == (m,) and not t.is_floating_point() and t.device == x.device, \
-            f"{name} must be integer [{m}] on {x.device}, got {tuple(t.shape)} {t.dtype} {t.device}"
-    assert cos.shape == sin.shape and cos.dtype == sin.dtype == torch.float32 \
-        and cos.stride(1) == sin.stride(1) == 1 and cos.stride(0) == sin.stride(0), \
-        f"cos/sin must be float32 [P, D/2] alike, got {tuple(cos.shape)} {cos.dtype}, " \
-        f"{tuple(sin.shape)} {sin.dtype}"
-    assert k_cache.stride(-1) == 1, \
-        f"caches must be contiguous in head_dim, strides {k_cache.stride()}"
     q = torch.empty((m, num_heads * d), dtype=x.dtype, device=x.device)
+    # the checks of the two kernels this one replaces; a cache slot, broadcast to
+    # [T, Hkv, D] (a view, never written), stands in for the k and v it never stores
+    kv_like = k_cache[0, 0].expand(m, hkv, d)
+    _check_rotary(q.view(m, num_heads, d), kv_like, cos, sin, positions)
+    _check_kv_write(kv_like, kv_like, k_cache, v_cache, idx0, idx1)
     rope = (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
             v_cache, num_heads, hkv)
     launch_gemm((weight.shape[0] // (2 * cfg["BLOCK_N"]), 1), cfg, x, weight, bias, q,
