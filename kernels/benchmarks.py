@@ -175,11 +175,17 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
 def sweep_int8(ms) -> None:
     """The int8 weight-only GEMM (kernels/int8_linear.py) against the bf16 skinny GEMM on
     the same shapes: TB/s of the bytes each reads, with a tile sweep."""
-    from .int8_linear import int8_config, int8_linear_triton, quantize_int8
+    from .int8_linear import int8_linear_triton, quantize_int8
     from .linear import linear_triton
 
-    tiles = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=ns)
-             for bn, bk, ns in itertools.product((32, 64), (128, 256, 512), (3, 4))]
+    def tiles(m):
+        if m > 64:  # prefill: square tiles
+            return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                    for bm, bn, bk, nw, ns in itertools.product((64, 128), (64, 128), (64, 128),
+                                                                (4, 8), (3, 4))]
+        return [dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,
+                     num_warps=4, num_stages=ns)
+                for bn, bk, ns in itertools.product((32, 64), (128, 256, 512), (3, 4))]
     for name, (n, k) in LLAMA7B_GEMMS.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(4)]
         packed = [quantize_int8(w) for w in ws]
@@ -189,7 +195,7 @@ def sweep_int8(ms) -> None:
             t16 = graph_time(lambda: linear_triton(x, next(it)))
             t8 = graph_time(lambda: int8_linear_triton(x, *next(itq)))
             best = []
-            for cfg in tiles if m <= 16 else [int8_config(m, n, k)]:
+            for cfg in tiles(m):
                 try:
                     t = graph_time(lambda: int8_linear_triton(x, *next(itq), config=cfg), replays=5)
                 except Exception:  # out of shared memory etc.
@@ -199,7 +205,8 @@ def sweep_int8(ms) -> None:
             print(f"{name:8s} M={m:2d}  bf16 {t16 * 1e6:6.1f} us "
                   f"({2 * n * k / t16 / 1e12:4.2f} TB/s)"
                   f"  int8 {t8 * 1e6:6.1f} us ({n * k / t8 / 1e12:4.2f} TB/s)  best "
-                  f"{t_best * 1e6:6.1f} us {cfg['BLOCK_N']}x{cfg['BLOCK_K']}x{cfg['num_stages']}",
+                  f"{t_best * 1e6:6.1f} us {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}x"
+                  f"{cfg['num_stages']}/{cfg['num_warps']}w",
                   flush=True)
         del ws, packed
 

@@ -7,7 +7,7 @@ per-row scale once, in the epilogue, since (x q^T) * s == x (q * s)^T row by row
 """
 import torch
 
-from ._triton import HAVE_TRITON, pdl_launch, pdl_release, pdl_wait, tl, triton
+from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,12 +67,18 @@ if HAVE_TRITON:
 
 
 def int8_config(m: int, n: int, k: int) -> dict:
-    """Decode (few rows): one row tile, narrow column tiles so every SM streams weights;
-    prefill: square tiles. Not tuned on a GPU yet."""
-    if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64 if m <= 64 else 128, BLOCK_N=64, BLOCK_K=64, num_warps=4,
-                num_stages=3)
+    """Decode (few rows): one row tile, narrow column tiles so every SM streams weights,
+    long K tiles for the narrow outputs (H200, ``kernels.benchmarks --int8 --m 1,32,512``,
+    the best tiles of two sweeps, us at M=1: qkv 17.0 vs bf16 25.7, o 9.3 vs 11.2,
+    gate_up 27.1 vs 43.8, down 20.5 vs 24.2; M=32: 25.1 / 13.3 / 38.3 / 30.5 vs bf16
+    29.2 / 14.6 / 46.7 / 27.6). Prefill: square tiles, about half cuBLAS's bf16 speed at
+    M=512 (qkv 129 vs 71 us): TTFT is not what int8 weights are for."""
+    if m <= 64:
+        wide, narrow = n >= 16384, n < 8192 and m <= 16  # gate_up, lm_head | o, down
+        return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=64 if wide else 32,
+                    BLOCK_K=512 if narrow else 256, num_warps=4,
+                    num_stages=4 if m > 16 and not wide else 3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None,

@@ -128,8 +128,10 @@ def test_bf16_batch_decode_step_through_graphs(batch):
 
 def test_bf16_int8_weights_decode_through_graphs():
     """The int8 weight-only quantiser on the GPU (Triton W8A16 kernel under the decode
-    graphs): logits close to the bf16 engine's, and greedy decode through the graphs
-    equal to the same engine's eager steps."""
+    graphs): in bf16 no further from exact int8 math (the torch reference in float32, same
+    packed weights) than the bf16 engine is from float32; greedy decode through the graphs
+    equal to the same engine's eager steps. (Quantising a random tiny model moves its
+    logits ~5.5% from the unquantised ones, in float32 too.)"""
     cfg = tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                             num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
     hf, plain = _gpu_pair(cfg, "paged", dtype=torch.bfloat16, max_seq_len=96, max_batch_size=4)
@@ -137,9 +139,18 @@ def test_bf16_int8_weights_decode_through_graphs():
                         max_seq_len=96, max_batch_size=4, prefill_graphs=False)  # same prefill
     eager = core.build(hf, plugins=["paged", "int8"], device="cuda", dtype="bfloat16",
                        max_seq_len=96, max_batch_size=4, cuda_graphs=False)
+    exact = core.build(hf, plugins=["paged", "int8"], device="cuda", dtype="float32",
+                       max_seq_len=96, max_batch_size=4, cuda_graphs=False, kernels="torch")
+    plain32 = core.build(hf, plugins=["paged"], device="cuda", dtype="float32", max_seq_len=96,
+                         max_batch_size=4, cuda_graphs=False, kernels="torch")
     prompt = random_prompt(20, 1024, 9)
-    err = relative_error(engine.logits(prompt).float(), plain.logits(prompt).float())
-    assert err < 3e-2, err
+    ref, ref_plain = exact.logits(prompt).float(), plain32.logits(prompt).float()
+    err = relative_error(engine.logits(prompt).float(), ref)
+    err_bf16 = relative_error(plain.logits(prompt).float(), ref_plain)
+    quant = relative_error(ref, ref_plain)
+    print(f"\nint8 bf16 vs exact int8 {err:.2e}, bf16 vs float32 {err_bf16:.2e}, "
+          f"int8 vs unquantised (float32) {quant:.2e}")
+    assert err <= 1.5 * err_bf16 + 1e-3 and 0 < quant < 0.1
     assert engine.graph_runner is not None
     assert engine.generate(prompt, max_new_tokens=16)[0].token_ids == \
         eager.generate(prompt, max_new_tokens=16)[0].token_ids
