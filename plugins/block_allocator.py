@@ -61,13 +61,24 @@ def is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def held_blocks(plan, block_size) -> int:
+    """The most blocks one sequence holds once its prompt is in: all of max_seq_len, or
+    with a sliding window W (out-of-window blocks go back to the pool at each step) the
+    window's blocks, the one being filled, and one taken before the step drops one."""
+    per_seq = blocks_for(plan.max_seq_len, block_size)
+    window = getattr(plan, "sliding_window", None)
+    return min(per_seq, blocks_for(window, block_size) + 2) if window else per_seq
+
+
 def cache_sizes(plan, block_size, num_blocks, name="paged") -> tuple[int, int]:
-    """Validated (block_size, num_blocks): by default one max_seq_len per batch slot."""
+    """Validated (block_size, num_blocks). By default one max_seq_len sequence (a prompt
+    holds all its blocks until its first decode step) and ``held_blocks`` for each other
+    batch slot: without a window, one max_seq_len per slot."""
     if not is_count(block_size) or block_size < 1:
         raise PlanError(f"{name}: block_size must be an integer >= 1, got {block_size!r}")
     per_seq = blocks_for(plan.max_seq_len, block_size)
     if num_blocks is None:
-        return block_size, plan.max_batch_size * per_seq
+        return block_size, per_seq + (plan.max_batch_size - 1) * held_blocks(plan, block_size)
     if not is_count(num_blocks) or num_blocks < per_seq:
         raise PlanError(f"{name}: num_blocks must be an integer >= {per_seq} (one "
                         f"max_seq_len={plan.max_seq_len} sequence in blocks of {block_size}), "

@@ -68,3 +68,48 @@ def test_read_and_fork_keep_the_window(hf):
     cache.free("a")
     cache.free("b")
     assert cache.stats()["blocks_free"] == cache.stats()["blocks_total"]
+
+
+@pytest.mark.parametrize("backend", ["paged", "offload"])
+def test_default_pool_holds_windows_not_full_lengths(hf, backend):
+    # one max_seq_len sequence (a prompt holds its blocks until it decodes) + the window's
+    # blocks for each other slot: 24 + 3 * (8/4 + 2) = 36 blocks, not 4 * 24
+    kw = dict(max_seq_len=96, max_batch_size=4)
+    engine = core.build(hf, plugins=[backend], block_size=BS, **kw)
+    assert engine.cache.allocator.num_blocks == 24 + 3 * (W // BS + 2)
+    want_engine = core.build(hf, **kw)
+    prompts = [random_prompt(n, 256, n) for n in (40, 45, 7, 41)]  # 10+12+2+11 > 36 blocks
+    want = [c.token_ids for c in want_engine.generate(prompts, max_new_tokens=50)]
+    assert [c.token_ids for c in engine.generate(prompts, max_new_tokens=50)] == want
+    assert engine.cache.stats()["blocks_free"] == engine.cache.allocator.num_blocks
+    engine.cache.check_invariants()
+
+
+@pytest.mark.parametrize("window,bs,prompt", [(8, 4, 3), (8, 4, 30), (5, 4, 17), (7, 3, 9),
+                                              (16, 16, 40), (1, 4, 6)])
+def test_a_decoding_sequence_holds_at_most_held_blocks(window, bs, prompt):
+    from infergraft.plugins.block_allocator import held_blocks
+    from infergraft.plugins.paged import PagedCache
+    hf_model = random_model(tiny_mistral_config(sliding_window=window), seed=1)
+    engine = core.build(hf_model, plugins=["paged"], block_size=bs, max_seq_len=120,
+                        max_batch_size=1)
+    cache = engine.cache
+    assert isinstance(cache, PagedCache)
+    limit = held_blocks(engine.plan, bs)
+    cache.allocate("s", prompt)
+    cache.prepare(["s"], [prompt])
+    peak = 0
+    real_take = cache.allocator.take
+
+    def take(n):
+        nonlocal peak
+        out = real_take(n)
+        peak = max(peak, cache.allocator.num_blocks - cache.allocator.num_free)
+        return out
+    cache.allocator.take = take
+    for _ in range(120 - prompt):
+        cache.prepare(["s"], [1])
+        used = cache.allocator.num_blocks - cache.allocator.num_free
+        assert used <= limit, (cache.length("s"), cache._tables["s"])
+    assert 0 < peak <= limit
+    assert limit == min(-(-120 // bs), -(-window // bs) + 2)
