@@ -11,8 +11,9 @@ import torch
 from .engine import Engine
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
 from .memory import check_fits, device_budget, weight_bytes
-from .model import DecoderModel, Linear, QuantizedLinear
+from .model import DecoderModel
 from .plan import Plan
+from .quant import SlotPacker
 from .plugins import PluginManager, get_plugin_manager
 from .source import resolve_source
 from .weights import load_weights
@@ -133,15 +134,6 @@ def _weight_quantizer(quantizers):
     return found[0] if found else None
 
 
-def _packer(quantizer, ops):
-    """load_weights' slot callback: a slot the quantiser packs becomes a QuantizedLinear."""
-    def pack(slot, module, weight):
-        if not (quantizer.quantizes(slot) and type(module) is Linear):
-            return None
-        return QuantizedLinear(quantizer, quantizer.pack(weight), module.bias, ops)
-    return pack
-
-
 def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
           device_memory=None, cuda_graphs: bool | None = None,
@@ -202,9 +194,11 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if progress:
         from tqdm import tqdm
         tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
-    pack = None if weight_quant is None else _packer(weight_quant, ops)
+    pack = None if weight_quant is None else SlotPacker(weight_quant, ops, net, net.will_fuse(dtype))
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
                  device=device, dtype=dtype, on_slot_ready=pack)  # packed as they stream in
+    if pack is not None:
+        pack.finish()
     net.fold_norm_weights()  # where the fused decode layer runs (Triton ops, RMSNorm + SwiGLU)
     if kv_quant is not None:
         opts[0]["kv_quantizer"] = kv_quant

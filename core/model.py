@@ -45,6 +45,20 @@ class QuantizedLinear(nn.Module):
         y = self.quantizer.matmul(x, self.packed, **self._kw)  # [T, K] -> [T, N]
         return y if self.bias is None else y + self.bias
 
+    def int8_rows(self):
+        """(q int8 [N, K], scale float32 [N]) when the quantiser packs that form (the fused
+        decode GEMMs read it), else None."""
+        return self.quantizer.int8_rows(self.packed)
+
+
+def gemm_operands(lin):
+    """(weight, bias, scale) of a projection for the fused decode GEMMs: a Linear's weight
+    (scale None), or a quantised one's int8 rows and their scales; None if neither."""
+    if type(lin) is Linear:
+        return lin.weight, lin.bias, None
+    rows = lin.int8_rows() if isinstance(lin, QuantizedLinear) else None
+    return None if rows is None else (rows[0], lin.bias, rows[1])
+
 
 class Norm(nn.Module):
     """RMSNorm or LayerNorm, optionally fused with the residual add."""
@@ -82,22 +96,30 @@ class DecoderLayer(nn.Module):
         self.down = Linear(ops, partials)
 
     def fusable(self) -> bool:
-        """RMSNorm + SwiGLU with our own Linear modules (a quantiser's replacements have
-        their own forward): the shape ``forward_fused`` knows."""
+        """RMSNorm + SwiGLU, every projection our own Linear or int8 rows (other quantised
+        forms have their own forward), and norms the fused layer can drop: a Linear
+        takes them at ``fold_norm_weights``, packed weights only before packing
+        (``core.quant.slot_packer``). The shape ``forward_fused`` knows."""
         s = self.spec
         return s.norm == "rms" and s.gated_mlp and all(
-            type(m) is Linear for m in (self.qkv, self.o, self.gate_up, self.down))
+            gemm_operands(m) is not None for m in (self.qkv, self.o, self.gate_up, self.down)) \
+            and all(n in self.folded_norms or type(getattr(self, p)) is Linear
+                    for n, p in self.NORM_FEEDS)
+
+    NORM_FEEDS = (("attn_norm", "qkv"), ("mlp_norm", "gate_up"))
+    folded_norms = frozenset()  # norms whose weights already live in their projection
 
     @torch.no_grad()
     def fold_norm_weights(self) -> None:
         """rms_norm(x, g) W^T == rms_norm(x, 1) (W g)^T: the norm weights move into the
         qkv and gate_up columns, so the fused layer runs no norm kernel (the plain
         layer's norms then multiply by ones)."""
-        for norm, lin in ((self.attn_norm, self.qkv), (self.mlp_norm, self.gate_up)):
-            # new tensors, never in place: loaded weights may share the caller's storage;
-            # a 16-bit product rounds once, like the float32 one cast back (no fp32 copy)
-            lin.weight = lin.weight * norm.weight.to(lin.weight.dtype)[None, :]
-            norm.weight = torch.ones_like(norm.weight)
+        for name, proj in self.NORM_FEEDS:
+            if name not in self.folded_norms:
+                norm, lin = getattr(self, name), getattr(self, proj)
+                lin.weight = folded(lin.weight, norm.weight)
+                norm.weight = torch.ones_like(norm.weight)
+                self.folded_norms = self.folded_norms | {name}
 
     def forward_fused(self, stream, layer_idx, positions, rope, cache, meta, sum_sq,
                       want_next: bool):
@@ -106,22 +128,22 @@ class DecoderLayer(nn.Module):
         and its sum of squares per row (partials [P, T]) -> (the next stream, its sums
         or None without ``want_next``)."""
         s, ops = self.spec, self.ops
+        (wqkv, bqkv, sqkv), (wo, bo, so), (wgu, bgu, sgu), (wd, bd, sd) = (
+            gemm_operands(m) for m in (self.qkv, self.o, self.gate_up, self.down))
         slots_of = getattr(cache, "decode_kv_slots", None)  # third-party caches may lack it
         slots = None if rope is None or slots_of is None else slots_of(layer_idx, meta)
         if slots is not None:  # RoPE and the K/V write in the qkv GEMM's epilogue
-            q = ops.normed_qkv_rope(stream, self.qkv.weight, self.qkv.bias, sum_sq, s.norm_eps,
-                                    rope[0], rope[1], positions, s.num_heads, *slots)  # [T, Hq, D]
+            q = ops.normed_qkv_rope(stream, wqkv, bqkv, sum_sq, s.norm_eps, rope[0], rope[1],
+                                    positions, s.num_heads, *slots, scale=sqkv)  # [T, Hq, D]
             attn = cache.attention(layer_idx, q, None, None, meta).reshape(-1, s.q_size)
         else:
-            qkv = ops.normed_linear(stream, self.qkv.weight, self.qkv.bias, sum_sq,
-                                    s.norm_eps)  # [T, q + 2kv]
+            qkv = ops.normed_linear(stream, wqkv, bqkv, sum_sq, s.norm_eps,
+                                    scale=sqkv)  # [T, q + 2kv]
             attn = self._attend(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
-        stream, sum_sq = ops.linear_residual(attn, self.o.weight, self.o.bias, stream,
-                                             sum_sq=True)  # [T, H], [P, T]
-        act = ops.normed_swiglu(stream, self.gate_up.weight, self.gate_up.bias, sum_sq,
-                                s.norm_eps)  # [T, I]
-        out = ops.linear_residual(act, self.down.weight, self.down.bias, stream,
-                                  sum_sq=want_next)
+        stream, sum_sq = ops.linear_residual(attn, wo, bo, stream, sum_sq=True,
+                                             scale=so)  # [T, H], [P, T]
+        act = ops.normed_swiglu(stream, wgu, bgu, sum_sq, s.norm_eps, scale=sgu)  # [T, I]
+        out = ops.linear_residual(act, wd, bd, stream, sum_sq=want_next, scale=sd)
         return out if want_next else (out, None)
 
     def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
@@ -174,15 +196,21 @@ class DecoderModel(nn.Module):
     def _fused(self, tokens: int) -> bool:
         return self.norms_folded and tokens <= getattr(self.ops, "fuse_max_rows", 0)
 
+    def will_fuse(self, dtype) -> bool:
+        """Whether the fused decode layer can run for this spec, ops and weight dtype
+        (known before any weight loads): RMSNorm + SwiGLU, ops that fuse, 16-bit weights
+        (float32 GEMMs stay on cuBLAS: the plain layer is the fast one)."""
+        s = self.spec
+        return s.norm == "rms" and s.gated_mlp and bool(getattr(self.ops, "fuse_max_rows", 0)) \
+            and dtype in (torch.float16, torch.bfloat16)
+
     def fold_norm_weights(self) -> bool:
         """Move each layer's norm weights into its GEMMs (after the weights are loaded)
         where the ops fuse and every layer can: the fused decode layer then runs. Returns
         whether it did."""
-        if self.norms_folded or not getattr(self.ops, "fuse_max_rows", 0) or not all(
+        if self.norms_folded or not self.will_fuse(self.embed.weight.dtype) or not all(
                 layer.fusable() for layer in self.layers):
             return self.norms_folded
-        if self.layers[0].qkv.weight.dtype not in (torch.float16, torch.bfloat16):
-            return False  # float32 GEMMs stay on cuBLAS: the plain layer is the fast one
         for layer in self.layers:
             layer.fold_norm_weights()
         self.norms_folded = True
@@ -213,6 +241,13 @@ class DecoderModel(nn.Module):
             residual = None if residual is None else residual[logits_index]
         x, _ = self.final_norm(h, residual)
         return F.linear(x, self.lm_head_weight).float()  # [n, V]
+
+
+def folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """W g: a norm weight g [K] moved into the columns of W [N, K]. A new tensor, never in
+    place (loaded weights may share the caller's storage); a 16-bit product rounds once,
+    like the float32 one cast back (no float32 copy)."""
+    return weight * norm_weight.to(weight.dtype)[None, :]
 
 
 def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:

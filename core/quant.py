@@ -51,6 +51,12 @@ class Quantizer:
         projection (qkv, o, gate_up or fc_in, down); embeddings, lm_head and norms stay."""
         return bool(_PROJECTION.search(slot))
 
+    def int8_rows(self, packed):
+        """``packed`` as (q int8 [N, K], scale float32 [N]), weight = q * scale row by row,
+        when it is that form: the fused decode GEMMs then read it directly (norm weights
+        folded in before packing). None (the default): the plain decode layer runs."""
+        return None
+
     def packed_bytes_of(self, shape: tuple, element_bytes: int) -> int:
         """Bytes ``pack`` makes of a weight of ``shape`` (default: as dense; override)."""
         return math.prod(shape) * element_bytes
@@ -65,3 +71,61 @@ class Quantizer:
                 packed += self.packed_bytes_of(shape, element_bytes)
                 dense += math.prod(shape)
         return packed + (spec.param_count - dense) * element_bytes
+
+
+_LAYER_SLOT = re.compile(r"^layers\.(\d+)\.(\w+)\.weight$")
+
+
+class SlotPacker:
+    """``load_weights``' slot callback: a slot the quantiser packs becomes a
+    ``QuantizedLinear``. With ``fold_norms`` (the fused decode layer will run) an RMSNorm
+    weight that feeds a packed projection is folded into it first (``model.folded``),
+    whichever of the two arrives first: a projection waits, unpacked, for its norm (layer
+    by layer in a checkpoint that goes so); ``finish`` sets those norms to ones."""
+
+    def __init__(self, quantizer, ops, net, fold_norms: bool):
+        self.quantizer, self.ops, self.net, self.fold_norms = quantizer, ops, net, fold_norms
+        self.norms, self.waiting = {}, set()  # (layer, norm) -> weight; (layer, projection)
+        self.folded = set()  # (layer, norm) whose weight lives in its packed projection
+
+    def _packed(self, weight, bias):
+        from .model import QuantizedLinear
+
+        return QuantizedLinear(self.quantizer, self.quantizer.pack(weight), bias, self.ops)
+
+    def __call__(self, slot, module, weight):
+        from .model import DecoderLayer, Linear, folded
+
+        feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds
+        fed_by = {p: n for n, p in feeds.items()}
+        m = _LAYER_SLOT.match(slot) if self.fold_norms else None
+        proj = m and (feeds.get(m[2]) or (m[2] if m[2] in fed_by else None))
+        if not proj or not self.quantizer.quantizes(f"layers.{m[1]}.{proj}.weight"):
+            quantized = self.quantizer.quantizes(slot) and type(module) is Linear
+            return self._packed(weight, module.bias) if quantized else None
+        i, name = int(m[1]), m[2]
+        if name in feeds:  # a norm (installed as loaded until ``finish``)
+            self.norms[(i, name)] = weight
+            if (i, proj) in self.waiting:  # its projection came first: pack it now
+                self.waiting.discard((i, proj))
+                lin = getattr(self.net.layers[i], proj)
+                setattr(self.net.layers[i], proj, self._packed(folded(lin.weight, weight), lin.bias))
+                self.folded.add((i, name))
+            return None
+        norm = fed_by[name]
+        if (i, norm) not in self.norms:
+            self.waiting.add((i, name))
+            return None  # installed unpacked until the norm arrives
+        self.folded.add((i, norm))
+        return self._packed(folded(weight, self.norms[(i, norm)]), module.bias)
+
+    def finish(self) -> None:
+        """After loading: norms folded into packed projections become ones."""
+        import torch
+
+        assert not self.waiting, f"projections never met their norms: {sorted(self.waiting)}"
+        for i, name in self.folded:
+            layer = self.net.layers[i]
+            norm = getattr(layer, name)
+            norm.weight = torch.ones_like(norm.weight)
+            layer.folded_norms = layer.folded_norms | {name}

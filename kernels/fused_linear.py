@@ -14,15 +14,19 @@ Every fusion sits outside the GEMM's loop: x * g on the x operand inside it cost
 3.6 its pipelining (qkv 1.02 TB/s vs 3.69 on the H200). GEMM follows GEMM here, so
 they let their dependents launch only after their loop (``LATE_PDL_RELEASE``). H200,
 LLaMA-7B shape, bf16, batch 1: 3.75 ms per decode step (3.84 with the plain layer). The
-references compose torch ops, and so do the Triton entry points where the kernel does not apply (float32: exact
-cuBLAS; more rows than ``FUSE_MAX_ROWS``).
+references compose torch ops, and so do the Triton entry points where the kernel does not
+apply (float32: exact cuBLAS; more rows than ``FUSE_MAX_ROWS``).
+
+Each takes an int8 weight too: ``scale`` [N] float32 per row, W = q * s[:, None]
+(``quantize_int8``); the references compute that GEMM as ``int8_linear_torch`` does, the
+fallbacks with ``int8_linear_triton``.
 """
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, triton
+from .int8_linear import int8_linear_torch, int8_linear_triton
 from .linear import check_gemm, launch_gemm, linear_torch, skinny_config
 from .kv_write import _check_kv_write
 from .rotary import _check_rotary, rotary_kv_write_torch, rotary_kv_write_triton
@@ -40,29 +44,54 @@ def _normed(x, sum_sq, eps):
     return (x.float() * rstd).to(x.dtype)
 
 
-def normed_linear_torch(x, weight, bias, sum_sq, eps):
-    # x: [M, K], weight: [N, K] (norm weight folded in), sum_sq: [P, M] -> [M, N]
-    return linear_torch(_normed(x, sum_sq, eps), weight, bias)
+def _linear(x, weight, bias, scale, int8_linear=int8_linear_torch):
+    # x: [M, K], weight: [N, K] in x's dtype, or int8 with scale [N] -> [M, N] in x's dtype
+    return linear_torch(x, weight, bias) if scale is None else int8_linear(x, weight, scale, bias)
 
 
-def normed_swiglu_torch(x, weight, bias, sum_sq, eps):
-    # x: [M, K], weight: [2I, K] (gate | up, norm weight folded in) -> [M, I]
-    return silu_mul_torch(normed_linear_torch(x, weight, bias, sum_sq, eps))
-
-
-def linear_residual_torch(x, weight, bias, residual, sum_sq: bool = False):
-    # x: [M, K], weight: [N, K], residual: [M, N] -> [M, N] (and its sum of squares [1, M])
-    out = linear_torch(x, weight, bias) + residual
+def _with_sum_sq(out, sum_sq: bool):
+    # out: [M, N] -> out, or (out, its sum of squares per row [1, M] float32)
     return (out, out.float().square().sum(-1)[None]) if sum_sq else out
 
 
-def _fusable(x, weight) -> bool:
+def normed_linear_torch(x, weight, bias, sum_sq, eps, scale=None):
+    # x: [M, K], weight: [N, K] (norm weight folded in), sum_sq: [P, M] -> [M, N]
+    return _linear(_normed(x, sum_sq, eps), weight, bias, scale)
+
+
+def normed_swiglu_torch(x, weight, bias, sum_sq, eps, scale=None):
+    # x: [M, K], weight: [2I, K] (gate | up, norm weight folded in; scale [2I]) -> [M, I]
+    return silu_mul_torch(normed_linear_torch(x, weight, bias, sum_sq, eps, scale=scale))
+
+
+def linear_residual_torch(x, weight, bias, residual, sum_sq: bool = False, scale=None):
+    # x: [M, K], weight: [N, K], residual: [M, N] -> [M, N] (and its sum of squares [1, M])
+    return _with_sum_sq(_linear(x, weight, bias, scale) + residual, sum_sq)
+
+
+def _gemm(x, weight, bias, scale):
+    # the Triton entry points' GEMM where the fused kernel does not apply
+    return _linear(x, weight, bias, scale, int8_linear_triton if HAVE_TRITON else int8_linear_torch)
+
+
+def _fusable(x, weight, scale=None) -> bool:
+    # 16-bit x with a weight of its dtype, or an int8 one with its scales
     return HAVE_TRITON and 0 < x.shape[0] <= FUSE_MAX_ROWS and x.dtype != torch.float32 \
-        and x.dtype == weight.dtype
+        and weight.dtype == (x.dtype if scale is None else torch.int8)
 
 
-def _output(x, weight, bias, n_out):
-    check_gemm(x, weight, bias)
+def _tiles(config, default: dict, scale) -> dict:
+    """The caller's tiles, else ``default`` (16-bit); an int8 tile carries half the bytes,
+    so where the default's K tiles are short (<= 256) int8 ones are twice as long."""
+    if config:
+        return dict(config)
+    if scale is not None and default["BLOCK_K"] <= 256:
+        return dict(default, BLOCK_K=2 * default["BLOCK_K"])
+    return dict(default)
+
+
+def _output(x, weight, bias, scale, n_out):
+    check_gemm(x, weight, bias, scale)
     return torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
 
 
@@ -73,16 +102,16 @@ def _check_sum_sq(x, sum_sq):
         f"{tuple(sum_sq.shape)} {sum_sq.dtype}"
 
 
-def normed_linear_triton(x, weight, bias, sum_sq, eps, config=None):
+def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
     _check_sum_sq(x, sum_sq)
-    if not _fusable(x, weight):
-        return F.linear(_normed(x, sum_sq, eps), weight, bias)
+    if not _fusable(x, weight, scale):
+        return _gemm(_normed(x, sum_sq, eps), weight, bias, scale)
     m, k = x.shape
     n = weight.shape[0]
-    y = _output(x, weight, bias, n)
-    cfg = dict(config or skinny_config(m, n, k))
+    y = _output(x, weight, bias, scale, n)
+    cfg = _tiles(config, skinny_config(m, n, k), scale)
     launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, sum_sq=sum_sq,
-                eps=eps)
+                eps=eps, w_scale=scale)
     return y
 
 
@@ -95,33 +124,35 @@ def swiglu_config(m: int, i: int, k: int) -> dict:
                 num_warps=4, num_stages=3)
 
 
-def normed_swiglu_triton(x, weight, bias, sum_sq, eps, config=None):
+def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
     _check_sum_sq(x, sum_sq)
     assert weight.shape[0] % 2 == 0, f"gate_up weight needs an even row count, got {weight.shape[0]}"
-    if not _fusable(x, weight):
-        return silu_mul_torch(F.linear(_normed(x, sum_sq, eps), weight, bias))
+    if not _fusable(x, weight, scale):
+        return silu_mul_torch(_gemm(_normed(x, sum_sq, eps), weight, bias, scale))
     m, k = x.shape
     i = weight.shape[0] // 2
-    y = _output(x, weight, bias, i)
-    cfg = dict(config or swiglu_config(m, i, k))
+    y = _output(x, weight, bias, scale, i)
+    cfg = _tiles(config, swiglu_config(m, i, k), scale)
     launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i,
-                sum_sq=sum_sq, eps=eps)
+                sum_sq=sum_sq, eps=eps, w_scale=scale)
     return y
 
 
-def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, config=None):
+def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scale=None,
+                           config=None):
     m, k = x.shape
     n = weight.shape[0]
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, \
         f"residual must be [{m}, {n}] {x.dtype} with contiguous rows, got " \
         f"{tuple(residual.shape)} {residual.dtype}"
-    if not _fusable(x, weight):
-        return linear_residual_torch(x, weight, bias, residual, sum_sq)
-    y = _output(x, weight, bias, n)
-    cfg = dict(config or skinny_config(m, n, k))
+    if not _fusable(x, weight, scale):
+        return _with_sum_sq(_gemm(x, weight, bias, scale) + residual, sum_sq)
+    y = _output(x, weight, bias, scale, n)
+    cfg = _tiles(config, skinny_config(m, n, k), scale)
     programs = triton.cdiv(n, cfg["BLOCK_N"])
     parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
-    launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts)
+    launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts,
+                w_scale=scale)
     return (y, parts) if sum_sq else y
 
 
@@ -134,11 +165,11 @@ def _heads(qkv, num_heads, num_kv_heads, d):
 
 
 def normed_qkv_rope_torch(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
-                          k_cache, v_cache, idx0, idx1):
+                          k_cache, v_cache, idx0, idx1, scale=None):
     """The decode step's attention input: rms_norm(x) W^T (norm weight folded into W) split
     into heads, RoPE on q and k, k and v written to ``cache[idx0[t], idx1[t]]`` (rows
     with idx0 < 0 nowhere) -> rotated q [T, Hq, D]. Caches: [NB, BS, Hkv, D]."""
-    qkv = normed_linear_torch(x, weight, bias, sum_sq, eps)
+    qkv = normed_linear_torch(x, weight, bias, sum_sq, eps, scale=scale)
     q, k, v = _heads(qkv, num_heads, k_cache.shape[2], k_cache.shape[3])
     return rotary_kv_write_torch(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
 
@@ -156,7 +187,7 @@ def qkv_rope_config(m: int, half: int, k: int) -> dict:
 
 
 def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
-                           k_cache, v_cache, idx0, idx1, config=None):
+                           k_cache, v_cache, idx0, idx1, scale=None, config=None):
     """Same contract as ``normed_qkv_rope_torch``; one GEMM whose epilogue rotates and
     stores q, k and v where it applies (16-bit, <= ``QKV_ROPE_MAX_ROWS`` rows, all of
     every head rotated, D / 2 a multiple of 16), else ``normed_linear`` +
@@ -166,15 +197,15 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     half = cos.shape[1]
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \
         f"qkv weight has {weight.shape[0]} rows, not (Hq={num_heads} + 2 Hkv={hkv}) x D={d}"
-    cfg = dict(config or qkv_rope_config(x.shape[0], half, x.shape[1]))
-    if not (_fusable(x, weight) and x.shape[0] <= QKV_ROPE_MAX_ROWS and 2 * half == d
+    cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1]), scale)
+    if not (_fusable(x, weight, scale) and x.shape[0] <= QKV_ROPE_MAX_ROWS and 2 * half == d
             and half % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16
             and k_cache.dtype == v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride()):
-        qkv = normed_linear_triton(x, weight, bias, sum_sq, eps)
+        qkv = normed_linear_triton(x, weight, bias, sum_sq, eps, scale)
         q, k, v = _heads(qkv, num_heads, hkv, d)
         return rotary_kv_write_triton(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
     m = x.shape[0]
-    check_gemm(x, weight, bias)
+    check_gemm(x, weight, bias, scale)
     q = torch.empty((m, num_heads * d), dtype=x.dtype, device=x.device)
     # the checks of the two kernels this one replaces; a cache slot, broadcast to
     # [T, Hkv, D] (a view, never written), stands in for the k and v it never stores
@@ -184,5 +215,5 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     rope = (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
             v_cache, num_heads, hkv)
     launch_gemm((weight.shape[0] // (2 * cfg["BLOCK_N"]), 1), cfg, x, weight, bias, q,
-                sum_sq=sum_sq, eps=eps, up_rows=half, rope=rope)
+                sum_sq=sum_sq, eps=eps, up_rows=half, rope=rope, w_scale=scale)
     return q.view(m, num_heads, d)

@@ -9,6 +9,10 @@ Split-K (``linear_partials``): narrow outputs (N = hidden, the o and down projec
 give too few column tiles to keep every SM streaming, so the K axis is split over S
 programs too and each writes float32 partial sums [S, M, N]. No reduce kernel: the
 add+RMSNorm that follows these projections sums the partials as it loads them.
+
+int8 weights (``w_scale``): q int8 [N, K] with a float32 scale per row, W = q * s[:, None]
+(``kernels/int8_linear.py``); the tiles are widened in registers and the scales applied
+once, in the epilogue, so the fusions below take either weight.
 """
 import os
 
@@ -35,13 +39,13 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
 if HAVE_TRITON:
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ss_ptr, r_ptr, ss_out_ptr, M, N, K,
-                            K_SPLIT, UP_ROWS, SS_PARTS, stride_xm, stride_wn, stride_ym,
-                            stride_ys, stride_rm, eps,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ss_ptr, r_ptr, ss_out_ptr,
+                            M, N, K, K_SPLIT, UP_ROWS, SS_PARTS, stride_xm, stride_wn,
+                            stride_ym, stride_ys, stride_rm, eps,
                             pos_ptr, cos_ptr, sin_ptr, idx0_ptr, idx1_ptr, kc_ptr, vc_ptr,
                             stride_cs, stride_c0, stride_c1, stride_ch, HQ, HKV,
-                            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_P: tl.constexpr,
-                            SWIGLU: tl.constexpr, ROPE: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, NORM: tl.constexpr,
+                            BLOCK_P: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
                             RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                             LATE_RELEASE: tl.constexpr):
@@ -58,6 +62,7 @@ if HAVE_TRITON:
         # sum of squares over this program's columns, to ss_out [programs, M]; ROPE = the
         # qkv projection at decode: columns paired with their rotate-half partners (UP_ROWS
         # = head_dim / 2 below), rotated, q stored to y [M, HQ * D], k / v to cache slots.
+        # W_SCALE: W is int8 with a float32 scale per row s [N]: (x q^T) * s == x (q * s)^T.
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_lo = split * K_SPLIT
@@ -79,15 +84,23 @@ if HAVE_TRITON:
             wmask = (rn[:, None] < N) & kmask[None, :]
             x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=wmask, other=0.0)
+            if W_SCALE:  # int8 -> x's dtype, exact (|q| <= 127); the scales wait for the epilogue
+                w = w.to(x.dtype)
             acc += tl.dot(x, tl.trans(w))                                       # [BM, BN]
             if SWIGLU or ROPE:
                 wu = tl.load(w_ptrs + UP_ROWS * stride_wn, mask=wmask, other=0.0)
+                if W_SCALE:
+                    wu = wu.to(x.dtype)
                 acc_up += tl.dot(x, tl.trans(wu))                               # [BM, BN]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if LATE_RELEASE:
             pdl_release(PDL)
         rmask = rm < M
+        if W_SCALE:  # each column's weight-row scale; acc_up's rows sit UP_ROWS below
+            acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+            if SWIGLU or ROPE:
+                acc_up = acc_up * tl.load(s_ptr + UP_ROWS + rn, mask=rn < N, other=0.0)[None, :]
         if NORM:
             rp = tl.arange(0, BLOCK_P)
             ss = tl.load(ss_ptr + rp[:, None] * M + rm[None, :],
@@ -169,35 +182,47 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
     return y
 
 
-def check_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None) -> None:
-    """What ``_skinny_gemm_kernel`` needs of x [M, K], weight [N, K] and bias [N]."""
+def check_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> None:
+    """What ``_skinny_gemm_kernel`` needs of x [M, K], weight [N, K] (x's dtype, or int8
+    with its ``scale`` [N]) and bias [N]."""
     k, n = x.shape[1], weight.shape[0]
     assert weight.dim() == 2 and weight.shape[1] == k, f"x has K={k} but weight is {tuple(weight.shape)}"
-    assert x.dtype == weight.dtype, f"x {x.dtype} != weight {weight.dtype}"
+    if scale is None:
+        assert x.dtype == weight.dtype, \
+            f"x {x.dtype} != weight {weight.dtype} (an int8 weight needs its scale)"
+    else:
+        assert weight.dtype == torch.int8, f"a weight with a scale must be int8, got {weight.dtype}"
+        assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous(), \
+            f"scale must be contiguous float32 [{n}] (one per weight row), got " \
+            f"{tuple(scale.shape)} {scale.dtype} stride {scale.stride()}"
     assert weight.is_contiguous() and (k <= 1 or x.stride(1) == 1), "weight and x rows must be contiguous"
     assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
 
 
 def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps=0.0,
-                residual=None, up_rows=0, sum_sq_out=None, rope=None):
+                residual=None, up_rows=0, sum_sq_out=None, rope=None, w_scale=None):
     """Launch ``_skinny_gemm_kernel`` (callers check shapes): the optional fusions are on
     when their inputs are given (``sum_sq`` [P, M] float32 partial sums: RMSNorm with its
     weight folded into W; ``up_rows`` > 0: SwiGLU; ``sum_sq_out`` [programs, M] float32;
+    ``w_scale`` [N] float32: weight is int8 q, W = q * s[:, None];
     ``rope`` = (positions, cos, sin, idx0, idx1, k_cache, v_cache, Hq, Hkv) with
     ``up_rows`` = D / 2: the decode qkv projection, y = rotated q [M, Hq * D])."""
     m, k = x.shape
     unused = weight  # a valid pointer for the inputs a variant never reads
     pos, cos, sin, idx0, idx1, kc, vc, hq, hkv = rope or (unused,) * 7 + (0, 0)
+
+    def opt(t):
+        return unused if t is None else t
+
     _skinny_gemm_kernel[grid](
-        x, weight, unused if bias is None else bias, y, unused if sum_sq is None else sum_sq,
-        unused if residual is None else residual, unused if sum_sq_out is None else sum_sq_out,
+        x, weight, opt(w_scale), opt(bias), y, opt(sum_sq), opt(residual), opt(sum_sq_out),
         m, weight.shape[0] if rope else y.shape[-1], k, k_split or max(k, 1), up_rows,
         1 if sum_sq is None else sum_sq.shape[0],
         x.stride(0), weight.stride(0), y.stride(-2), m * y.shape[-1],
         0 if residual is None else residual.stride(0), float(eps),
         pos, cos, sin, idx0, idx1, kc, vc, cos.stride(0) if rope else 0,
         *(kc.stride()[:3] if rope else (0, 0, 0)), hq, hkv,
-        HAS_BIAS=bias is not None, NORM=sum_sq is not None,
+        HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, NORM=sum_sq is not None,
         BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]),
         SWIGLU=up_rows > 0 and rope is None, ROPE=rope is not None,
         RESIDUAL=residual is not None, SUM_SQ=sum_sq_out is not None, **cfg,

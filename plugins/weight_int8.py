@@ -4,9 +4,9 @@ Every decoder layer's projection (qkv, o, gate_up or fc_in, down) is stored as i
 one float32 scale per output row (symmetric, ``kernels.int8_linear.quantize_int8``),
 packed as the checkpoint streams in and multiplied by ``ops.int8_linear``, which widens
 the int8 tiles in registers: decode reads about half the bytes of bf16. Embeddings, the
-lm_head and norms stay in the model dtype. The fused decode layer (norm weights folded
-into the projections) needs plain weights, so a quantised model runs the plain layer.
-On the CPU the torch reference widens every weight at every call: slower than float
+lm_head and norms stay in the model dtype. Where the fused decode layer runs (Triton,
+16-bit), ``core.quant.SlotPacker`` folds each RMSNorm weight into its projection before
+packing, and the fused GEMMs read the int8 rows and scales (``int8_rows``). On the CPU the torch reference widens every weight at every call: slower than float
 there; the format is for GPU decode, where the weight bytes bound the step.
 """
 from __future__ import annotations
@@ -37,6 +37,9 @@ class WeightInt8(Quantizer):
     def pack(self, weight):
         q, scale = quantize_int8(weight)
         return Int8Weight(q, scale, weight.dtype)
+
+    def int8_rows(self, packed):
+        return packed.q, packed.scale  # the fused decode GEMMs read these directly
 
     def unpack(self, packed):
         return (packed.q.float() * packed.scale[:, None]).to(packed.dtype)

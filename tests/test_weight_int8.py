@@ -1,6 +1,7 @@
 """The int8 weight-only quantiser (``plugins=["int8"]``): projections packed as the
 checkpoint streams in, the plan sized for int8, outputs close to the unquantised engine's
 (the torch reference on the CPU, and the Triton kernel in the interpreter)."""
+import attrs
 import pytest
 import torch
 
@@ -72,11 +73,63 @@ def test_triton_kernel_in_the_model_matches_the_reference_ops():
     kw = dict(KW, dtype="float16")
     ref = core.build(hf, plugins=["int8"], kernels="torch", **kw)
     engine = core.build(hf, plugins=["int8"], kernels="triton", **kw)
-    assert not engine.model.norms_folded  # the plain decode layer: packed weights
+    # the fused decode layer on int8 rows (HF's norm weights are ones here: folding them
+    # before packing leaves the same int8 values as the reference's)
+    assert engine.model.norms_folded and engine.model._fused(1)
     prompt = random_prompt(9, hf.config.vocab_size, 2)
     assert relative_error(engine.logits(prompt).float(), ref.logits(prompt).float()) < 5e-3
     assert engine.generate(prompt, max_new_tokens=5)[0].token_ids == \
         ref.generate(prompt, max_new_tokens=5)[0].token_ids
+
+
+def _random_norms(hf):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return hf
+
+
+@pytest.mark.parametrize("norms_first", [False, True], ids=["checkpoint-order", "norms-first"])
+def test_norm_weights_fold_in_before_packing(monkeypatch, norms_first):
+    """Where the fused layer will run, qkv / gate_up are packed from W g (g the RMSNorm
+    weight that feeds them), in whichever order the checkpoint delivers the two; o and
+    down as loaded; the norms are ones after loading."""
+    import importlib
+
+    B = importlib.import_module("infergraft.core.build")  # core.build is also the function
+
+    hf = _random_norms(random_model(tiny_llama_config(), seed=6, dtype=torch.float16))
+    kw = dict(KW, dtype="float16", device="cpu")
+    if norms_first:
+        real = B.resolve_source
+
+        def norms_first_source(model, tokenizer=None):
+            src = real(model, tokenizer)
+            items = sorted(src.tensors(), key=lambda kv: "norm" not in kv[0])  # stable
+            return attrs.evolve(src, tensors=lambda: iter(items))
+        monkeypatch.setattr(B, "resolve_source", norms_first_source)
+    plain = core.build(hf, kernels="torch", **kw)  # never fuses: packs W as loaded
+    fused = core.build(hf, plugins=["int8"], kernels="torch", **kw)
+    assert not fused.model.norms_folded  # torch ops: no fused layer, nothing folded
+    if not (HAVE_TRITON and interpreting()):
+        return
+    fused = core.build(hf, plugins=["int8"], kernels="triton", **kw)
+    assert fused.model.norms_folded
+    q = WeightInt8()
+    for a, b in zip(plain.model.layers, fused.model.layers):
+        for norm, proj in (("attn_norm", "qkv"), ("mlp_norm", "gate_up")):
+            want = q.pack(getattr(a, proj).weight * getattr(a, norm).weight[None, :])
+            got = getattr(b, proj).packed
+            assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale), proj
+            assert torch.equal(getattr(b, norm).weight, torch.ones_like(getattr(a, norm).weight))
+        for proj in ("o", "down"):
+            assert torch.equal(getattr(b, proj).packed.q, q.pack(getattr(a, proj).weight).q)
+    prompt = random_prompt(9, hf.config.vocab_size, 3)
+    ref = core.build(hf, plugins=["int8"], kernels="torch", **kw)  # W packed unfolded
+    err = relative_error(fused.logits(prompt).float(), ref.logits(prompt).float())
+    assert err < 3e-2, err  # another int8 rounding of the same model, not another model
 
 
 def test_one_weight_quantizer_at_most():

@@ -1,9 +1,10 @@
 """Decode GEMMs fused with the residual add, the (folded) RMSNorm and SwiGLU, vs the torch
-compositions on fresh random inputs."""
+compositions on fresh random inputs; 16-bit weights, and int8 ones with a scale per row."""
 import pytest
 import torch
 
 from infergraft.kernels import fused_linear as FL
+from infergraft.kernels.int8_linear import quantize_int8
 
 from .tolerances import TOLERANCES
 
@@ -21,7 +22,22 @@ def fuse_fp32(monkeypatch, device, dtype):
     if dtype is torch.float32:
         if device == "cuda":
             pytest.skip("float32 on CUDA uses tf32 in tl.dot; the entry points route it to cuBLAS")
-        monkeypatch.setattr(FL, "_fusable", lambda x, w: 0 < x.shape[0] <= FL.FUSE_MAX_ROWS)
+        monkeypatch.setattr(FL, "_fusable", lambda x, *_: 0 < x.shape[0] <= FL.FUSE_MAX_ROWS)
+
+
+def _weight(randn, n, k, dtype, int8, mul):
+    """(weight, scale, its float32 value): randn(n, k) * mul in ``dtype`` and no scale, or
+    ``quantize_int8`` of a float32 draw (int8 [n, k], scale [n]) and its dequantised value."""
+    if not int8:
+        w = randn(n, k, dtype=dtype) * mul
+        return w, None, w.float()
+    q, s = quantize_int8(randn(n, k) * mul)
+    return q, s, q.float() * s[:, None]
+
+
+def _configs(m, int8):
+    """Small tiles (several K and column tiles); int8 weights also the default tiles."""
+    return (_cfg(m), None) if int8 else (_cfg(m),)
 
 
 def _close(out, ref32, what):
@@ -38,18 +54,22 @@ def _sum_sq_parts(x, parts):
     return torch.stack([x[:, c].float().square().sum(-1) for c in cols]).contiguous()
 
 
-@pytest.mark.parametrize("m,n,k,parts", [(1, 40, 72, 1), (3, 17, 300, 5), (16, 64, 96, 19)])
+@pytest.mark.parametrize("m,n,k,parts,int8", [(1, 40, 72, 1, False), (3, 17, 300, 5, False),
+                                               (16, 64, 96, 19, False), (2, 23, 136, 2, True),
+                                               (20, 48, 70, 4, True)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_normed_linear(device, dtype, randn, poisoned_empty, fuse_fp32, m, n, k, parts, bias):
+def test_normed_linear(device, dtype, randn, poisoned_empty, fuse_fp32, m, n, k, parts, int8,
+                       bias):
     x = randn(m, k, dtype=dtype) * 3
-    w = randn(n, k, dtype=dtype) / k ** 0.5
+    w, s, wf = _weight(randn, n, k, dtype, int8, 1 / k ** 0.5)
     b = randn(n, dtype=dtype) if bias else None
-    out = FL.normed_linear_triton(x, w, b, _sum_sq_parts(x, parts), 1e-5, config=_cfg(m))
     xf = x.float()
     ref = torch.nn.functional.linear(xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-5),
-                                     w.float(), None if b is None else b.float())
-    assert out.shape == (m, n) and out.dtype == dtype
-    _close(out, ref, f"M={m} N={n} K={k}")
+                                     wf, None if b is None else b.float())
+    for cfg in _configs(m, int8):
+        out = FL.normed_linear_triton(x, w, b, _sum_sq_parts(x, parts), 1e-5, s, config=cfg)
+        assert out.shape == (m, n) and out.dtype == dtype
+        _close(out, ref, f"M={m} N={n} K={k} int8={int8} tiles {cfg}")
 
 
 def _swiglu_rounded_like_the_kernel(x, w, b, eps, dtype):
@@ -63,35 +83,44 @@ def _swiglu_rounded_like_the_kernel(x, w, b, eps, dtype):
     return (gate * torch.sigmoid(gate)).to(dtype).float() * up
 
 
-@pytest.mark.parametrize("m,i,k,parts", [(1, 40, 72, 1), (5, 24, 130, 3), (16, 33, 64, 8)])
+@pytest.mark.parametrize("m,i,k,parts,int8", [(1, 40, 72, 1, False), (5, 24, 130, 3, False),
+                                               (16, 33, 64, 8, False), (3, 20, 100, 2, True),
+                                               (13, 37, 300, 6, True)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_normed_swiglu(device, dtype, randn, poisoned_empty, fuse_fp32, m, i, k, parts, bias):
+def test_normed_swiglu(device, dtype, randn, poisoned_empty, fuse_fp32, m, i, k, parts, int8,
+                       bias):
     x = randn(m, k, dtype=dtype)
-    w = randn(2 * i, k, dtype=dtype) * (2 / k ** 0.5)  # gate | up
+    w, s, wf = _weight(randn, 2 * i, k, dtype, int8, 2 / k ** 0.5)  # gate | up
     b = randn(2 * i, dtype=dtype) if bias else None
-    out = FL.normed_swiglu_triton(x, w, b, _sum_sq_parts(x, parts), 1e-6, config=_cfg(m))
-    ref = _swiglu_rounded_like_the_kernel(x.float(), w.float(), None if b is None else b.float(),
+    ref = _swiglu_rounded_like_the_kernel(x.float(), wf, None if b is None else b.float(),
                                           1e-6, dtype)
-    assert out.shape == (m, i) and out.dtype == dtype
-    _close(out, ref, f"M={m} I={i} K={k}")
+    for cfg in _configs(m, int8):
+        out = FL.normed_swiglu_triton(x, w, b, _sum_sq_parts(x, parts), 1e-6, s, config=cfg)
+        assert out.shape == (m, i) and out.dtype == dtype
+        _close(out, ref, f"M={m} I={i} K={k} int8={int8} tiles {cfg}")
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 72), (7, 17, 300), (16, 64, 96)])
+@pytest.mark.parametrize("m,n,k,int8", [(1, 40, 72, False), (7, 17, 300, False),
+                                        (16, 64, 96, False), (2, 23, 136, True),
+                                        (9, 40, 200, True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_residual_and_its_sum_of_squares(device, dtype, randn, poisoned_empty, fuse_fp32,
-                                                m, n, k, bias):
+                                                m, n, k, int8, bias):
     x, r = randn(m, k, dtype=dtype), randn(m, n, dtype=dtype) * 4
-    w = randn(n, k, dtype=dtype) / k ** 0.5
+    w, s, wf = _weight(randn, n, k, dtype, int8, 1 / k ** 0.5)
     b = randn(n, dtype=dtype) if bias else None
-    out, parts = FL.linear_residual_triton(x, w, b, r, sum_sq=True, config=_cfg(m))
-    ref = FL.linear_residual_torch(x.float(), w.float(), None if b is None else b.float(), r.float())
-    assert out.shape == (m, n) and out.dtype == dtype
-    _close(out, ref, f"M={m} N={n} K={k}")
-    # one partial per program (16 columns each), of the values as stored
-    assert parts.shape == (-(-n // 16), m) and parts.dtype == torch.float32
-    torch.testing.assert_close(parts.sum(0), out.float().square().sum(-1), rtol=1e-5, atol=1e-5)
-    alone = FL.linear_residual_triton(x, w, b, r, config=_cfg(m))
-    torch.testing.assert_close(alone, out, rtol=0, atol=0)  # without the sums: same output
+    ref = FL.linear_residual_torch(x.float(), wf, None if b is None else b.float(), r.float())
+    for cfg in _configs(m, int8):
+        out, parts = FL.linear_residual_triton(x, w, b, r, sum_sq=True, scale=s, config=cfg)
+        assert out.shape == (m, n) and out.dtype == dtype
+        _close(out, ref, f"M={m} N={n} K={k} int8={int8} tiles {cfg}")
+        # one partial per program (BLOCK_N columns each), of the values as stored
+        block_n = (cfg or FL._tiles(None, FL.skinny_config(m, n, k), s))["BLOCK_N"]
+        assert parts.shape == (-(-n // block_n), m) and parts.dtype == torch.float32
+        torch.testing.assert_close(parts.sum(0), out.float().square().sum(-1), rtol=1e-5,
+                                   atol=1e-5)
+        alone = FL.linear_residual_triton(x, w, b, r, scale=s, config=cfg)
+        torch.testing.assert_close(alone, out, rtol=0, atol=0)  # without the sums: same output
 
 
 def test_a_decode_layer_chain_matches_the_unfused_composition(device, randn):
@@ -139,3 +168,52 @@ def test_bad_inputs_are_rejected(device, randn):
         FL.normed_swiglu_triton(x, randn(47, 32, dtype=dt), None, _sum_sq_parts(x, 1), 1e-6)
     with pytest.raises(AssertionError, match="weight"):
         FL.normed_linear_triton(x, randn(48, 31, dtype=dt), None, _sum_sq_parts(x, 1), 1e-6)
+
+
+def test_int8_weights_off_the_fused_path(device, randn):
+    """int8 weights with more than FL.FUSE_MAX_ROWS rows (the int8 GEMM kernel + torch ops)
+    and with float32 x equal the references given the scale; in float32 those equal the
+    same ops on the dequantised weight."""
+    for dt, rows in ((torch.float16, FL.FUSE_MAX_ROWS + 1), (torch.float32, 2)):
+        x, r = randn(rows, 32, dtype=dt), randn(rows, 48, dtype=dt)
+        q, s = quantize_int8(randn(48, 32) / 6)
+        ss, b = _sum_sq_parts(x, 3), randn(48, dtype=dt)
+        for name, args in (("normed_linear", (ss, 1e-6)), ("normed_swiglu", (ss, 1e-6)),
+                           ("linear_residual", (r, True))):
+            got = getattr(FL, f"{name}_triton")(x, q, b, *args, scale=s)
+            ref = getattr(FL, f"{name}_torch")(x, q, b, *args, scale=s)
+            torch.testing.assert_close(got, ref, **TOLERANCES[dt], msg=lambda m: f"{name}\n{m}")
+            if dt is torch.float32:
+                deq = getattr(FL, f"{name}_torch")(x, q.float() * s[:, None], b, *args)
+                torch.testing.assert_close(ref, deq, **TOLERANCES[dt])
+
+
+def test_int8_default_tiles_double_short_k_tiles():
+    """An int8 tile carries half a 16-bit one's bytes: K tiles of <= 256 double, not longer
+    ones (o, down: 512), nor tiles the caller chose."""
+    s = torch.ones(4)  # a scale given: an int8 weight
+    assert FL._tiles(None, dict(BLOCK_N=32, BLOCK_K=128), s) == dict(BLOCK_N=32, BLOCK_K=256)
+    assert FL._tiles(None, dict(BLOCK_N=64, BLOCK_K=256), s)["BLOCK_K"] == 512
+    assert FL._tiles(None, dict(BLOCK_N=32, BLOCK_K=512), s)["BLOCK_K"] == 512
+    assert FL._tiles(None, dict(BLOCK_N=32, BLOCK_K=128), None)["BLOCK_K"] == 128
+    assert FL._tiles(dict(BLOCK_N=16, BLOCK_K=32), dict(BLOCK_K=128), s)["BLOCK_K"] == 32
+
+
+def test_int8_bad_scales_are_rejected(device, randn):
+    dt = torch.float16
+    x = randn(2, 32, dtype=dt)
+    q, s = quantize_int8(randn(48, 32))
+    ss = _sum_sq_parts(x, 1)
+    bad = r"scale must be contiguous float32 \[48\] \(one per weight row\), got "
+    with pytest.raises(AssertionError, match=bad + r"\(47,\)"):
+        FL.normed_linear_triton(x, q, None, ss, 1e-6, s[:47])
+    with pytest.raises(AssertionError, match=bad + r"\(48,\) torch.float16"):
+        FL.normed_swiglu_triton(x, q, None, ss, 1e-6, s.half())
+    with pytest.raises(AssertionError, match=bad + r".*stride \(2,\)"):
+        FL.linear_residual_triton(x, q, None, randn(2, 48, dtype=dt),
+                                  scale=torch.stack([s, s], 1).view(-1)[::2])
+    with pytest.raises(AssertionError, match="qweight must be contiguous int8"):
+        FL.normed_linear_triton(x, q.to(dt), None, ss, 1e-6, s)  # a scale, a 16-bit weight
+    many = randn(FL.FUSE_MAX_ROWS + 1, 32, dtype=dt)  # the int8 GEMM's own check
+    with pytest.raises(AssertionError, match=r"scale must be float32 \[48\], got \(47,\)"):
+        FL.normed_linear_triton(many, q, None, _sum_sq_parts(many, 1), 1e-6, s[:47])
