@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from infergraft import core
-from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
+from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
+                                            with_random_norm_weights)
 from infergraft.core.testing.parity import relative_error
 from infergraft.kernels._triton import HAVE_TRITON, interpreting
 
@@ -31,18 +32,8 @@ def _count_fused_calls(engine):
     return calls
 
 
-def _with_random_norm_weights(hf):
-    """HF initialises RMSNorm weights to ones, which would make folding them a no-op."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-    return hf
-
-
 def test_folding_moves_the_norm_weights_into_qkv_and_gate_up():
-    hf = _with_random_norm_weights(random_model(tiny_llama_config(), seed=2, dtype=torch.float16))
+    hf = with_random_norm_weights(random_model(tiny_llama_config(), seed=2, dtype=torch.float16))
     before = {k: v.clone() for k, v in hf.state_dict().items()}
     plain, folded = core.build(hf, kernels="torch", **KW), core.build(hf, kernels="triton", **KW)
     # the caller's model is untouched (loading can share its storage: same dtype and device)
@@ -63,7 +54,7 @@ def test_folding_moves_the_norm_weights_into_qkv_and_gate_up():
 @pytest.mark.parametrize("prompt_len", [5, 24, 40])
 def test_fused_decode_layer_matches_the_reference(prompt_len):
     config = tiny_llama_config(hidden_size=256, intermediate_size=512)
-    hf = _with_random_norm_weights(random_model(config, seed=4, scale=2.0))
+    hf = with_random_norm_weights(random_model(config, seed=4, scale=2.0))
     ref = core.build(hf, kernels="torch", **KW)
     engine = core.build(hf, kernels="triton", **KW)
     assert engine.model.ops.fuse_max_rows >= 1 and ref.model.ops.fuse_max_rows == 0
@@ -99,7 +90,7 @@ def test_paged_decode_steps_write_k_v_from_the_qkv_gemm(backend):
     cache itself (``normed_qkv_rope``, no rotary kernel): the same greedy tokens as the
     torch reference, one such call per layer and step, prompts still on ``normed_linear``."""
     config = tiny_llama_config(hidden_size=256, intermediate_size=512)  # head_dim 64
-    hf = _with_random_norm_weights(random_model(config, seed=5, scale=2.0))
+    hf = with_random_norm_weights(random_model(config, seed=5, scale=2.0))
     ref = core.build(hf, kernels="torch", plugins=[backend], **KW)
     engine = core.build(hf, kernels="triton", plugins=[backend], **KW)
     calls = []

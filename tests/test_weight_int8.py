@@ -9,7 +9,7 @@ from infergraft import core
 from infergraft.core.build import _weight_quantizer
 from infergraft.core.errors import PlanError
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_gpt2_config,
-                                            tiny_llama_config)
+                                            tiny_llama_config, with_random_norm_weights)
 from infergraft.core.testing.parity import relative_error
 from infergraft.kernels._triton import HAVE_TRITON, interpreting
 from infergraft.core.model import QuantizedLinear
@@ -82,15 +82,6 @@ def test_triton_kernel_in_the_model_matches_the_reference_ops():
         ref.generate(prompt, max_new_tokens=5)[0].token_ids
 
 
-def _random_norms(hf):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-    return hf
-
-
 @pytest.mark.parametrize("norms_first", [False, True], ids=["checkpoint-order", "norms-first"])
 def test_norm_weights_fold_in_before_packing(monkeypatch, norms_first):
     """Where the fused layer will run, qkv / gate_up are packed from W g (g the RMSNorm
@@ -100,7 +91,7 @@ def test_norm_weights_fold_in_before_packing(monkeypatch, norms_first):
 
     B = importlib.import_module("infergraft.core.build")  # core.build is also the function
 
-    hf = _random_norms(random_model(tiny_llama_config(), seed=6, dtype=torch.float16))
+    hf = with_random_norm_weights(random_model(tiny_llama_config(), seed=6, dtype=torch.float16))
     kw = dict(KW, dtype="float16", device="cpu")
     if norms_first:
         real = B.resolve_source

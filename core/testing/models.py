@@ -27,6 +27,17 @@ def random_model(config, seed: int = 0, dtype=torch.float32, scale: float = 1.0)
     return model
 
 
+def with_random_norm_weights(hf, seed: int = 0):
+    """``hf`` with its norm weights drawn around 1 (HF initialises them to ones, which
+    would make folding them into the projections a no-op)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return hf
+
+
 def random_prompt(n: int, vocab: int, seed: int, avoid=(0, 1, 2)) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n,), generator=g).tolist()
