@@ -89,8 +89,9 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     n, k = qweight.shape
     assert x.shape[-1] == k, f"x has K={x.shape[-1]} but qweight is {tuple(qweight.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
-    assert scale.shape == (n,) and scale.dtype == torch.float32, \
-        f"scale must be float32 [{n}], got {tuple(scale.shape)} {scale.dtype}"
+    assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous(), \
+        f"scale must be contiguous float32 [{n}], got {tuple(scale.shape)} {scale.dtype} " \
+        f"stride {scale.stride()}"
     assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
     for name, t in (("qweight", qweight), ("scale", scale), ("bias", bias)):
         assert t is None or t.device == x.device, f"{name} on {t.device} but x on {x.device}"

@@ -44,5 +44,7 @@ def test_int8_linear_leading_dims_and_errors(device, randn):
         int8_linear_triton(x, q.float(), s)
     with pytest.raises(AssertionError, match="x has K=63"):
         int8_linear_triton(randn(2, 63, dtype=dt), q, s)
-    with pytest.raises(AssertionError, match="scale must be float32"):
+    with pytest.raises(AssertionError, match="scale must be contiguous float32"):
         int8_linear_triton(x, q, s.half())
+    with pytest.raises(AssertionError, match="scale must be contiguous float32 .* stride"):
+        int8_linear_triton(x, q, torch.stack([s, s], 1)[:, 0])  # every other float
