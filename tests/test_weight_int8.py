@@ -82,8 +82,8 @@ def test_triton_kernel_in_the_model_matches_the_reference_ops():
         ref.generate(prompt, max_new_tokens=5)[0].token_ids
 
 
-@pytest.mark.parametrize("norms_first", [False, True], ids=["checkpoint-order", "norms-first"])
-def test_norm_weights_fold_in_before_packing(monkeypatch, norms_first):
+@pytest.mark.parametrize("order", ["checkpoint", "norms-first", "shuffled"])
+def test_norm_weights_fold_in_before_packing(monkeypatch, order):
     """Where the fused layer will run, qkv / gate_up are packed from W g (g the RMSNorm
     weight that feeds them), in whichever order the checkpoint delivers the two; o and
     down as loaded; the norms are ones after loading."""
@@ -93,14 +93,19 @@ def test_norm_weights_fold_in_before_packing(monkeypatch, norms_first):
 
     hf = with_random_norm_weights(random_model(tiny_llama_config(), seed=6, dtype=torch.float16))
     kw = dict(KW, dtype="float16", device="cpu")
-    if norms_first:
+    if order != "checkpoint":
         real = B.resolve_source
 
-        def norms_first_source(model, tokenizer=None):
+        def reordered_source(model, tokenizer=None):
             src = real(model, tokenizer)
-            items = sorted(src.tensors(), key=lambda kv: "norm" not in kv[0])  # stable
+            items = list(src.tensors())
+            if order == "shuffled":
+                perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(1))
+                items = [items[i] for i in perm]
+            else:
+                items.sort(key=lambda kv: "norm" not in kv[0])  # stable: norms, then the rest
             return attrs.evolve(src, tensors=lambda: iter(items))
-        monkeypatch.setattr(B, "resolve_source", norms_first_source)
+        monkeypatch.setattr(B, "resolve_source", reordered_source)
     plain = core.build(hf, kernels="torch", **kw)  # never fuses: packs W as loaded
     fused = core.build(hf, plugins=["int8"], kernels="torch", **kw)
     assert not fused.model.norms_folded  # torch ops: no fused layer, nothing folded
