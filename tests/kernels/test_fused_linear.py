@@ -215,5 +215,5 @@ def test_int8_bad_scales_are_rejected(device, randn):
     with pytest.raises(AssertionError, match="qweight must be contiguous int8"):
         FL.normed_linear_triton(x, q.to(dt), None, ss, 1e-6, s)  # a scale, a 16-bit weight
     many = randn(FL.FUSE_MAX_ROWS + 1, 32, dtype=dt)  # the int8 GEMM's own check
-    with pytest.raises(AssertionError, match=r"scale must be float32 \[48\], got \(47,\)"):
+    with pytest.raises(AssertionError, match=r"scale must be contiguous float32 \[48\], got \(47,\)"):
         FL.normed_linear_triton(many, q, None, _sum_sq_parts(many, 1), 1e-6, s[:47])
