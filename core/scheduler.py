@@ -8,8 +8,9 @@ could replay a captured prefill graph (``solo_prefill``), which takes it alone. 
 longer than ``max_prefill_tokens`` is prefilled in chunks of that size (its cache
 reserved whole at admission), one chunk per step, and the decode tokens ride in each, so
 the running sequences' tokens keep coming every step; where the cache cannot take both,
-chunk steps and decode steps alternate. The prompt samples its first token after its
-last chunk.
+chunk steps and decode steps alternate. Waiting prompts that fit whole in what a chunk
+leaves of the budget (its last, short chunk) join that step. The prompt samples its
+first token after its last chunk.
 
 When the cache runs short (a paged cache out of blocks, an offloaded one whose fast
 pool cannot hold every running sequence at once) the decode step takes the running
@@ -85,11 +86,9 @@ class Scheduler:
             seq = chunked[0]  # its next chunk (the cache was reserved at admission)
             n = min(seq.prefill_left, self.max_prefill_tokens)
             riders = self._riders(decoding, [seq], [n])  # decode tokens ride along
-            if riders:
-                return Step("prefill", riders + [seq], [1] * len(riders) + [n])
-        if chunked and (not decoding or self._last_kind != "prefill"):
-            if self.cache.can_append([seq.id], [n]):  # short of room: alternate
-                return Step("prefill", [seq], [n])
+            if riders or ((not decoding or self._last_kind != "prefill")  # short of room:
+                          and self.cache.can_append([seq.id], [n])):  # alternate
+                return self._chunk_step(riders, seq, n)
         if not chunked:
             admitted, counts = self._admit()
             if admitted:
@@ -106,6 +105,15 @@ class Scheduler:
                                  f"sequence {seq.id} (stats: {self.cache.stats()})")
         return None
 
+    def _chunk_step(self, riders, seq, n) -> Step:
+        """A chunk of ``seq`` (with ``riders``), and whole waiting prompts that fit in what
+        the chunk leaves of ``max_prefill_tokens`` (vLLM-style: running work first)."""
+        base_ids = [s.id for s in riders] + [seq.id]
+        base_counts = [1] * len(riders) + [n]
+        admitted, counts = self._admit(self.max_prefill_tokens - n, base_ids, base_counts)
+        self.running.extend(admitted)
+        return Step("prefill", riders + [seq] + admitted, base_counts + counts)
+
     def _riders(self, decoding, prefilling, counts) -> list[Sequence]:
         """The decoding sequences that feed their token in this prefill step (admitted
         prompts, or a chunk): all of them where the cache takes them too and the step
@@ -117,25 +125,34 @@ class Scheduler:
         ids = [s.id for s in decoding + prefilling]
         return decoding if self.cache.can_append(ids, [1] * len(decoding) + counts) else []
 
-    def _admit(self) -> tuple[list[Sequence], list[int]]:
-        admitted, ids, counts = [], [], []
+    def _admit(self, budget=None, base_ids=(), base_counts=()) -> tuple[list[Sequence], list[int]]:
+        """Waiting prompts for a prefill step, oldest first, while the batch, the cache
+        and the token budget take them; only the first of a step without ``base`` work
+        (a chunk in progress) may be a chunk itself. ``budget``: tokens left for them."""
+        admitted, counts = [], []
+        ids, fed = list(base_ids), list(base_counts)
+        whole_only = budget is not None
+        budget = self.max_prefill_tokens if budget is None else budget
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             n = seq.num_tokens
-            if admitted and sum(counts) + n > self.max_prefill_tokens:
+            if (admitted or whole_only) and sum(counts) + n > budget:
                 break
-            take = min(n, self.max_prefill_tokens)  # only the first can be a chunk
+            take = min(n, budget)
             if not self.cache.can_allocate(n):
                 break
             self.cache.allocate(seq.id, n)
-            if not self.cache.can_append(ids + [seq.id], counts + [take]):
+            if not self.cache.can_append(ids + [seq.id], fed + [take]):
                 self.cache.free(seq.id)  # the step as a whole would not fit
                 break
             self.waiting.popleft()
             seq.status, seq.prefill_left = Status.RUNNING, n
             admitted.append(seq)
             ids.append(seq.id)
+            fed.append(take)
             counts.append(take)
+        if whole_only:
+            return admitted, counts
         if not admitted and self.waiting and not self.running and \
                 not self.cache.can_allocate(self.waiting[0].num_tokens):
             raise SchedulerError(

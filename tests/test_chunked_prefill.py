@@ -74,6 +74,31 @@ def test_running_sequences_keep_decoding_while_a_long_prompt_chunks():
     assert long.output_ids == again.output_ids and len(again.output_ids) == 40
 
 
+def test_a_waiting_prompt_joins_the_last_short_chunk():
+    """What a chunk leaves of the budget goes to waiting prompts that fit whole: 50
+    tokens in chunks of 8 end with a 2-token chunk, and a 5-token prompt that arrived
+    meanwhile is prefilled in that step (not after it)."""
+    hf = random_model(tiny_llama_config(), seed=6)
+    engine = core.build(hf, max_prefill_tokens=8, **KW)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    long = engine.add_request(random_prompt(50, 256, 2), params)
+    engine.step()  # admitted: its first chunk
+    late = engine.add_request(random_prompt(5, 256, 3), params)
+    fed = []
+    while not long.output_ids:
+        engine.step()
+        fed.append(len(late.output_ids))
+    assert fed == [0] * 5 + [1], fed  # chunks 2-6 alone, then 2 tokens + the 5 of late
+    while engine.has_unfinished():
+        engine.step()
+    for seq in (long, late):
+        alone = core.build(hf, **KW)
+        ref = alone.add_request(seq.prompt_ids, params)
+        while alone.has_unfinished():
+            alone.step()
+        assert seq.output_ids == ref.output_ids
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_bad_prefill_budget_is_refused(bad):
     hf = random_model(tiny_llama_config(), seed=6)
