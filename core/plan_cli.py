@@ -32,22 +32,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
+def _registered_quantizer(applies_to: str, matches, missing: str):
+    found = [q for q in get_plugin_manager().quantizers()
+             if q.applies_to == applies_to and matches(q)]
+    if not found:
+        raise PlanError(f"no registered {missing}")
+    return found[0]
+
+
 def kv_quantizer_for(kv_dtype: str):
     """The registered K/V quantiser storing ``kv_dtype`` (PlanError if none does)."""
-    found = [q for q in get_plugin_manager().quantizers()
-             if q.applies_to == "kv" and getattr(q, "kv_dtype", None) == kv_dtype]
-    if not found:
-        raise PlanError(f"no registered K/V quantizer stores {kv_dtype!r}")
-    return found[0]
+    return _registered_quantizer("kv", lambda q: getattr(q, "kv_dtype", None) == kv_dtype,
+                                 f"K/V quantizer stores {kv_dtype!r}")
 
 
 def weight_quantizer_for(name: str):
     """The registered weight quantiser ``name`` (PlanError if none is)."""
-    found = [q for q in get_plugin_manager().quantizers()
-             if q.applies_to == "weights" and q.name == name]
-    if not found:
-        raise PlanError(f"no registered weight quantizer named {name!r}")
-    return found[0]
+    return _registered_quantizer("weights", lambda q: q.name == name,
+                                 f"weight quantizer named {name!r}")
 
 
 def run(args) -> int:

@@ -93,3 +93,14 @@ def test_build_refuses_what_does_not_fit_with_the_numbers():
                device_memory="1MiB")
     with pytest.raises(PlanError, match="device_memory"):
         core.build(hf, max_seq_len=64, device_memory="a lot")
+
+
+def test_plan_cli_finds_quantizers_by_format_and_name():
+    from infergraft.core.plan_cli import kv_quantizer_for, weight_quantizer_for
+
+    assert kv_quantizer_for("int8").name == "kv-int8"
+    assert weight_quantizer_for("int8").name == "int8"
+    with pytest.raises(PlanError, match="no registered K/V quantizer stores 'int4'"):
+        kv_quantizer_for("int4")
+    with pytest.raises(PlanError, match="no registered weight quantizer named 'kv-int8'"):
+        weight_quantizer_for("kv-int8")  # a K/V quantiser, not a weight one
