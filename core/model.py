@@ -99,7 +99,7 @@ class DecoderLayer(nn.Module):
         """RMSNorm + SwiGLU, every projection our own Linear or int8 rows (other quantised
         forms have their own forward), and norms the fused layer can drop: a Linear
         takes them at ``fold_norm_weights``, packed weights only before packing
-        (``core.quant.slot_packer``). The shape ``forward_fused`` knows."""
+        (``core.quant.SlotPacker``). The shape ``forward_fused`` knows."""
         s = self.spec
         return s.norm == "rms" and s.gated_mlp and all(
             gemm_operands(m) is not None for m in (self.qkv, self.o, self.gate_up, self.down)) \
