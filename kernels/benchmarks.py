@@ -5,7 +5,8 @@ LLaMA-2-7B-shaped layer (cuBLAS vs the skinny Triton GEMM over a config sweep), 
 per-kernel cost inside a CUDA graph. ``--split 1,32,64`` sweeps split-K (o, down) and the
 unsplit kernel (qkv, gate_up) at those row counts against cuBLAS. ``--fused``: the fused
 decode GEMMs (norm, SwiGLU, residual inside) against the kernels they replace.
-``--int8``: the int8 weight-only GEMM against bf16, with a tile sweep.
+``--int8``: the int8 weight-only GEMM against bf16, with a tile sweep; ``--fused --int8``:
+the fused decode GEMMs on int8 weights.
 """
 from __future__ import annotations
 
@@ -122,11 +123,13 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
         del ws
 
 
-def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
+def sweep_fused(m: int = 1, dtype=torch.bfloat16, int8: bool = False) -> None:
     """The fused decode GEMMs (kernels/fused_linear.py) against the kernel chains of the
     plain layer they replace (TB/s of weights; the chains' time counts all their kernels),
-    with a small tile sweep."""
+    with a small tile sweep. ``int8``: int8 weights with row scales on both sides (the
+    plain chain's GEMM is then ``int8_linear``)."""
     from . import fused_linear as FL
+    from .int8_linear import int8_linear_triton, quantize_int8
     from .linear import linear_triton
     from .rms_norm import add_rms_norm_triton, rms_norm_triton
     from .silu_mul import silu_mul_triton
@@ -138,22 +141,28 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16) -> None:
     tiles = [dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=bn, BLOCK_K=bk,
                   num_warps=nw, num_stages=ns)
              for bn, bk, ns, nw in itertools.product((32, 64), (64, 128, 256, 512), (3, 4), (4, 8))]
+
+    def mm(a, w):  # the plain chain's GEMM; w = (weight, scale or None)
+        return linear_triton(a, w[0]) if w[1] is None else int8_linear_triton(a, *w)
     cases = [  # name, weights, fused call (w, config), the plain layer's kernels (w)
-        ("qkv normed", "qkv", lambda w, c: FL.normed_linear_triton(x, w, None, ss, 1e-6, config=c),
-         lambda w: linear_triton(rms_norm_triton(x, g, 1e-6), w)),
+        ("qkv normed", "qkv",
+         lambda w, c: FL.normed_linear_triton(x, w[0], None, ss, 1e-6, w[1], config=c),
+         lambda w: mm(rms_norm_triton(x, g, 1e-6), w)),
         ("gate_up normed+silu", "gate_up",
-         lambda w, c: FL.normed_swiglu_triton(x, w, None, ss, 1e-6, config=c),
-         lambda w: silu_mul_triton(linear_triton(rms_norm_triton(x, g, 1e-6), w))),
-        ("o+residual+sumsq", "o", lambda w, c: FL.linear_residual_triton(x, w, None, x, True, config=c),
-         lambda w: add_rms_norm_triton(linear_triton(x, w), x, g, 1e-6)),
+         lambda w, c: FL.normed_swiglu_triton(x, w[0], None, ss, 1e-6, w[1], config=c),
+         lambda w: silu_mul_triton(mm(rms_norm_triton(x, g, 1e-6), w))),
+        ("o+residual+sumsq", "o",
+         lambda w, c: FL.linear_residual_triton(x, w[0], None, x, True, w[1], config=c),
+         lambda w: add_rms_norm_triton(mm(x, w), x, g, 1e-6)),
         ("down+residual+sumsq", "down",
-         lambda w, c: FL.linear_residual_triton(xi, w, None, x, True, config=c),
-         lambda w: add_rms_norm_triton(linear_triton(xi, w), x, g, 1e-6)),
+         lambda w, c: FL.linear_residual_triton(xi, w[0], None, x, True, w[1], config=c),
+         lambda w: add_rms_norm_triton(mm(xi, w), x, g, 1e-6)),
     ]
     for name, gemm, fused, plain in cases:
         n, k = LLAMA7B_GEMMS[gemm]
         ws = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(4)]
-        nbytes = n * k * ws[0].element_size()
+        ws = [quantize_int8(w) if int8 else (w, None) for w in ws]
+        nbytes = n * k * ws[0][0].element_size() + (4 * n if int8 else 0)
         it = itertools.cycle(ws)
         tf = graph_time(lambda: fused(next(it), None))
         tp = graph_time(lambda: plain(next(it)))
@@ -217,15 +226,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--split", default=None, help="e.g. 1,8,32: split-K sweep for o and down")
     p.add_argument("--fused", action="store_true", help="fused decode GEMMs vs unfused")
-    p.add_argument("--int8", action="store_true", help="int8 weight-only GEMM vs bf16")
+    p.add_argument("--int8", action="store_true",
+                   help="int8 weight-only GEMM vs bf16 (with --fused: the fused GEMMs on int8)")
     a = p.parse_args(argv)
     kernel_gap()
+    if a.fused:  # with --int8: the fused GEMMs on int8 weights
+        for m in (a.m or "1").split(","):
+            sweep_fused(int(m), int8=a.int8)
+        return 0
     if a.int8:
         sweep_int8([int(m) for m in (a.m or "1,8,32").split(",")])
-        return 0
-    if a.fused:
-        for m in (a.m or "1").split(","):
-            sweep_fused(int(m))
         return 0
     if a.split:
         sweep_split([int(m) for m in a.split.split(",")])
