@@ -80,6 +80,25 @@ class MemoryPlan(KVSizes):
     max_batch_size: int
     budget: Optional[int] = None
     budget_source: str = ""
+    sliding_window: Optional[int] = None  # the model's attention window, if any
+
+    @property
+    def window_tokens(self) -> Optional[int]:
+        """K/V tokens a sequence needs once its prompt is in, when a sliding window
+        shorter than max_seq_len bounds it (the caches then hold about that many)."""
+        w = self.sliding_window
+        return w if w and w < self.max_seq_len else None
+
+    @property
+    def max_batch_with_window(self) -> Optional[int]:
+        """Largest batch when every sequence but one (a prompt at max_seq_len, held whole
+        until it decodes) holds only its window's K/V; None without a window or budget."""
+        if self.budget is None or self.window_tokens is None:
+            return None
+        room = self.budget - self.weight_bytes - self.kv_bytes_per_sequence
+        if room < 0:
+            return 0
+        return 1 + room // (self.window_tokens * self.kv_bytes_per_token)
 
     @property
     def total_bytes(self) -> int:
@@ -113,6 +132,12 @@ class MemoryPlan(KVSizes):
             rows += [("budget", f"{fmt_bytes(self.budget)} ({self.budget_source})"),
                      ("fits", "yes" if self.fits else "NO"),
                      (f"largest batch at {self.max_seq_len} tokens", str(fit))]
+        if self.window_tokens:  # the counts above are full length: an upper bound
+            rows.append((f"KV per sequence in its window ({self.window_tokens} tokens)",
+                         fmt_bytes(self.window_tokens * self.kv_bytes_per_token)))
+            if self.budget is not None:
+                rows.append(("largest batch with windows", f"{self.max_batch_with_window} "
+                             "(one prompt at full length, the rest at their window)"))
         return rows
 
     def __str__(self) -> str:
@@ -126,7 +151,10 @@ class MemoryPlan(KVSizes):
                 f"{self.max_seq_len} tokens x {fmt_bytes(self.kv_bytes_per_token)} per token) = "
                 f"{fmt_bytes(self.total_bytes)} > {fmt_bytes(self.budget)} "
                 f"({self.budget_source}); the largest batch of {self.max_seq_len}-token "
-                f"sequences that fits is {self.max_batch_that_fits}. Lower max_batch_size or "
+                f"sequences that fits is {self.max_batch_that_fits}"
+                + (f" ({self.max_batch_with_window} with one prompt at full length and the "
+                   f"rest in their {self.window_tokens}-token window)" if self.window_tokens else "")
+                + ". Lower max_batch_size or "
                 "max_seq_len, store K/V as int8 (plugins=['paged', 'kv-int8']), or use a "
                 "smaller dtype")
 
@@ -147,7 +175,8 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                       weight_bytes=weight_bytes(spec, dtype, weight_quantizer),
                       kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
                       max_seq_len=max_seq_len, max_batch_size=int(max_batch_size),
-                      budget=budget, budget_source=budget_source)
+                      budget=budget, budget_source=budget_source,
+                      sliding_window=getattr(spec, "sliding_window", None))
 
 
 def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -> None:
@@ -157,7 +186,8 @@ def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -
     mem = MemoryPlan(model=plan.model, dtype=plan.dtype, kv_dtype=plan.kv_dtype,
                      weight_bytes=plan.weight_bytes, kv_bytes_per_token=plan.kv_bytes_per_token,
                      max_seq_len=plan.max_seq_len, max_batch_size=plan.max_batch_size,
-                     budget=budget, budget_source=source)
+                     budget=budget, budget_source=source,
+                     sliding_window=getattr(plan, "sliding_window", None))
     if plan.weight_bytes + kv_device_bytes > budget:
         msg = mem.refusal()
         if kv_device_bytes != plan.kv_bytes_total:  # a backend sized its pool otherwise

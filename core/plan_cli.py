@@ -79,7 +79,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({**attrs.asdict(mem), "kv_bytes_per_sequence": mem.kv_bytes_per_sequence,
                           "kv_bytes_total": mem.kv_bytes_total, "total_bytes": mem.total_bytes,
-                          "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits},
+                          "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits,
+                          "max_batch_with_window": mem.max_batch_with_window},
                          indent=2))
     else:
         print(mem)

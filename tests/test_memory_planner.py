@@ -104,3 +104,37 @@ def test_plan_cli_finds_quantizers_by_format_and_name():
         kv_quantizer_for("int4")
     with pytest.raises(PlanError, match="no registered weight quantizer named 'kv-int8'"):
         weight_quantizer_for("kv-int8")  # a K/V quantiser, not a weight one
+
+
+def test_plan_counts_windows_for_sliding_window_models(tmp_path, capsys):
+    from infergraft.core.testing.models import tiny_mistral_config
+
+    # 2 layers x 2 kv heads x 16 dims x 2 (K, V) x 2 bytes = 256 B per token
+    tiny_mistral_config(sliding_window=64).save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path), "--dtype", "float16", "--max-seq-len", "512",
+            "--max-batch-size", "8"]
+    assert main(args + ["--device-memory", "2MiB", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    per_token, weights = got["kv_bytes_per_token"], got["weight_bytes"]
+    assert per_token == 256 and got["sliding_window"] == 64
+    room = 2 * MiB - weights - 512 * per_token  # one prompt at full length, then windows
+    assert got["max_batch_with_window"] == 1 + room // (64 * per_token)
+    assert got["max_batch_with_window"] > 2 * got["max_batch_that_fits"] >= 2
+    assert main(args + ["--device-memory", "2MiB"]) == 0
+    rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["KV per sequence in its window (64 tokens)"].strip() == fmt_bytes(64 * per_token)
+    assert rows["largest batch with windows"].split()[0] == str(got["max_batch_with_window"])
+    tiny_mistral_config(sliding_window=4096).save_pretrained(tmp_path)  # wider than 512
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_batch_with_window"] is None
+
+
+def test_build_refusal_of_a_window_model_says_what_its_windows_allow():
+    from infergraft.core.testing.models import tiny_mistral_config
+
+    hf = random_model(tiny_mistral_config(sliding_window=64), seed=1)
+    with pytest.raises(PlanError, match=r"largest batch of 512-token sequences that fits is "
+                                        r"\d+ \(\d+ with one prompt at full length and the "
+                                        r"rest in their 64-token window\)"):
+        core.build(hf, plugins=["paged"], dtype="float16", device="cpu", max_seq_len=512,
+                   max_batch_size=4096, device_memory="2MiB")
