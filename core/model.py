@@ -116,10 +116,15 @@ class DecoderLayer(nn.Module):
         layer's norms then multiply by ones)."""
         for name, proj in self.NORM_FEEDS:
             if name not in self.folded_norms:
-                norm, lin = getattr(self, name), getattr(self, proj)
-                lin.weight = folded(lin.weight, norm.weight)
-                norm.weight = torch.ones_like(norm.weight)
-                self.folded_norms = self.folded_norms | {name}
+                lin = getattr(self, proj)
+                lin.weight = folded(lin.weight, getattr(self, name).weight)
+                self.mark_norm_folded(name)
+
+    def mark_norm_folded(self, name: str) -> None:
+        """Norm ``name``'s weight now lives in the projection it feeds: it multiplies by ones."""
+        norm = getattr(self, name)
+        norm.weight = torch.ones_like(norm.weight)
+        self.folded_norms = self.folded_norms | {name}
 
     def forward_fused(self, stream, layer_idx, positions, rope, cache, meta, sum_sq,
                       want_next: bool):

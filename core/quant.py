@@ -84,7 +84,11 @@ class SlotPacker:
     by layer in a checkpoint that goes so); ``finish`` sets those norms to ones."""
 
     def __init__(self, quantizer, ops, net, fold_norms: bool):
+        from .model import DecoderLayer
+
         self.quantizer, self.ops, self.net, self.fold_norms = quantizer, ops, net, fold_norms
+        self.feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds
+        self.fed_by = {p: n for n, p in self.feeds.items()}
         self.norms, self.waiting = {}, set()  # (layer, norm) -> weight; (layer, projection)
         self.folded = set()  # (layer, norm) whose weight lives in its packed projection
 
@@ -94,17 +98,16 @@ class SlotPacker:
         return QuantizedLinear(self.quantizer, self.quantizer.pack(weight), bias, self.ops)
 
     def __call__(self, slot, module, weight):
-        from .model import DecoderLayer, Linear, folded
+        from .model import Linear, folded
 
-        feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds
-        fed_by = {p: n for n, p in feeds.items()}
         m = _LAYER_SLOT.match(slot) if self.fold_norms else None
-        proj = m and (feeds.get(m[2]) or (m[2] if m[2] in fed_by else None))
-        if not proj or not self.quantizer.quantizes(f"layers.{m[1]}.{proj}.weight"):
+        name = m and m[2]  # a norm, its projection, or another slot
+        proj = self.feeds.get(name, name if name in self.fed_by else None)
+        if proj is None or not self.quantizer.quantizes(f"layers.{m[1]}.{proj}.weight"):
             quantized = self.quantizer.quantizes(slot) and type(module) is Linear
             return self._packed(weight, module.bias) if quantized else None
-        i, name = int(m[1]), m[2]
-        if name in feeds:  # a norm (installed as loaded until ``finish``)
+        i = int(m[1])
+        if name in self.feeds:  # a norm (installed as loaded until ``finish``)
             self.norms[(i, name)] = weight
             if (i, proj) in self.waiting:  # its projection came first: pack it now
                 self.waiting.discard((i, proj))
@@ -112,7 +115,7 @@ class SlotPacker:
                 setattr(self.net.layers[i], proj, self._packed(folded(lin.weight, weight), lin.bias))
                 self.folded.add((i, name))
             return None
-        norm = fed_by[name]
+        norm = self.fed_by[name]
         if (i, norm) not in self.norms:
             self.waiting.add((i, name))
             return None  # installed unpacked until the norm arrives
@@ -121,11 +124,6 @@ class SlotPacker:
 
     def finish(self) -> None:
         """After loading: norms folded into packed projections become ones."""
-        import torch
-
         assert not self.waiting, f"projections never met their norms: {sorted(self.waiting)}"
         for i, name in self.folded:
-            layer = self.net.layers[i]
-            norm = getattr(layer, name)
-            norm.weight = torch.ones_like(norm.weight)
-            layer.folded_norms = layer.folded_norms | {name}
+            self.net.layers[i].mark_norm_folded(name)
