@@ -130,7 +130,6 @@ class Scheduler:
         and the token budget take them; only the first of a step without ``base`` work
         (a chunk in progress) may be a chunk itself. ``budget``: tokens left for them."""
         admitted, counts = [], []
-        ids, fed = list(base_ids), list(base_counts)
         whole_only = budget is not None
         budget = self.max_prefill_tokens if budget is None else budget
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
@@ -142,14 +141,13 @@ class Scheduler:
             if not self.cache.can_allocate(n):
                 break
             self.cache.allocate(seq.id, n)
-            if not self.cache.can_append(ids + [seq.id], fed + [take]):
+            ids = [*base_ids, *(s.id for s in admitted), seq.id]
+            if not self.cache.can_append(ids, [*base_counts, *counts, take]):
                 self.cache.free(seq.id)  # the step as a whole would not fit
                 break
             self.waiting.popleft()
             seq.status, seq.prefill_left = Status.RUNNING, n
             admitted.append(seq)
-            ids.append(seq.id)
-            fed.append(take)
             counts.append(take)
         if whole_only:
             return admitted, counts
