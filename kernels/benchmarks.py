@@ -123,6 +123,18 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
         del ws
 
 
+def _tile_times(call, tiles) -> list:
+    """(seconds, config) of ``call(config)`` for each config that runs (others run out of
+    shared memory and the like)."""
+    out = []
+    for cfg in tiles:
+        try:
+            out.append((graph_time(lambda: call(cfg), replays=5), cfg))
+        except Exception:
+            continue
+    return out
+
+
 def sweep_fused(m: int = 1, dtype=torch.bfloat16, int8: bool = False) -> None:
     """The fused decode GEMMs (kernels/fused_linear.py) against the kernel chains of the
     plain layer they replace (TB/s of weights; the chains' time counts all their kernels),
@@ -168,16 +180,10 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16, int8: bool = False) -> None:
         tp = graph_time(lambda: plain(next(it)))
         line = (f"{name:20s} M={m}  fused {tf * 1e6:5.1f} us ({nbytes / tf / 1e12:4.2f} TB/s)  "
                 f"plain {tp * 1e6:5.1f} us ({nbytes / tp / 1e12:4.2f} TB/s)")
-        best = []
-        for cfg in tiles:
-            try:
-                best.append((nbytes / graph_time(lambda: fused(next(it), cfg), replays=5) / 1e12, cfg))
-            except Exception:  # out of shared memory etc.
-                continue
-        top = sorted(best, key=lambda b: -b[0])[:3]
+        top = sorted(_tile_times(lambda c: fused(next(it), c), tiles), key=lambda b: b[0])[:3]
         print(line + "  best " + "; ".join(
-            f"{bw:4.2f} {c['BLOCK_N']}x{c['BLOCK_K']}x{c['num_stages']}/{c['num_warps']}w"
-            for bw, c in top), flush=True)
+            f"{nbytes / t / 1e12:4.2f} {c['BLOCK_N']}x{c['BLOCK_K']}x{c['num_stages']}/"
+            f"{c['num_warps']}w" for t, c in top), flush=True)
         del ws
 
 
@@ -192,7 +198,7 @@ def sweep_int8(ms) -> None:
             return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
                     for bm, bn, bk, nw, ns in itertools.product((64, 128), (64, 128), (64, 128),
                                                                 (4, 8), (3, 4))]
-        return [dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk,
+        return [dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=bn, BLOCK_K=bk,
                      num_warps=4, num_stages=ns)
                 for bn, bk, ns in itertools.product((32, 64), (128, 256, 512), (3, 4))]
     for name, (n, k) in LLAMA7B_GEMMS.items():
@@ -203,14 +209,8 @@ def sweep_int8(ms) -> None:
             it, itq = itertools.cycle(ws), itertools.cycle(packed)
             t16 = graph_time(lambda: linear_triton(x, next(it)))
             t8 = graph_time(lambda: int8_linear_triton(x, *next(itq)))
-            best = []
-            for cfg in tiles(m):
-                try:
-                    t = graph_time(lambda: int8_linear_triton(x, *next(itq), config=cfg), replays=5)
-                except Exception:  # out of shared memory etc.
-                    continue
-                best.append((t, cfg))
-            t_best, cfg = min(best, key=lambda b: b[0])
+            t_best, cfg = min(_tile_times(lambda c: int8_linear_triton(x, *next(itq), config=c),
+                                          tiles(m)), key=lambda b: b[0])
             print(f"{name:8s} M={m:2d}  bf16 {t16 * 1e6:6.1f} us "
                   f"({2 * n * k / t16 / 1e12:4.2f} TB/s)"
                   f"  int8 {t8 * 1e6:6.1f} us ({n * k / t8 / 1e12:4.2f} TB/s)  best "
