@@ -187,6 +187,11 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16, int8: bool = False) -> None:
         del ws
 
 
+def _tile_name(seconds: float, cfg: dict) -> str:
+    return (f"{seconds * 1e6:.1f} us {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}x"
+            f"{cfg['num_stages']}/{cfg['num_warps']}w{' swap' if cfg.get('SWAP') else ''}")
+
+
 def sweep_int8(ms) -> None:
     """The int8 weight-only GEMM (kernels/int8_linear.py) against the bf16 skinny GEMM on
     the same shapes: TB/s of the bytes each reads, with a tile sweep."""
@@ -194,10 +199,12 @@ def sweep_int8(ms) -> None:
     from .linear import linear_triton
 
     def tiles(m):
-        if m > 64:  # prefill: square tiles
-            return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-                    for bm, bn, bk, nw, ns in itertools.product((64, 128), (64, 128), (64, 128),
-                                                                (4, 8), (3, 4))]
+        if m > 64:  # prefill: unswapped square tiles, and W as the MMA's register operand
+            return [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)] + [
+                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, SWAP=True)
+                for bm, bn, bk, nw, ns in itertools.product((64, 128, 256), (128, 256), (64, 128),
+                                                            (4, 8), (3, 4))
+                if not (bn == 256 and nw == 4)]
         return [dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=bn, BLOCK_K=bk,
                      num_warps=4, num_stages=ns)
                 for bn, bk, ns in itertools.product((32, 64), (128, 256, 512), (3, 4))]
@@ -209,14 +216,12 @@ def sweep_int8(ms) -> None:
             it, itq = itertools.cycle(ws), itertools.cycle(packed)
             t16 = graph_time(lambda: linear_triton(x, next(it)))
             t8 = graph_time(lambda: int8_linear_triton(x, *next(itq)))
-            t_best, cfg = min(_tile_times(lambda c: int8_linear_triton(x, *next(itq), config=c),
-                                          tiles(m)), key=lambda b: b[0])
+            ranked = sorted(_tile_times(lambda c: int8_linear_triton(x, *next(itq), config=c),
+                                        tiles(m)), key=lambda b: b[0])
             print(f"{name:8s} M={m:2d}  bf16 {t16 * 1e6:6.1f} us "
                   f"({2 * n * k / t16 / 1e12:4.2f} TB/s)"
                   f"  int8 {t8 * 1e6:6.1f} us ({n * k / t8 / 1e12:4.2f} TB/s)  best "
-                  f"{t_best * 1e6:6.1f} us {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}x"
-                  f"{cfg['num_stages']}/{cfg['num_warps']}w",
-                  flush=True)
+                  f"{', '.join(_tile_name(t, c) for t, c in ranked[:4])}", flush=True)
         del ws, packed
 
 

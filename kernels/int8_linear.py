@@ -6,8 +6,12 @@ once a step), widens them to x's dtype in registers (exact: |q| <= 127) and appl
 per-row scale once, in the epilogue, since (x q^T) * s == x (q * s)^T row by row.
 """
 import torch
+import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
+
+
+DEQUANT_MIN_ROWS = 4096  # from here on cuBLAS on the widened weight beats the int8 kernel
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +41,8 @@ if HAVE_TRITON:
     def _int8_linear_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                             stride_xm, stride_qn, stride_ym,
                             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                            PDL: tl.constexpr):
         pdl_wait(PDL)  # as linear.py: dependents launch after the K loop
         # one program per [BLOCK_M, BLOCK_N] output tile
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -46,18 +51,23 @@ if HAVE_TRITON:
         x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]    # [BM, BK]
         q_ptrs = q_ptr + rn[:, None].to(tl.int64) * stride_qn + rk[None, :]    # [BN, BK]
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
+        acc_t = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kmask = (k0 + rk) < K
             x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
             q = tl.load(q_ptrs, mask=(rn[:, None] < N) & kmask[None, :], other=0)
             w = q.to(x.dtype)  # exact: |q| <= 127
-            if IEEE:
+            if SWAP:  # y^T = w x^T: the widened w is the MMA's register operand, x^T from smem
+                acc_t += tl.dot(w, tl.trans(x))                                   # [BN, BM]
+            elif IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")           # [BM, BN]
             else:
                 acc += tl.dot(x, tl.trans(w))
             x_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
         pdl_release(PDL)
+        if SWAP:
+            acc = tl.trans(acc_t)
         nmask = rn < N
         acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
         if HAS_BIAS:
@@ -71,14 +81,22 @@ def int8_config(m: int, n: int, k: int) -> dict:
     long K tiles for the narrow outputs (H200, ``kernels.benchmarks --int8 --m 1,32,512``,
     the best tiles of two sweeps, us at M=1: qkv 17.0 vs bf16 25.7, o 9.3 vs 11.2,
     gate_up 27.1 vs 43.8, down 20.5 vs 24.2; M=32: 25.1 / 13.3 / 38.3 / 30.5 vs bf16
-    29.2 / 14.6 / 46.7 / 27.6). Prefill: square tiles, about half cuBLAS's bf16 speed at
-    M=512 (qkv 129 vs 71 us): TTFT is not what int8 weights are for."""
+    29.2 / 14.6 / 46.7 / 27.6). Prefill (H200, us; bf16 cuBLAS in brackets): M=512 with
+    SWAP qkv 122 vs 145 unswapped (70), o 51 vs 62 (25), gate_up 207 vs 216 (123); at
+    M=1024-2048 unswapped wins (qkv 213 vs 236 at 1024); at M=4096 widening W for cuBLAS
+    (qkv 718 vs 829; down 629 vs 748), see ``int8_linear_triton``."""
     if m <= 64:
         wide, narrow = n >= 16384, n < 8192 and m <= 16  # gate_up, lm_head | o, down
         return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=64 if wide else 32,
                     BLOCK_K=512 if narrow else 256, num_warps=4,
                     num_stages=4 if m > 16 and not wide else 3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if m >= 1024:  # (from DEQUANT_MIN_ROWS on, cuBLAS on the widened weight instead)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    # up to 1023 rows W is the MMA's register operand (SWAP: no trip through shared memory)
+    if n >= 16384:  # gate_up, lm_head
+        return dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SWAP=True)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64 if n >= 8192 else 128, num_warps=8,
+                num_stages=3, SWAP=True)
 
 
 def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None,
@@ -103,7 +121,11 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
+    if m >= DEQUANT_MIN_ROWS and config is None and x.dtype != torch.float32:
+        # compute-bound: W widened once (one pass, rounded to x's dtype) and cuBLAS
+        return F.linear(x2, qweight * scale.to(x.dtype)[:, None], bias).reshape(*lead, n)
     cfg = dict(config or int8_config(m, n, k))
+    cfg["SWAP"] = cfg.get("SWAP", False) and x.dtype != torch.float32  # float32: IEEE dot
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     _int8_linear_kernel[grid](
         x2, qweight, scale, qweight if bias is None else bias, y, m, n, k,
