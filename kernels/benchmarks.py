@@ -6,7 +6,7 @@ per-kernel cost inside a CUDA graph. ``--split 1,32,64`` sweeps split-K (o, down
 unsplit kernel (qkv, gate_up) at those row counts against cuBLAS. ``--fused``: the fused
 decode GEMMs (norm, SwiGLU, residual inside) against the kernels they replace.
 ``--int8``: the int8 weight-only GEMM against bf16, with a tile sweep; ``--fused --int8``:
-the fused decode GEMMs on int8 weights.
+the fused decode GEMMs on int8 weights; ``--int8 --prefill-paths``: the int8 prefill paths.
 """
 from __future__ import annotations
 
@@ -225,6 +225,31 @@ def sweep_int8(ms) -> None:
         del ws, packed
 
 
+def int8_prefill_paths(ms) -> None:
+    """The three int8 prefill paths against bf16 cuBLAS per LLaMA-7B GEMM: the kernel with
+    W as the MMA's register operand (SWAP), unswapped, and cuBLAS on the widened weight
+    (``int8_linear.DEQUANT_MIN_ROWS`` picks the last)."""
+    from . import int8_linear as IL
+
+    unswapped = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    for name, (n, k) in LLAMA7B_GEMMS.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(2)]
+        packed = [IL.quantize_int8(w) for w in ws]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            it, itq = itertools.cycle(ws), itertools.cycle(packed)
+            us = lambda fn: graph_time(fn, replays=5) * 1e6  # noqa: E731
+            swap = dict(IL.int8_config(min(m, 1023), n, k), SWAP=True)
+            t16 = us(lambda: F.linear(x, next(it)))
+            t_swap = us(lambda: IL.int8_linear_triton(x, *next(itq), config=swap))
+            t_plain = us(lambda: IL.int8_linear_triton(x, *next(itq), config=unswapped))
+            widened = lambda q, s: F.linear(x, q * s.to(x.dtype)[:, None])  # noqa: E731
+            t_wide = us(lambda: widened(*next(itq)))
+            print(f"{name:8s} M={m:4d}  bf16 cuBLAS {t16:7.1f} us  int8 SWAP {t_swap:7.1f}  "
+                  f"unswapped {t_plain:7.1f}  widened + cuBLAS {t_wide:7.1f}", flush=True)
+        del ws, packed
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default=None, help="rows (default 1,8,32,64; --fused: 1)")
@@ -233,11 +258,16 @@ def main(argv=None) -> int:
     p.add_argument("--fused", action="store_true", help="fused decode GEMMs vs unfused")
     p.add_argument("--int8", action="store_true",
                    help="int8 weight-only GEMM vs bf16 (with --fused: the fused GEMMs on int8)")
+    p.add_argument("--prefill-paths", action="store_true",
+                   help="with --int8: SWAP / unswapped / widened + cuBLAS at prefill rows")
     a = p.parse_args(argv)
     kernel_gap()
     if a.fused:  # with --int8: the fused GEMMs on int8 weights
         for m in (a.m or "1").split(","):
             sweep_fused(int(m), int8=a.int8)
+        return 0
+    if a.int8 and a.prefill_paths:
+        int8_prefill_paths([int(m) for m in (a.m or "512,1024,2048,4096").split(",")])
         return 0
     if a.int8:
         sweep_int8([int(m) for m in (a.m or "1,8,32").split(",")])
