@@ -25,6 +25,7 @@ OPS = {
     "kv_write": "kv_write",
     "linear": "linear",
     "linear_partials": "linear",
+    "lm_head": "linear",
     "normed_linear": "fused_linear",
     "normed_swiglu": "fused_linear",
     "normed_qkv_rope": "fused_linear",
