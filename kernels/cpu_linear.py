@@ -14,10 +14,15 @@ import torch.nn.functional as F
 MAX_ROWS = 8  # from 16 rows on MKL's own threading is as fast (measured, 2 cores)
 
 
+MIN_BLOCK_ROWS = 64  # smaller blocks cost more in batching than their threads gain
+
+
 def blocks(n_out: int) -> int:
-    """Row blocks for an [n_out, K] weight: two per intra-op thread (1 = no split)."""
+    """Row blocks for an [n_out, K] weight: two per intra-op thread, of at least
+    MIN_BLOCK_ROWS rows (1 = no split)."""
     threads = torch.get_num_threads()
-    return 1 if threads < 2 or n_out < 4 * threads else 2 * threads
+    t = min(2 * threads, n_out // MIN_BLOCK_ROWS)
+    return t if threads >= 2 and t >= 2 else 1
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

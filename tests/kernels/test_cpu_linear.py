@@ -15,7 +15,7 @@ def threads():
 
 
 @pytest.mark.parametrize("lead", [(1,), (3,), (8,), (2, 4)])
-@pytest.mark.parametrize("n", [64, 70, 4099])  # divisible by the 4 blocks, and not
+@pytest.mark.parametrize("n", [256, 300, 4099])  # divisible by the 4 blocks, and not
 @pytest.mark.parametrize("bias", [False, True])
 def test_row_blocks_match_f_linear(threads, lead, n, bias):
     threads(2)
@@ -34,14 +34,16 @@ def test_where_it_does_not_apply_it_is_f_linear(threads):
     """More than MAX_ROWS rows, one thread, 16-bit, a strided weight, a tiny weight: F.linear
     itself (bit for bit)."""
     threads(2)
-    w = torch.randn(64, 32)
+    w = torch.randn(256, 32)
     cases = [(torch.randn(C.MAX_ROWS + 1, 32), w), (torch.randn(2, 32).half(), w.half()),
-             (torch.randn(2, 64), w.t()), (torch.randn(2, 32), w[:6])]
+             (torch.randn(2, 256), w.t()), (torch.randn(2, 32), w[:2 * C.MIN_BLOCK_ROWS - 1])]
     for x, weight in cases:
         assert not C.applies(x, weight)
         assert torch.equal(C.linear_cpu(x, weight), F.linear(x, weight))
     threads(1)
-    assert not C.applies(torch.randn(1, 32), w) and C.blocks(64) == 1
+    assert not C.applies(torch.randn(1, 32), w) and C.blocks(256) == 1
+    threads(64)  # many threads: blocks stay MIN_BLOCK_ROWS long or longer
+    assert C.blocks(576) == 576 // C.MIN_BLOCK_ROWS and C.blocks(49152) == 128
 
 
 def test_lm_head_reference_takes_the_row_blocks(threads):
