@@ -1,19 +1,22 @@
-"""Few-row float32 linear on the CPU, the weight's row blocks spread over the threads.
+"""float32 linear on the CPU: row blocks over the threads at a few rows, oneDNN above.
 
-At decode (a few rows) MKL's float32 GEMM reads the weight on one thread: SmolLM2's
-113 MB LM head takes 7.1 ms on one thread and 7.3 on two, ~15 GB/s where two cores
-stream ~50. Cut into row blocks and handed to one batched GEMM, the blocks run on the
-intra-op threads: 1.7-2.5 ms (``docs/BENCHMARKS.md``, CPU). Each output is the same
-K-long float32 dot product; only which thread computes it changes.
+torch's float32 ``F.linear`` is MKL's GEMM. At a few rows it reads the weight on one
+thread: SmolLM2's 113 MB LM head takes 7.1 ms on one thread and 7.3 on two, ~15 GB/s where
+two cores stream ~50. Cut into row blocks and handed to one batched GEMM, the blocks run
+on the intra-op threads: 1.7-2.5 ms. From 5 rows on, oneDNN's GEMM (the op inductor uses
+on the CPU, on the same dense weight) is the faster: SmolLM2's 30 layers at 8 / 64 / 256
+rows 19.4 / 53.8 / 133 ms against MKL's 39.4 / 110 / 318 (``docs/BENCHMARKS.md``, CPU).
+Each output is the same K-long float32 dot product summed in another order (about 1e-6
+relative to MKL's).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 8  # from 16 rows on MKL's own threading is as fast (measured, 2 cores)
-
-
+MAX_BLOCK_ROWS = 4  # row blocks up to here (1-4 rows: 8.8-14.2 ms vs oneDNN's 14.8-16.7)
 MIN_BLOCK_ROWS = 64  # smaller blocks cost more in batching than their threads gain
 
 
@@ -25,20 +28,36 @@ def blocks(n_out: int) -> int:
     return t if threads >= 2 and t >= 2 else 1
 
 
+@functools.cache
+def onednn_available() -> bool:
+    """oneDNN's linear runs here (x86 builds; not every platform's torch has it)."""
+    try:
+        x, w = torch.ones(1, 8), torch.ones(4, 8)
+        return torch.backends.mkldnn.is_available() and bool(
+            (torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") == 8).all())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    rows = x.numel() // max(1, x.shape[-1])
+    """float32 on the CPU with a contiguous [N, K] weight: one of the two paths below."""
     return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 \
-        and 0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.is_contiguous() \
-        and blocks(weight.shape[0]) > 1
+        and weight.dim() == 2 and weight.is_contiguous() and x.numel() > 0
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``F.linear`` for float32 x with few rows (``applies``), else ``F.linear`` itself."""
+    """``F.linear``: row blocks at <= MAX_BLOCK_ROWS rows (where they split), oneDNN above,
+    ``F.linear`` itself where neither applies."""
     if not applies(x, weight):
         return F.linear(x, weight, bias)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     m, t = x2.shape[0], blocks(n)
+    if m > MAX_BLOCK_ROWS or t == 1:
+        if not onednn_available():
+            return F.linear(x, weight, bias)
+        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), weight, bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], n)
     main = n - n % t
     # weight rows [t, main / t, K] x x^T [t, K, M] -> [t, main / t, M] -> [M, main]
     y = torch.bmm(weight[:main].view(t, main // t, k), x2.t().expand(t, k, m))
