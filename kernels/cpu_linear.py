@@ -68,3 +68,24 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor
     if bias is not None:
         y += bias
     return y.reshape(*x.shape[:-1], n)
+
+
+INT8_CHUNK_BYTES = 4 << 20  # widened int8 rows per GEMM: a chunk that stays in cache
+
+
+def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias=None) -> torch.Tensor:
+    """(x q^T) * s (+ b) in float32, as ``int8_linear_torch``: the int8 rows widened a
+    cache-sized chunk at a time (the whole weight widened at once is 4x its bytes
+    written and read again: SmolLM2 int8 decode 21.7 vs 33-45 ms a step, one process)."""
+    n, k = qweight.shape
+    x2 = x.reshape(-1, k).float()
+    rows = max(MIN_BLOCK_ROWS, INT8_CHUNK_BYTES // (4 * max(1, k)))
+    y = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    for r0 in range(0, n, rows):  # [M, K] x [rows, K]^T -> [M, rows]
+        y[:, r0:r0 + rows] = linear_cpu(x2, qweight[r0:r0 + rows].float())
+    y *= scale
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+

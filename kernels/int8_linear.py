@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
+from .cpu_linear import int8_linear_cpu
 
 
 DEQUANT_MIN_ROWS = 4096  # from here on cuBLAS on the widened weight beats the int8 kernel
@@ -29,6 +30,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                       bias=None) -> torch.Tensor:
     # x: [M, K], qweight: [N, K] int8, scale: [N] float32, bias: [N] -> [M, N] in x's dtype
+    if x.device.type == "cpu":
+        return int8_linear_cpu(x, qweight, scale, bias)
     y = torch.nn.functional.linear(x.float(), qweight.float()) * scale
     if bias is not None:
         y = y + bias.float()

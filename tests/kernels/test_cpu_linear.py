@@ -77,3 +77,21 @@ def test_lm_head_reference_takes_the_cpu_paths(threads):
     for rows in (3, 12):
         x, w = torch.randn(rows, 40), torch.randn(1000, 40)
         torch.testing.assert_close(lm_head_torch(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lead", [(1,), (2, 3), (70,)])
+def test_int8_chunks_equal_the_whole_weight_widened(threads, monkeypatch, dt, lead):
+    """int8 rows widened a chunk at a time (here 64 rows: 5 chunks, the last short) give
+    (x q^T) * s + b in float32, rounded to x's dtype, as the whole weight widened does."""
+    from infergraft.kernels.int8_linear import int8_linear_torch, quantize_int8
+
+    threads(2)
+    monkeypatch.setattr(C, "INT8_CHUNK_BYTES", 64 * 4 * 48)
+    g = torch.Generator().manual_seed(len(lead))
+    q, s = quantize_int8(torch.randn(300, 48, generator=g))
+    x, b = torch.randn(*lead, 48, generator=g).to(dt), torch.randn(300, generator=g).to(dt)
+    want = (F.linear(x.float(), q.float()) * s + b.float()).to(dt)
+    for got in (C.int8_linear_cpu(x, q, s, b), int8_linear_torch(x, q, s, b)):
+        assert got.shape == (*lead, 300) and got.dtype == dt
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
