@@ -7,7 +7,7 @@ on the intra-op threads: 1.7-2.5 ms. From 5 rows on, oneDNN's GEMM (the op induc
 on the CPU, on the same dense weight) is the faster: SmolLM2's 30 layers at 8 / 64 / 256
 rows 19.4 / 53.8 / 133 ms against MKL's 39.4 / 110 / 318 (``docs/BENCHMARKS.md``, CPU).
 Each output is the same K-long float32 dot product summed in another order (about 1e-6
-relative to MKL's).
+relative to MKL's). ``int8_linear_cpu`` feeds int8 rows into it, widened chunk by chunk.
 """
 from __future__ import annotations
 
