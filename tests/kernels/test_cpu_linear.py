@@ -50,14 +50,18 @@ def test_onednn_is_found_on_x86():
 
 
 def test_where_neither_path_applies_it_is_f_linear(threads, monkeypatch):
-    """16-bit, a strided weight, no oneDNN: F.linear itself, bit for bit."""
+    """16-bit, a strided weight, oneDNN switched off or missing: F.linear itself, bit for
+    bit."""
     threads(2)
     w = torch.randn(256, 32)
     for x, weight in ((torch.randn(2, 32).half(), w.half()), (torch.randn(2, 256), w.t())):
         assert not C.applies(x, weight)
         assert torch.equal(C.linear_cpu(x, weight), F.linear(x, weight))
-    monkeypatch.setattr(C, "onednn_available", lambda: False)
     x = torch.randn(9, 32)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # the user's switch
+    assert torch.equal(C.linear_cpu(x, w), F.linear(x, w))
+    monkeypatch.undo()
+    monkeypatch.setattr(C, "onednn_available", lambda: False)
     assert torch.equal(C.linear_cpu(x, w), F.linear(x, w))
 
 
