@@ -245,8 +245,7 @@ class DecoderModel(nn.Module):
             h = h[..., logits_index, :]
             residual = None if residual is None else residual[logits_index]
         x, _ = self.final_norm(h, residual)
-        lm_head = getattr(self.ops, "lm_head", F.linear)  # ops namespaces without one
-        return lm_head(x, self.lm_head_weight).float()  # [n, V]
+        return self.ops.lm_head(x, self.lm_head_weight).float()  # [n, V]
 
 
 def folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,11 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
         del ws
 
 
+def _tiles_str(cfg: dict) -> str:
+    # BLOCK_N x BLOCK_K x stages / warps, e.g. 32x512x4/4w
+    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}x{cfg['num_stages']}/{cfg['num_warps']}w"
+
+
 def _tile_times(call, tiles) -> list:
     """(seconds, config) of ``call(config)`` for each config that runs (others run out of
     shared memory and the like)."""
@@ -182,14 +187,13 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16, int8: bool = False) -> None:
                 f"plain {tp * 1e6:5.1f} us ({nbytes / tp / 1e12:4.2f} TB/s)")
         top = sorted(_tile_times(lambda c: fused(next(it), c), tiles), key=lambda b: b[0])[:3]
         print(line + "  best " + "; ".join(
-            f"{nbytes / t / 1e12:4.2f} {c['BLOCK_N']}x{c['BLOCK_K']}x{c['num_stages']}/"
-            f"{c['num_warps']}w" for t, c in top), flush=True)
+            f"{nbytes / t / 1e12:4.2f} {_tiles_str(c)}" for t, c in top), flush=True)
         del ws
 
 
 def _tile_name(seconds: float, cfg: dict) -> str:
-    return (f"{seconds * 1e6:.1f} us {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}x"
-            f"{cfg['num_stages']}/{cfg['num_warps']}w{' swap' if cfg.get('SWAP') else ''}")
+    return (f"{seconds * 1e6:.1f} us {cfg['BLOCK_M']}x{_tiles_str(cfg)}"
+            f"{' swap' if cfg.get('SWAP') else ''}")
 
 
 def sweep_int8(ms) -> None:

@@ -33,8 +33,8 @@ LATE_PDL_RELEASE = os.environ.get("INFERGRAFT_PDL_LATE", "1") == "1"
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    # x: [M, K], weight: [N, K], bias: [N] -> [M, N]; few float32 rows on the CPU: the
-    # weight's row blocks on all threads (MKL reads it on one there)
+    # x: [M, K], weight: [N, K], bias: [N] -> [M, N]; float32 on the CPU spread over the
+    # threads (cpu_linear: row blocks at a few rows, oneDNN above), else F.linear
     return linear_cpu(x, weight, bias)
 
 
@@ -253,8 +253,8 @@ def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
 
 
 def lm_head_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # x: [n, H], weight: [V, H] -> [n, V]; on the CPU the weight's row blocks on all threads
-    return linear_cpu(x, weight)
+    # x: [n, H], weight: [V, H] -> [n, V]: the projections' linear
+    return linear_torch(x, weight)
 
 
 def lm_head_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,10 @@ packed as the checkpoint streams in and multiplied by ``ops.int8_linear``, which
 the int8 tiles in registers: decode reads about half the bytes of bf16. Embeddings, the
 lm_head and norms stay in the model dtype. Where the fused decode layer runs (Triton,
 16-bit), ``core.quant.SlotPacker`` folds each RMSNorm weight into its projection before
-packing, and the fused GEMMs read the int8 rows and scales (``int8_rows``). On the CPU the torch reference widens every weight at every call: slower than float
-there; the format is for GPU decode, where the weight bytes bound the step.
+packing, and the fused GEMMs read the int8 rows and scales (``int8_rows``). On the CPU
+the rows are widened to float32 a cache-sized chunk at a time (``cpu_linear``): float32's
+speed with half its weight bytes; the format is for GPU decode, where the weight bytes
+bound the step.
 """
 from __future__ import annotations
 
