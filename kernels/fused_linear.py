@@ -27,6 +27,7 @@ import torch
 
 from ._triton import HAVE_TRITON, next_pow2, triton
 from .int8_linear import int8_linear_torch, int8_linear_triton
+from .gemv import GEMV_ON, gemv_config
 from .linear import check_gemm, launch_gemm, linear_torch, skinny_config
 from .kv_write import _check_kv_write
 from .rotary import _check_rotary, rotary_kv_write_torch, rotary_kv_write_triton
@@ -109,17 +110,19 @@ def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
     m, k = x.shape
     n = weight.shape[0]
     y = _output(x, weight, bias, scale, n)
-    cfg = _tiles(config, skinny_config(m, n, k), scale)
+    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), scale)
     launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, sum_sq=sum_sq,
                 eps=eps, w_scale=scale)
     return y
 
 
-def swiglu_config(m: int, i: int, k: int) -> dict:
+def swiglu_config(m: int, i: int, k: int, gemv: bool = True) -> dict:
     """Two [BN, BK] weight tiles (gate and up) per step: at M <= 16 the bytes per stage of
     the unfused gate_up's [64, 128] tiles (H200 sweep: 3.99 TB/s at M=1); above, twice as
     wide, so each column tile re-reads x from L2 half as often (M=32: 3.79 vs 3.59 TB/s
     alone, decode step at batch 32 6.31 vs 6.53 ms, same call)."""
+    if m == 1 and gemv and GEMV_ON:  # one row: kernels/gemv.py's register loop
+        return gemv_config("swiglu")
     return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=32 if m <= 16 else 64, BLOCK_K=128,
                 num_warps=4, num_stages=3)
 
@@ -132,7 +135,7 @@ def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
     m, k = x.shape
     i = weight.shape[0] // 2
     y = _output(x, weight, bias, scale, i)
-    cfg = _tiles(config, swiglu_config(m, i, k), scale)
+    cfg = _tiles(config, swiglu_config(m, i, k, gemv=scale is None), scale)
     launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i,
                 sum_sq=sum_sq, eps=eps, w_scale=scale)
     return y
@@ -148,7 +151,7 @@ def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scal
     if not _fusable(x, weight, scale):
         return _with_sum_sq(_gemm(x, weight, bias, scale) + residual, sum_sq)
     y = _output(x, weight, bias, scale, n)
-    cfg = _tiles(config, skinny_config(m, n, k), scale)
+    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), scale)
     programs = triton.cdiv(n, cfg["BLOCK_N"])
     parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
     launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts,
@@ -179,9 +182,12 @@ def normed_qkv_rope_torch(x, weight, bias, sum_sq, eps, cos, sin, positions, num
 QKV_ROPE_MAX_ROWS = int(os.environ.get("INFERGRAFT_QKV_ROPE_MAX_ROWS", "16"))
 
 
-def qkv_rope_config(m: int, half: int, k: int) -> dict:
+def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
     """Two [BN, BK] tiles a step (dims and their rotate-half partners), from the same
     in-model A/B at batch 1: 32 x 128 x 4 stages 3.70 ms, x 3 stages 3.73, 16 x 128 3.85."""
+    if m == 1 and gemv and GEMV_ON:  # one row: kernels/gemv.py's register loop
+        cfg = gemv_config("qkv_rope")
+        return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], half))
     return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=min(32, half), BLOCK_K=128, num_warps=4,
                 num_stages=4 if m <= 16 else 3)
 
@@ -197,7 +203,7 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     half = cos.shape[1]
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \
         f"qkv weight has {weight.shape[0]} rows, not (Hq={num_heads} + 2 Hkv={hkv}) x D={d}"
-    cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1]), scale)
+    cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1], gemv=scale is None), scale)
     if not (_fusable(x, weight, scale) and x.shape[0] <= QKV_ROPE_MAX_ROWS and 2 * half == d
             and half % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16
             and k_cache.dtype == v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride()):

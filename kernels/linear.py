@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .cpu_linear import linear_cpu
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
+from .gemv import GEMV_ON, gemv_config, gemv_dot
 from .rotary import rope_pair_store
 
 # above this many rows cuBLAS streams the weights as fast (H200 sweep); an A/B knob
@@ -50,10 +51,8 @@ if HAVE_TRITON:
                             BLOCK_P: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
                             RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                            LATE_RELEASE: tl.constexpr):
-        pdl_wait(PDL)
-        if not LATE_RELEASE:
-            pdl_release(PDL)
+                            LATE_RELEASE: tl.constexpr, GEMV: tl.constexpr = False,
+                            DEPTH: tl.constexpr = 1, EARLY: tl.constexpr = False):
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
         # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
         # Fusions (kernels/fused_linear.py), all outside the loop, whose operands stay
@@ -76,28 +75,35 @@ if HAVE_TRITON:
             rn = head * 2 * UP_ROWS + j0 + tl.arange(0, BLOCK_N)
         else:
             rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]                # [BM, BK]
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]   # [BN, BK]
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
-        acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kmask = (k0 + rk) < k_hi
-            wmask = (rn[:, None] < N) & kmask[None, :]
-            x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=wmask, other=0.0)
-            if W_SCALE:  # int8 -> x's dtype, exact (|q| <= 127); the scales wait for the epilogue
-                w = w.to(x.dtype)
-            acc += tl.dot(x, tl.trans(w))                                       # [BM, BN]
-            if SWIGLU or ROPE:
-                wu = tl.load(w_ptrs + UP_ROWS * stride_wn, mask=wmask, other=0.0)
-                if W_SCALE:
-                    wu = wu.to(x.dtype)
-                acc_up += tl.dot(x, tl.trans(wu))                               # [BM, BN]
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        if LATE_RELEASE:
-            pdl_release(PDL)
+        if GEMV:  # one row, one split: W in registers, first tiles before the PDL wait
+            acc, acc_up = gemv_dot(x_ptr, w_ptr, rn, N, K, stride_wn, UP_ROWS, SWIGLU or ROPE,
+                                   BLOCK_K, DEPTH, EARLY, PDL)                  # [1, BN]
+        else:
+            pdl_wait(PDL)
+            if not LATE_RELEASE:
+                pdl_release(PDL)
+            rk = tl.arange(0, BLOCK_K)
+            x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]            # [BM, BK]
+            w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]  # [BN, BK]
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
+            acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                kmask = (k0 + rk) < k_hi
+                wmask = (rn[:, None] < N) & kmask[None, :]
+                x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=wmask, other=0.0)
+                if W_SCALE:  # int8 -> x's dtype, exact (|q| <= 127); scales in the epilogue
+                    w = w.to(x.dtype)
+                acc += tl.dot(x, tl.trans(w))                                   # [BM, BN]
+                if SWIGLU or ROPE:
+                    wu = tl.load(w_ptrs + UP_ROWS * stride_wn, mask=wmask, other=0.0)
+                    if W_SCALE:
+                        wu = wu.to(x.dtype)
+                    acc_up += tl.dot(x, tl.trans(wu))                           # [BM, BN]
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            if LATE_RELEASE:
+                pdl_release(PDL)
         rmask = rm < M
         if W_SCALE:  # each column's weight-row scale; acc_up's rows sit UP_ROWS below
             acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
@@ -139,10 +145,13 @@ if HAVE_TRITON:
             tl.store(ss_out_ptr + pid * M + rm, tl.sum(yf * yf, axis=1), mask=rmask)
 
 
-def skinny_config(m: int, n: int, k: int) -> dict:
+def skinny_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
     """Tiles and pipelining for [M, K] x [N, K]^T, from a sweep on an H200 at M=1 over the
     LLaMA-7B decode GEMMs (kernels/benchmarks.py): wide N likes wide tiles, narrow N
-    (few programs) likes long K tiles to keep enough bytes in flight per SM."""
+    (few programs) likes long K tiles to keep enough bytes in flight per SM. One row
+    (``gemv``) takes the register loop of kernels/gemv.py."""
+    if m == 1 and gemv and GEMV_ON:
+        return gemv_config("wide" if n >= 8192 else "o" if k <= 4096 else "down")
     block_m = max(16, next_pow2(m))
     if n >= 16384:  # gate_up, lm_head: 4.1-4.2 TB/s (M=32: 3.85 with 64-wide K tiles)
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if m <= 16 else 64, num_warps=4,
@@ -170,7 +179,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
     n = weight.shape[0]
     check_gemm(x, weight, bias)
     assert 0 < m <= MAX_ROWS, f"skinny GEMM takes 1..{MAX_ROWS} rows, got {m}"
-    cfg = dict(config or skinny_config(m, n, k))
+    cfg = dict(config or skinny_config(m, n, k, gemv=split_k == 1))
     if split_k > 1:  # whole K tiles per split; splits past K are dropped
         block_k = cfg["BLOCK_K"]
         k_split = -(-k // split_k // block_k) * block_k
@@ -210,6 +219,7 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
     ``rope`` = (positions, cos, sin, idx0, idx1, k_cache, v_cache, Hq, Hkv) with
     ``up_rows`` = D / 2: the decode qkv projection, y = rotated q [M, Hq * D])."""
     m, k = x.shape
+    assert not cfg.get("GEMV") or (m == 1 and grid[1] == 1), "the GEMV loop takes one row, unsplit"
     unused = weight  # a valid pointer for the inputs a variant never reads
     pos, cos, sin, idx0, idx1, kc, vc, hq, hkv = rope or (unused,) * 7 + (0, 0)
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from infergraft.kernels import fused_linear as FL
+from infergraft.kernels.gemv import gemv_config
 from infergraft.kernels.int8_linear import quantize_int8
 
 from .tolerances import TOLERANCES
@@ -35,9 +36,16 @@ def _weight(randn, n, k, dtype, int8, mul):
     return q, s, q.float() * s[:, None]
 
 
+def _gemv_cfgs(m):
+    """At one row, the register loop (kernels/gemv.py) with small tiles, at both depths."""
+    return [dict(gemv_config("o"), BLOCK_N=16, BLOCK_K=32, DEPTH=depth, EARLY=depth == 1)
+            for depth in (1, 2)] if m == 1 else []
+
+
 def _configs(m, int8):
-    """Small tiles (several K and column tiles); int8 weights also the default tiles."""
-    return (_cfg(m), None) if int8 else (_cfg(m),)
+    """Small tiles (several K and column tiles); int8 weights also the default tiles; one
+    row also the register loop."""
+    return ((_cfg(m), None) if int8 else (_cfg(m),)) + tuple(_gemv_cfgs(m))
 
 
 def _close(out, ref32, what):
@@ -217,3 +225,16 @@ def test_int8_bad_scales_are_rejected(device, randn):
     many = randn(FL.FUSE_MAX_ROWS + 1, 32, dtype=dt)  # the int8 GEMM's own check
     with pytest.raises(AssertionError, match=r"scale must be contiguous float32 \[48\], got \(47,\)"):
         FL.normed_linear_triton(many, q, None, _sum_sq_parts(many, 1), 1e-6, s[:47])
+
+
+def test_one_row_takes_the_register_loop_by_default():
+    """The default tiles at M=1 (16-bit weights) are the GEMV loop's; more rows, int8
+    weights (slower there: H200 batch 1 3.17 vs 3.03 ms) and split-K keep the tensor-core
+    tiles."""
+    from infergraft.kernels import linear as L
+    assert L.skinny_config(1, 4096, 4096).get("GEMV") is True
+    assert FL.swiglu_config(1, 11008, 4096).get("GEMV") is True
+    assert FL.qkv_rope_config(1, 64, 4096).get("GEMV") is True
+    for cfg in (L.skinny_config(2, 4096, 4096), L.skinny_config(1, 4096, 4096, gemv=False),
+                FL.swiglu_config(1, 11008, 4096, gemv=False), FL.qkv_rope_config(3, 64, 4096)):
+        assert not cfg.get("GEMV") and cfg["BLOCK_M"] >= 16

@@ -5,7 +5,9 @@ import torch
 from infergraft.kernels.linear import (MAX_ROWS, MAX_SKINNY_M, linear_partials_triton,
                                       linear_torch, linear_triton, skinny_gemm)
 
-from .tolerances import assert_close
+from infergraft.kernels.gemv import gemv_config
+
+from .tolerances import TOLERANCES, assert_close
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 72), (3, 17, 300), (16, 64, 96), (11, 33, 129)])
@@ -20,6 +22,23 @@ def test_skinny_gemm_matches_reference(device, dtype, randn, poisoned_empty, m, 
                                            BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2))
     assert out.shape == (m, n)
     assert_close(out, ref, f"M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("n,k", [(40, 72), (33, 300), (8, 16)])
+@pytest.mark.parametrize("depth,early", [(1, True), (2, False)])
+def test_one_row_register_loop_matches_reference(device, dtype, randn, poisoned_empty, n, k,
+                                                 depth, early):
+    """kernels/gemv.py's loop (FMAs in float32, so float32 on CUDA too): several K tiles,
+    a partial last one, fewer K than one tile, N not a multiple of the tile."""
+    x, w = randn(1, k, dtype=dtype), randn(n, k, dtype=dtype) / k ** 0.5
+    b = randn(n, dtype=dtype)
+    ref = linear_torch(x.float(), w.float(), b.float()).to(dtype)
+    cfg = dict(gemv_config("down"), BLOCK_N=16, BLOCK_K=32, DEPTH=depth, EARLY=early)
+    out = skinny_gemm(x, w, b, config=cfg)
+    assert out.shape == (1, n)
+    assert_close(out, ref, f"N={n} K={k} {cfg}")
+    assert skinny_gemm(x, w, b).shape == (1, n)  # the default one-row tiles
+    torch.testing.assert_close(skinny_gemm(x, w, b), ref, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("m,n,k,split", [(1, 40, 300, 3), (5, 17, 128, 4), (33, 24, 96, 2),

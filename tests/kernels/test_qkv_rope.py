@@ -8,7 +8,7 @@ from infergraft.kernels import fused_linear as FL
 from infergraft.kernels.int8_linear import quantize_int8
 from infergraft.kernels.rotary import rotary_kv_write_torch
 
-from .test_fused_linear import _sum_sq_parts, _weight, fuse_fp32  # noqa: F401 (fixture)
+from .test_fused_linear import _gemv_cfgs, _sum_sq_parts, _weight, fuse_fp32  # noqa: F401 (fixture)
 from .test_rotary import MAX_POS, _cos_sin
 from .tolerances import TOLERANCES
 
@@ -54,7 +54,7 @@ def test_qkv_rope_matches_the_composition(device, dtype, randn, gen, poisoned_em
     x0 = x.clone()
     cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=16, BLOCK_K=32, num_warps=4,
                num_stages=2)  # several column and K tiles; int8 weights also the defaults
-    for config in ((cfg, None) if int8 else (cfg,)):
+    for config in ((cfg, None) if int8 else (cfg,)) + tuple(_gemv_cfgs(m)):
         caches = [torch.full((BLOCKS, BS, hkv, d), -3.25, dtype=dtype, device=device)
                   for _ in range(4)]
         q = FL.normed_qkv_rope_triton(x, w, b, ss, 1e-5, cos, sin, positions, hq, caches[0],

@@ -1,0 +1,102 @@
+"""The skinny GEMM's one-row loop (batch-1 decode): W tiles in registers, CUDA-core FMAs.
+
+At one row a tensor-core tile pads x to 16 rows and stages W through shared memory: the
+o / down tiles took 192 KB of it, so under programmatic dependent launch (PDL) the next
+kernel's CTAs could not become resident until this kernel's had left, and every launch
+began with an idle memory pipe. Here W goes straight to registers, so the next kernel's
+CTAs sit beside this one's, and each requests its first tiles *before* its PDL wait:
+weights depend on no earlier kernel, so those bytes arrive while the previous kernel
+finishes. H200, chains of 32 LLaMA-7B decode GEMMs in a CUDA graph (``.gpusnap``-style
+experiment, session 9): o 10.72 -> 9.95 us, qkv 24.9 -> 23.7, gate_up 42.6 -> 41.9.
+"""
+import os
+
+from ._triton import HAVE_TRITON, pdl_release, pdl_wait, tl, triton
+
+# one-row GEMMs take this loop (an A/B knob: INFERGRAFT_GEMV=0 for the tensor-core tiles)
+GEMV_ON = os.environ.get("INFERGRAFT_GEMV", "1") == "1"
+
+# tiles per decode GEMM at one row (BLOCK_N rows of W per program, paired kinds take
+# BLOCK_N more: SwiGLU's up rows, RoPE's rotate-half partners); DEPTH tiles in flight;
+# EARLY: dependents may launch at the start (no shared memory to hold them back)
+GEMV_TILES = {  # in-model coordinate sweep, H200, LLaMA-7B shape, batch 1 (session 9)
+    "wide": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, DEPTH=1, EARLY=True),     # N >= 8192
+    "o": dict(BLOCK_N=16, BLOCK_K=512, num_warps=8, DEPTH=1, EARLY=True),        # K <= 4096
+    "down": dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, DEPTH=1, EARLY=True),      # K > 4096
+    "swiglu": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, DEPTH=1, EARLY=True),
+    "qkv_rope": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, DEPTH=1, EARLY=False),
+}
+
+
+def gemv_config(kind: str) -> dict:
+    """Meta-parameters of ``_skinny_gemm_kernel``'s one-row loop for a decode GEMM kind."""
+    return dict(GEMV_TILES[kind], BLOCK_M=1, GEMV=True, num_stages=1)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def gemv_dot(x_ptr, w_ptr, rn, N, K, stride_wn, UP_ROWS, PAIRED: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, EARLY: tl.constexpr,
+                 PDL: tl.constexpr):
+        """x [1, K] times W's rows rn (and, PAIRED, rows rn + UP_ROWS) -> two [1, BN]
+        float32. Waits for the previous kernel (PDL) only after requesting its first
+        DEPTH tiles; keeps DEPTH tiles in flight by hand (num_stages=1: no smem)."""
+        rk = tl.arange(0, BLOCK_K)
+        nmask = (rn < N)[:, None]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]     # [BN, BK]
+        u_ptrs = w_ptrs + UP_ROWS * stride_wn
+        wa = tl.load(w_ptrs, mask=nmask & (rk < K)[None, :], other=0.0)
+        ua = wa
+        if PAIRED:
+            ua = tl.load(u_ptrs, mask=nmask & (rk < K)[None, :], other=0.0)
+        if DEPTH == 2:
+            kb = (BLOCK_K + rk) < K
+            wb = tl.load(w_ptrs + BLOCK_K, mask=nmask & kb[None, :], other=0.0)
+            ub = wb
+            if PAIRED:
+                ub = tl.load(u_ptrs + BLOCK_K, mask=nmask & kb[None, :], other=0.0)
+        pdl_wait(PDL)
+        if EARLY:
+            pdl_release(PDL)
+        xa = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
+        if DEPTH == 2:
+            xb = tl.load(x_ptr + BLOCK_K + rk, mask=kb, other=0.0)
+        acc = tl.full(wa.shape, 0.0, tl.float32)                                 # [BN, BK]
+        acc_up = tl.full(wa.shape, 0.0, tl.float32)
+        for k0 in range(DEPTH * BLOCK_K, K, BLOCK_K):
+            kmask = (k0 + rk) < K
+            wc = tl.load(w_ptrs + k0, mask=nmask & kmask[None, :], other=0.0)
+            uc = wc
+            if PAIRED:
+                uc = tl.load(u_ptrs + k0, mask=nmask & kmask[None, :], other=0.0)
+            xc = tl.load(x_ptr + k0 + rk, mask=kmask, other=0.0)
+            xf = xa.to(tl.float32)[None, :]
+            acc += wa.to(tl.float32) * xf
+            if PAIRED:
+                acc_up += ua.to(tl.float32) * xf
+            if DEPTH == 2:  # rotate the tiles in flight
+                wa = wb
+                ua = ub
+                xa = xb
+                wb = wc
+                ub = uc
+                xb = xc
+            else:
+                wa = wc
+                ua = uc
+                xa = xc
+        xf = xa.to(tl.float32)[None, :]
+        acc += wa.to(tl.float32) * xf
+        if PAIRED:
+            acc_up += ua.to(tl.float32) * xf
+        if DEPTH == 2:
+            xf = xb.to(tl.float32)[None, :]
+            acc += wb.to(tl.float32) * xf
+            if PAIRED:
+                acc_up += ub.to(tl.float32) * xf
+        if not EARLY:
+            pdl_release(PDL)
+        return tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :]    # [1, BN]
+else:
+    gemv_dot = None
