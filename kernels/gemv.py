@@ -21,7 +21,7 @@ GEMV_ON = os.environ.get("INFERGRAFT_GEMV", "1") == "1"
 # EARLY: dependents may launch at the start (no shared memory to hold them back)
 GEMV_TILES = {  # in-model coordinate sweep, H200, LLaMA-7B shape, batch 1 (session 9)
     "wide": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, DEPTH=1, EARLY=True),     # N >= 8192
-    "o": dict(BLOCK_N=16, BLOCK_K=512, num_warps=8, DEPTH=1, EARLY=True),        # K <= 4096
+    "o": dict(BLOCK_N=16, BLOCK_K=512, num_warps=8, DEPTH=2, EARLY=True),        # K <= 4096
     "down": dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, DEPTH=1, EARLY=True),      # K > 4096
     "swiglu": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, DEPTH=1, EARLY=True),
     "qkv_rope": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, DEPTH=1, EARLY=False),
