@@ -6,8 +6,10 @@ kernel's CTAs could not become resident until this kernel's had left, and every 
 began with an idle memory pipe. Here W goes straight to registers, so the next kernel's
 CTAs sit beside this one's, and each requests its first tiles *before* its PDL wait:
 weights depend on no earlier kernel, so those bytes arrive while the previous kernel
-finishes. H200, chains of 32 LLaMA-7B decode GEMMs in a CUDA graph (``.gpusnap``-style
-experiment, session 9): o 10.72 -> 9.95 us, qkv 24.9 -> 23.7, gate_up 42.6 -> 41.9.
+finishes. H200, chains of 32 LLaMA-7B decode GEMMs in a CUDA graph (ninth session): o
+10.72 -> 9.95 us, qkv 24.9 -> 23.7, gate_up 42.6 -> 41.9; the 7B decode step at batch 1
+3.735 -> 3.611 ms (in-model A/B, one call; docs/BENCHMARKS.md). int8 weights stay on the
+tensor-core tiles (3.17 vs 3.03 ms here: widening is cheaper on the MMA path).
 """
 import os
 

@@ -3,7 +3,8 @@
 At decode every weight is read once per step, so the kernel's job is to stream W at
 full HBM bandwidth: tiles of W [BLOCK_N, BLOCK_K] go through a software-pipelined
 tl.dot (rows of x are padded to 16, the tensor-core minimum; the waste is free because
-the GEMM is memory-bound). Larger M goes to cuBLAS (F.linear).
+the GEMM is memory-bound). One row takes kernels/gemv.py's register loop instead (16-bit
+weights). Larger M goes to cuBLAS (F.linear).
 
 Split-K (``linear_partials``): narrow outputs (N = hidden, the o and down projections)
 give too few column tiles to keep every SM streaming, so the K axis is split over S
