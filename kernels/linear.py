@@ -220,7 +220,9 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
     ``rope`` = (positions, cos, sin, idx0, idx1, k_cache, v_cache, Hq, Hkv) with
     ``up_rows`` = D / 2: the decode qkv projection, y = rotated q [M, Hq * D])."""
     m, k = x.shape
-    assert not cfg.get("GEMV") or (m == 1 and grid[1] == 1), "the GEMV loop takes one row, unsplit"
+    if cfg.get("GEMV") and not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)):
+        raise ValueError(f"the one-row GEMV loop takes M=1 unsplit with DEPTH 1 or 2, got M={m}, "
+                         f"{grid[1]} splits, DEPTH={cfg.get('DEPTH', 1)}")
     unused = weight  # a valid pointer for the inputs a variant never reads
     pos, cos, sin, idx0, idx1, kc, vc, hq, hkv = rope or (unused,) * 7 + (0, 0)
 

@@ -20,7 +20,7 @@ from infergraft.core.hookspecs import hookimpl
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
 from .paged_graph import PagedGraphInputs, PagedMeta
-from .paged_prefill import PagedPrefillAttention
+from .paged_prefill import PagedPrefillAttention, riders_of
 
 HOLE = -1  # a table entry whose block went back to the pool (out of every later window)
 
@@ -147,12 +147,13 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
         rows = torch.repeat_interleave(torch.arange(len(phys)), torch.tensor(counts))  # [T]
         dev = self.device
         bt = tables.to(dev)  # [B, max_blocks]
+        decode = all(n == 1 for n in counts)
         return PagedMeta(positions.to(dev), tables[rows, positions // bs].to(dev),
                          (positions % bs).to(dev), starts, list(counts),
                          [bt[i, :len(p)] for i, p in enumerate(phys)], bt,
                          torch.tensor([st + n for st, n in zip(starts, counts)],
                                       dtype=torch.int32).to(dev),
-                         all(n == 1 for n in counts))
+                         decode, None if decode else riders_of(starts, counts, dev))
 
     fuses_rotary = True  # decode: RoPE and the K/V write in one kernel
 

@@ -26,6 +26,9 @@ class PagedMeta:
     block_tables: torch.Tensor | None  # [B, max_blocks] int32, padded with 0 (decode)
     context_lens: torch.Tensor | None  # [B] int32, tokens after this step (decode)
     decode: bool  # every sequence adds exactly one token
+    # prefill steps: decode tokens riding along (one token on a cached prefix), as
+    # (their rows in the step [R], their sequences' indices [R]) on the device, or None
+    riders: tuple | None = None
 
 
 class PagedGraphInputs:

@@ -8,30 +8,47 @@ import torch
 import torch.nn.functional as F
 
 
+def is_rider(start: int, n: int) -> bool:
+    """A decode token riding in a prefill step: one token on a cached prefix."""
+    return n == 1 and start > 0
+
+
+def riders_of(starts, counts, device):
+    """(rows [R], sequence indices [R]) of a prefill step's riders on ``device``, or None
+    when it has none; built once per step (``prepare``): built in every layer, their
+    host-to-device copy would stall the host each time."""
+    rows, seqs, row = [], [], 0
+    for j, (start, n) in enumerate(zip(starts, counts)):
+        if is_rider(start, n):
+            rows.append(row)
+            seqs.append(j)
+        row += n
+    if not rows:
+        return None
+    return tuple(torch.tensor([rows, seqs]).to(device))
+
+
 class PagedPrefillAttention:
     """Mixed into ``PagedCache``: needs its k/v pools, tables and ``_first_live``."""
 
     def _prefill_attention(self, layer, q, k, v, meta):
         # q: [T, Hq, D], k, v: [T, Hkv, D] (already written) -> [T, Hq, D]
         out = torch.empty_like(q)
-        firsts = [0]  # each sequence's first row in q
-        for n in meta.counts[:-1]:
-            firsts.append(firsts[-1] + n)
         # decode tokens riding along (one token on a cached prefix): one decode-kernel call
         # for all of them; gathering each one's K/V for its own SDPA copied every rider's
         # whole context per layer (batch 64: TTFT 3.8 s vs HF's 0.93)
-        riders = [j for j, (start, n) in enumerate(zip(meta.starts, meta.counts))
-                  if n == 1 and start > 0]
-        if riders:
-            rows = torch.tensor([firsts[j] for j in riders], device=q.device)
-            seqs = torch.tensor(riders, device=q.device)
+        if meta.riders is not None:
+            rows, seqs = meta.riders  # [R] each, built once per step (riders_of)
             scales = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
             out[rows] = self.ops.paged_attention(
                 q[rows], self.k[layer], self.v[layer], meta.block_tables[seqs],
                 meta.context_lens[seqs], self.scale, self.window, *scales)
+        firsts = [0]  # each sequence's first row in q
+        for n in meta.counts[:-1]:
+            firsts.append(firsts[-1] + n)
         for j, (start, n, off) in enumerate(zip(meta.starts, meta.counts, firsts)):
-            if n == 1 and start > 0:
-                continue  # a rider, done above
+            if is_rider(start, n):
+                continue  # done above
             if start == 0 and not self.quant:  # a fresh prompt: its K/V are this step's own
                 kj, vj = k[off:off + n], v[off:off + n]  # [n, Hkv, D], what was just written
             else:  # keys from the first block still in the window: [L, Hkv, D]

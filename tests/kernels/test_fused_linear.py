@@ -123,7 +123,7 @@ def test_linear_residual_and_its_sum_of_squares(device, dtype, randn, poisoned_e
         assert out.shape == (m, n) and out.dtype == dtype
         _close(out, ref, f"M={m} N={n} K={k} int8={int8} tiles {cfg}")
         # one partial per program (BLOCK_N columns each), of the values as stored
-        block_n = (cfg or FL._tiles(None, FL.skinny_config(m, n, k), s))["BLOCK_N"]
+        block_n = (cfg or FL._tiles(None, FL.skinny_config(m, n, k, gemv=s is None), s))["BLOCK_N"]
         assert parts.shape == (-(-n // block_n), m) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(0), out.float().square().sum(-1), rtol=1e-5,
                                    atol=1e-5)
@@ -238,3 +238,12 @@ def test_one_row_takes_the_register_loop_by_default():
     for cfg in (L.skinny_config(2, 4096, 4096), L.skinny_config(1, 4096, 4096, gemv=False),
                 FL.swiglu_config(1, 11008, 4096, gemv=False), FL.qkv_rope_config(3, 64, 4096)):
         assert not cfg.get("GEMV") and cfg["BLOCK_M"] >= 16
+
+
+@pytest.mark.parametrize("m,depth", [(2, 1), (1, 3), (1, 0)])
+def test_the_register_loop_refuses_what_it_cannot_compute(device, randn, m, depth):
+    """More than one row, or a depth other than 1 / 2, would silently drop rows or tiles."""
+    from infergraft.kernels.linear import skinny_gemm
+    x, w = randn(m, 64, dtype=torch.float16), randn(16, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one-row GEMV loop"):
+        skinny_gemm(x, w, config=dict(gemv_config("o"), BLOCK_N=16, BLOCK_K=32, DEPTH=depth))
