@@ -88,4 +88,3 @@ def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
-

@@ -27,7 +27,7 @@ import torch
 
 from ._triton import HAVE_TRITON, next_pow2, triton
 from .int8_linear import int8_linear_torch, int8_linear_triton
-from .gemv import GEMV_ON, gemv_config
+from .gemv import gemv_config, takes_gemv
 from .linear import check_gemm, launch_gemm, linear_torch, skinny_config
 from .kv_write import _check_kv_write
 from .rotary import _check_rotary, rotary_kv_write_torch, rotary_kv_write_triton
@@ -121,7 +121,7 @@ def swiglu_config(m: int, i: int, k: int, gemv: bool = True) -> dict:
     the unfused gate_up's [64, 128] tiles (H200 sweep: 3.99 TB/s at M=1); above, twice as
     wide, so each column tile re-reads x from L2 half as often (M=32: 3.79 vs 3.59 TB/s
     alone, decode step at batch 32 6.31 vs 6.53 ms, same call)."""
-    if m == 1 and gemv and GEMV_ON:  # one row: kernels/gemv.py's register loop
+    if takes_gemv(m, gemv):  # one row: kernels/gemv.py's register loop
         return gemv_config("swiglu")
     return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=32 if m <= 16 else 64, BLOCK_K=128,
                 num_warps=4, num_stages=3)
@@ -185,7 +185,7 @@ QKV_ROPE_MAX_ROWS = int(os.environ.get("INFERGRAFT_QKV_ROPE_MAX_ROWS", "16"))
 def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
     """Two [BN, BK] tiles a step (dims and their rotate-half partners), from the same
     in-model A/B at batch 1: 32 x 128 x 4 stages 3.70 ms, x 3 stages 3.73, 16 x 128 3.85."""
-    if m == 1 and gemv and GEMV_ON:  # one row: kernels/gemv.py's register loop
+    if takes_gemv(m, gemv):  # one row: kernels/gemv.py's register loop
         cfg = gemv_config("qkv_rope")
         return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], half))
     return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=min(32, half), BLOCK_K=128, num_warps=4,

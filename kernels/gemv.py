@@ -30,6 +30,11 @@ GEMV_TILES = {  # in-model coordinate sweep, H200, LLaMA-7B shape, batch 1 (sess
 }
 
 
+def takes_gemv(m: int, gemv: bool = True) -> bool:
+    """Whether an M-row GEMM takes the one-row loop (``gemv``: the caller allows it)."""
+    return m == 1 and gemv and GEMV_ON
+
+
 def gemv_config(kind: str) -> dict:
     """Meta-parameters of ``_skinny_gemm_kernel``'s one-row loop for a decode GEMM kind."""
     return dict(GEMV_TILES[kind], BLOCK_M=1, GEMV=True, num_stages=1)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .cpu_linear import linear_cpu
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
-from .gemv import GEMV_ON, gemv_config, gemv_dot
+from .gemv import gemv_config, gemv_dot, takes_gemv
 from .rotary import rope_pair_store
 
 # above this many rows cuBLAS streams the weights as fast (H200 sweep); an A/B knob
@@ -151,7 +151,7 @@ def skinny_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
     LLaMA-7B decode GEMMs (kernels/benchmarks.py): wide N likes wide tiles, narrow N
     (few programs) likes long K tiles to keep enough bytes in flight per SM. One row
     (``gemv``) takes the register loop of kernels/gemv.py."""
-    if m == 1 and gemv and GEMV_ON:
+    if takes_gemv(m, gemv):
         return gemv_config("wide" if n >= 8192 else "o" if k <= 4096 else "down")
     block_m = max(16, next_pow2(m))
     if n >= 16384:  # gate_up, lm_head: 4.1-4.2 TB/s (M=32: 3.85 with 64-wide K tiles)

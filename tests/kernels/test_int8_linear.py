@@ -53,7 +53,6 @@ def test_int8_linear_leading_dims_and_errors(device, randn):
         int8_linear_triton(x, q, torch.stack([s, s], 1)[:, 0])  # every other float
 
 
-
 @pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
 def test_int8_linear_widens_the_weight_for_many_rows(device, randn, monkeypatch, dt):
     """From DEQUANT_MIN_ROWS rows on (compute-bound prefill) the weight is widened to x's
