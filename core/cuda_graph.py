@@ -7,9 +7,10 @@ fills them in place before each replay; rows past the live batch are padding tha
 cache fills by repeating the last live row (identical writes to the same slot).
 
 ``launch`` is the asynchronous form used by greedy batches (core/pipeline.py): each graph
-also computes the argmax of its logits, copies it to pinned host memory behind an event,
-and the next replay can take its input tokens straight from that device buffer, so the
-host need not wait for a step before launching the next one.
+also writes the argmax of its logits over its own input tokens (one kernel with the
+float32 logits) and copies it to pinned host memory behind an event; the next replay
+takes its input straight from that buffer (no copy), so the host need not wait for a
+step before launching the next one.
 
 ``use_graphs=False`` runs the same static-buffer path eagerly: that is how the graph
 inputs are tested on machines without CUDA.
@@ -66,7 +67,7 @@ class CudaGraphRunner:
         self.tokens: dict[int, torch.Tensor] = {}
         self.metas: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.next_tokens: dict[int, torch.Tensor] = {}  # [bs] argmax of each replay's logits
+        self.next_tokens: dict[int, torch.Tensor] = {}  # [bs] argmax of each run: self.tokens
         self.host_tokens: dict[int, PinnedStaging] = {}  # pinned [bs] per bucket, in turn
         self.pool = None
 
@@ -82,14 +83,16 @@ class CudaGraphRunner:
             meta = self.cache.static_decode_meta(bs)
             self.host_tokens[bs] = PinnedStaging(torch.zeros(bs, dtype=torch.long),
                                                  self.device.type == "cuda")
+            self.next_tokens[bs] = tokens  # each run writes its argmax over its input
             if not self.use_graphs:
                 self.tokens[bs], self.metas[bs] = tokens, meta
                 continue
 
             def step(tokens=tokens, meta=meta):
-                logits = self.model(tokens, self.cache, meta)  # [bs, V] float32
-                return logits, logits.argmax(-1)  # and the greedy choice [bs]
-            graph, (logits, self.next_tokens[bs]) = capture_graph(step, self.pool)
+                # [bs, V] float32; the argmax goes straight into the input buffer, so a
+                # replay fed its own choices needs no copy (read by the embedding first)
+                return self.model(tokens, self.cache, meta, greedy_out=tokens)
+            graph, logits = capture_graph(step, self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs], self.tokens[bs], self.metas[bs], self.logits[bs] = \
@@ -122,9 +125,8 @@ class CudaGraphRunner:
     def _run(self, seq_ids, tokens) -> int:
         n = len(seq_ids)
         bs = self.bucket(n)
-        if tokens is None:  # on-device feedback; padding rows again repeat the last live row
-            self.tokens[bs][:n].copy_(self.next_tokens[bs][:n])
-            if n < bs:
+        if tokens is None:  # on-device feedback (the last run left its argmax in place);
+            if n < bs:  # padding rows again repeat the last live row
                 self.tokens[bs][n:].copy_(self.next_tokens[bs][n - 1:n].expand(bs - n))
         else:
             padded = tokens + [tokens[-1]] * (bs - n)  # padding rows repeat the last live row
@@ -134,8 +136,8 @@ class CudaGraphRunner:
         if self.use_graphs:
             self.graphs[bs].replay()
         else:
-            self.logits[bs] = self.model(self.tokens[bs], self.cache, self.metas[bs])
-            self.next_tokens[bs] = self.logits[bs].argmax(-1)
+            self.logits[bs] = self.model(self.tokens[bs], self.cache, self.metas[bs],
+                                         greedy_out=self.tokens[bs])
         return bs
 
 

@@ -225,15 +225,21 @@ class DecoderModel(nn.Module):
     def lm_head_weight(self):
         return self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight
 
-    def forward(self, tokens, cache, meta, logits_index=None):
-        """tokens: [T] -> logits [len(logits_index) or T, V] float32."""
+    def forward(self, tokens, cache, meta, logits_index=None, greedy_out=None):
+        """tokens: [T] -> logits [len(logits_index) or T, V] float32. ``greedy_out``: an
+        int64 buffer [n] that receives each row's argmax (the decode graphs' next tokens,
+        written in the same kernel that widens the logits)."""
         positions = meta.positions
-        h = F.embedding(tokens, self.embed.weight)  # [T, H]
-        if self.spec.position == "learned":
-            h = h + F.embedding(positions, self.pos_embed.weight)
+        fused = self._fused(tokens.shape[0])
+        if fused and self.spec.position != "learned":  # one kernel: rows and their statistic
+            h, sum_sq = self.ops.embed_sum_sq(tokens, self.embed.weight)  # [T, H], [1, T]
+        else:
+            h = F.embedding(tokens, self.embed.weight)  # [T, H]
+            if self.spec.position == "learned":
+                h = h + F.embedding(positions, self.pos_embed.weight)
+            sum_sq = h.float().square().sum(-1)[None] if fused else None
         residual = None
-        if self._fused(h.shape[0]):  # h is the residual stream throughout
-            sum_sq = h.float().square().sum(-1)[None]  # [1, T]: the first norm's statistic
+        if fused:  # h is the residual stream throughout; sum_sq: the next norm's statistic
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 h, sum_sq = layer.forward_fused(h, i, positions, self.rope, cache, meta, sum_sq,
@@ -245,7 +251,10 @@ class DecoderModel(nn.Module):
             h = h[..., logits_index, :]
             residual = None if residual is None else residual[logits_index]
         x, _ = self.final_norm(h, residual)
-        return self.ops.lm_head(x, self.lm_head_weight).float()  # [n, V]
+        y = self.ops.lm_head(x, self.lm_head_weight)  # [n, V] in the model dtype
+        if greedy_out is None:
+            return y.float()
+        return self.ops.logits_argmax(y, greedy_out)  # float32 [n, V]; argmax -> greedy_out
 
 
 def folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:

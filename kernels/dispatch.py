@@ -36,6 +36,8 @@ OPS = {
     "kv_write_int8": "kv_write",
     "paged_attention": "paged_attention",
     "int8_linear": "int8_linear",
+    "embed_sum_sq": "embedding",
+    "logits_argmax": "greedy",
 }
 BACKENDS = ("auto", "torch", "triton")
 

@@ -41,23 +41,25 @@ class PagedGraphInputs:
         """Decode metadata for ``batch`` rows; ``prepare_decode_into`` refills it."""
         width = blocks_for(self.max_seq_len, self.block_size)
         pin = self.device.type == "cuda"
-        host = (torch.zeros(4, batch, dtype=torch.long), torch.zeros(batch, width, dtype=torch.int32))
-        scalars, tables = host[0].to(self.device), host[1].to(self.device)
+        # one flat int64 buffer holds every input, so each step copies it in one go
+        host = torch.zeros(4 * batch + -(-batch * width // 2), dtype=torch.long)
+        flat = host.to(self.device)
         self._graph_buffers = getattr(self, "_graph_buffers", {})
-        self._graph_buffers[batch] = (PinnedStaging(host[0], pin), PinnedStaging(host[1], pin),
-                                      scalars)
+        self._graph_buffers[batch] = (PinnedStaging(host, pin), flat, width)
+        scalars, tables = _decode_views(flat, batch, width)
         positions, blocks, offsets, lens = scalars.unbind(0)  # views of one [4, B] tensor
         return PagedMeta(positions, blocks, offsets, [], [], [], tables, lens, True)
 
     def prepare_decode_into(self, meta: PagedMeta, seq_ids) -> None:
         """One more token for each sequence (blocks grow as in ``prepare``); rows past
         the live batch repeat the last one (same slot, same values: benign)."""
-        scalar_staging, table_staging, device_scalars = self._graph_buffers[meta.positions.shape[0]]
+        batch = meta.positions.shape[0]
+        staging, flat, width = self._graph_buffers[batch]
         bs, n = self.block_size, len(seq_ids)
         starts = self._advance(seq_ids, [1] * n)
-        scalars, tables = scalar_staging.next(), table_staging.next()  # rewritten in full below
+        host = staging.next()  # rewritten in full below
+        scalars, tables = _decode_views(host, batch, width)
         cols, rows = [], []  # one host write each per step, not two per sequence
-        width = tables.shape[1]
         for s, pos in zip(seq_ids, starts):
             phys = self._physical(self._tables[s])
             cols.append((pos, phys[pos // bs], pos % bs, pos + 1))
@@ -66,8 +68,7 @@ class PagedGraphInputs:
         tables[:n] = torch.tensor(rows, dtype=torch.int32)
         scalars[:, n:] = scalars[:, n - 1:n]
         tables[n:] = tables[n - 1]
-        device_scalars.copy_(scalars, non_blocking=True)  # positions, slots, lengths at once
-        meta.block_tables.copy_(tables, non_blocking=True)
+        flat.copy_(host, non_blocking=True)  # positions, slots, lengths and tables at once
 
     # -- prefill: one fresh prompt, padded to its length bucket -------------------------------
     @property
@@ -99,3 +100,10 @@ class PagedGraphInputs:
         host[1, :n] = pos % bs
         host[:, n:] = -1
         slots.copy_(host, non_blocking=True)
+
+
+def _decode_views(flat: torch.Tensor, batch: int, width: int):
+    """The decode inputs inside one flat int64 buffer: scalars [4, B] (positions, blocks,
+    offsets, lengths) and the block tables [B, width] int32 packed two to a slot after them."""
+    tables = flat[4 * batch:].view(torch.int32)[:batch * width].view(batch, width)
+    return flat[:4 * batch].view(4, batch), tables

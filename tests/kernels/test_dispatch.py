@@ -24,6 +24,9 @@ def test_cpu_triton_under_interpreter(monkeypatch):
 
 
 def test_cpu_triton_without_interpreter_raises(monkeypatch):
+    # import every op module first: a kernel defined while the env says 0 would stay
+    # compiled-only for the rest of this process (other tests run it on the CPU)
+    K.get_ops("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # dispatch reads the env at call time
     with pytest.raises(KernelUnavailableError, match="triton"):
         K.get_ops("cpu", "triton")
