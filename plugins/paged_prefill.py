@@ -4,6 +4,8 @@ blocks (a chunk, a prompt after a preemption, int8); the decode tokens riding al
 (one token on a cached prefix) go through the decode kernel, all in one call."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -13,19 +15,21 @@ def is_rider(start: int, n: int) -> bool:
     return n == 1 and start > 0
 
 
+def first_rows(counts) -> list[int]:
+    """Each sequence's first row in the step's token dimension (sequences in order)."""
+    return [0, *itertools.accumulate(counts)][:len(counts)]
+
+
 def riders_of(starts, counts, device):
     """(rows [R], sequence indices [R]) of a prefill step's riders on ``device``, or None
     when it has none; built once per step (``prepare``): built in every layer, their
     host-to-device copy would stall the host each time."""
-    rows, seqs, row = [], [], 0
-    for j, (start, n) in enumerate(zip(starts, counts)):
-        if is_rider(start, n):
-            rows.append(row)
-            seqs.append(j)
-        row += n
-    if not rows:
+    riders = [(row, j) for j, (row, start, n) in enumerate(zip(first_rows(counts), starts, counts))
+              if is_rider(start, n)]
+    if not riders:
         return None
-    return tuple(torch.tensor([rows, seqs]).to(device))
+    rows, seqs = zip(*riders)
+    return tuple(torch.tensor([rows, seqs]).to(device))  # [R] rows, [R] sequence indices
 
 
 class PagedPrefillAttention:
@@ -43,10 +47,7 @@ class PagedPrefillAttention:
             out[rows] = self.ops.paged_attention(
                 q[rows], self.k[layer], self.v[layer], meta.block_tables[seqs],
                 meta.context_lens[seqs], self.scale, self.window, *scales)
-        firsts = [0]  # each sequence's first row in q
-        for n in meta.counts[:-1]:
-            firsts.append(firsts[-1] + n)
-        for j, (start, n, off) in enumerate(zip(meta.starts, meta.counts, firsts)):
+        for j, (start, n, off) in enumerate(zip(meta.starts, meta.counts, first_rows(meta.counts))):
             if is_rider(start, n):
                 continue  # done above
             if start == 0 and not self.quant:  # a fresh prompt: its K/V are this step's own
