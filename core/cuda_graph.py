@@ -64,10 +64,9 @@ class CudaGraphRunner:
         sizes = sorted({b for b in buckets if b < max_batch_size} | {max_batch_size})
         self.buckets = sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.tokens: dict[int, torch.Tensor] = {}
+        self.tokens: dict[int, torch.Tensor] = {}  # [bs] inputs; each run leaves its argmax
         self.metas: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.next_tokens: dict[int, torch.Tensor] = {}  # [bs] argmax of each run: self.tokens
         self.host_tokens: dict[int, PinnedStaging] = {}  # pinned [bs] per bucket, in turn
         self.pool = None
 
@@ -83,7 +82,6 @@ class CudaGraphRunner:
             meta = self.cache.static_decode_meta(bs)
             self.host_tokens[bs] = PinnedStaging(torch.zeros(bs, dtype=torch.long),
                                                  self.device.type == "cuda")
-            self.next_tokens[bs] = tokens  # each run writes its argmax over its input
             if not self.use_graphs:
                 self.tokens[bs], self.metas[bs] = tokens, meta
                 continue
@@ -115,7 +113,7 @@ class CudaGraphRunner:
         replay ran the same sequences in the same order."""
         bs = self._run(seq_ids, tokens)
         host = self.host_tokens[bs].next()  # the previous launch's may still be unread
-        host.copy_(self.next_tokens[bs], non_blocking=True)
+        host.copy_(self.tokens[bs], non_blocking=True)  # this run's argmax
         event = None
         if self.device.type == "cuda":  # graphs or not, the copy to host is asynchronous
             event = torch.cuda.Event()
@@ -127,7 +125,7 @@ class CudaGraphRunner:
         bs = self.bucket(n)
         if tokens is None:  # on-device feedback (the last run left its argmax in place);
             if n < bs:  # padding rows again repeat the last live row
-                self.tokens[bs][n:].copy_(self.next_tokens[bs][n - 1:n].expand(bs - n))
+                self.tokens[bs][n:].copy_(self.tokens[bs][n - 1:n].expand(bs - n))
         else:
             padded = tokens + [tokens[-1]] * (bs - n)  # padding rows repeat the last live row
             self.tokens[bs].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
