@@ -32,6 +32,8 @@ MAX_ROWS = 64  # what the kernel takes (split-K partials use it up to here)
 # next GEMM's CTAs sat on SMs (with their shared memory) that this GEMM's later CTAs
 # needed; H200, batch 1, fused layer: 3.74 vs 4.32 ms (INFERGRAFT_PDL_LATE=0 for A/B)
 LATE_PDL_RELEASE = os.environ.get("INFERGRAFT_PDL_LATE", "1") == "1"
+# 2-32 rows, 16-bit weights: some GEMMs take y^T = W x^T tiles (an A/B knob: 0 = never)
+SWAP_TILES = os.environ.get("INFERGRAFT_SWAP", "1") == "1"
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -53,7 +55,8 @@ if HAVE_TRITON:
                             RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                             LATE_RELEASE: tl.constexpr, GEMV: tl.constexpr = False,
-                            DEPTH: tl.constexpr = 1, EARLY: tl.constexpr = False):
+                            DEPTH: tl.constexpr = 1, EARLY: tl.constexpr = False,
+                            SWAP: tl.constexpr = False):
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
         # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
         # Fusions (kernels/fused_linear.py), all outside the loop, whose operands stay
@@ -86,8 +89,9 @@ if HAVE_TRITON:
             rk = tl.arange(0, BLOCK_K)
             x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]            # [BM, BK]
             w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]  # [BN, BK]
-            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
-            acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            # SWAP: y^T = W x^T, W's tile the MMA's wide (64-row) operand and x^T its narrow one
+            acc = tl.full((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            acc_up = tl.full((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 kmask = (k0 + rk) < k_hi
                 wmask = (rn[:, None] < N) & kmask[None, :]
@@ -95,16 +99,25 @@ if HAVE_TRITON:
                 w = tl.load(w_ptrs, mask=wmask, other=0.0)
                 if W_SCALE:  # int8 -> x's dtype, exact (|q| <= 127); scales in the epilogue
                     w = w.to(x.dtype)
-                acc += tl.dot(x, tl.trans(w))                                   # [BM, BN]
+                if SWAP:
+                    acc += tl.dot(w, tl.trans(x))                               # [BN, BM]
+                else:
+                    acc += tl.dot(x, tl.trans(w))                               # [BM, BN]
                 if SWIGLU or ROPE:
                     wu = tl.load(w_ptrs + UP_ROWS * stride_wn, mask=wmask, other=0.0)
                     if W_SCALE:
                         wu = wu.to(x.dtype)
-                    acc_up += tl.dot(x, tl.trans(wu))                           # [BM, BN]
+                    if SWAP:
+                        acc_up += tl.dot(wu, tl.trans(x))                       # [BN, BM]
+                    else:
+                        acc_up += tl.dot(x, tl.trans(wu))                       # [BM, BN]
                 x_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
             if LATE_RELEASE:
                 pdl_release(PDL)
+            if SWAP:
+                acc = tl.trans(acc)                                             # [BM, BN]
+                acc_up = tl.trans(acc_up)
         rmask = rm < M
         if W_SCALE:  # each column's weight-row scale; acc_up's rows sit UP_ROWS below
             acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
@@ -150,15 +163,23 @@ def skinny_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
     """Tiles and pipelining for [M, K] x [N, K]^T, from a sweep on an H200 at M=1 over the
     LLaMA-7B decode GEMMs (kernels/benchmarks.py): wide N likes wide tiles, narrow N
     (few programs) likes long K tiles to keep enough bytes in flight per SM. One row
-    (``gemv``) takes the register loop of kernels/gemv.py."""
+    (``gemv``) takes the register loop of kernels/gemv.py. ``gemv`` (16-bit weights, one
+    split) also allows the SWAP tiles (W the MMA's 64-row operand, wgmma) where they won."""
     if takes_gemv(m, gemv):
         return gemv_config("wide" if n >= 8192 else "o" if k <= 4096 else "down")
     block_m = max(16, next_pow2(m))
     if n >= 16384:  # gate_up, lm_head: 4.1-4.2 TB/s (M=32: 3.85 with 64-wide K tiles)
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if m <= 16 else 64, num_warps=4,
                     num_stages=3 if m <= 16 else 4)
-    if n >= 8192:  # fused qkv: 3.8 TB/s (M=32: 3.60, in the decode step at batch 32 -0.02 ms)
+    swap = gemv and SWAP_TILES and m <= 32
+    if n >= 8192:  # fused qkv: M=32 3.53 -> 3.69 TB/s swapped, M=8 3.78 -> 3.86 (H200, alone)
+        if swap:
+            return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4,
+                        SWAP=True)
         return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    if swap and m <= 16:  # o, down + residual: M=8 o 2.65 -> 2.80 TB/s, down 3.32 -> 3.57
+        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=5,
+                    SWAP=True)
     return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=4)  # o, down
 
 

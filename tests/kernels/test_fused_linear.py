@@ -43,9 +43,10 @@ def _gemv_cfgs(m):
 
 
 def _configs(m, int8):
-    """Small tiles (several K and column tiles); int8 weights also the default tiles; one
-    row also the register loop."""
-    return ((_cfg(m), None) if int8 else (_cfg(m),)) + tuple(_gemv_cfgs(m))
+    """Small tiles (several K and column tiles), also swapped (y^T = W x^T); int8 weights
+    also the default tiles; one row also the register loop."""
+    small = (_cfg(m), dict(_cfg(m), SWAP=True))
+    return (small + (None,) if int8 else small) + tuple(_gemv_cfgs(m))
 
 
 def _close(out, ref32, what):

@@ -12,16 +12,20 @@ from .tolerances import TOLERANCES, assert_close
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 72), (3, 17, 300), (16, 64, 96), (11, 33, 129)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_gemm_matches_reference(device, dtype, randn, poisoned_empty, m, n, k, bias):
+@pytest.mark.parametrize("swap", [False, True])
+def test_skinny_gemm_matches_reference(device, dtype, randn, poisoned_empty, m, n, k, bias, swap):
     if dtype is torch.float32 and device == "cuda":
         pytest.skip("float32 on CUDA uses tf32 in tl.dot; linear_triton routes fp32 to cuBLAS")
     x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype) / k ** 0.5
     b = randn(n, dtype=dtype) if bias else None
     ref = linear_torch(x.float(), w.float(), None if b is None else b.float()).to(dtype)
-    out = skinny_gemm(x, w, b, config=dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()),
-                                           BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2))
+    cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=16, BLOCK_K=32,
+               num_warps=4, num_stages=2, SWAP=swap)  # SWAP: y^T = W x^T
+    out = skinny_gemm(x, w, b, config=cfg)
     assert out.shape == (m, n)
-    assert_close(out, ref, f"M={m} N={n} K={k}")
+    assert_close(out, ref, f"M={m} N={n} K={k} {cfg}")
+    if dtype is not torch.float32 and m > 1:  # the default tiles (swapped where they won)
+        assert_close(skinny_gemm(x, w, b), ref, f"M={m} N={n} K={k} default tiles")
 
 
 @pytest.mark.parametrize("n,k", [(40, 72), (33, 300), (8, 16)])
@@ -51,7 +55,7 @@ def test_split_k_partials_sum_to_the_product(device, dtype, randn, poisoned_empt
     x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype) / k ** 0.5
     b = randn(n, dtype=dtype) if bias else None
     cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=16, BLOCK_K=32,
-               num_warps=4, num_stages=2)
+               num_warps=4, num_stages=2, SWAP=m % 2 == 1)  # swapped tiles split too
     parts = skinny_gemm(x, w, b, config=cfg, split_k=split)
     tiles = -(-k // 32)
     per = -(-tiles // split)  # whole K tiles per split; trailing empty splits are dropped
