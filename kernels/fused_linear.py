@@ -180,17 +180,25 @@ def normed_qkv_rope_torch(x, weight, bias, sum_sq, eps, cos, sin, positions, num
     return rotary_kv_write_torch(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
 
 
-# up to this many rows the qkv GEMM rotates and writes K/V itself (an A/B knob): H200,
-# batch 1: 3.70 ms per step vs 3.745 with the rotary kernel; batch 32: 6.51 vs 6.41
-QKV_ROPE_MAX_ROWS = int(os.environ.get("INFERGRAFT_QKV_ROPE_MAX_ROWS", "16"))
+# up to this many rows the qkv GEMM rotates and writes K/V itself (A/B knobs). H200, 7B:
+# batch 1 3.70 ms per step vs 3.745 with the rotary kernel. Past 16 rows only on the
+# swapped tiles (16-bit weights): batch 32 6.17-6.27 vs 6.25-6.35 ms with the rotary
+# kernel, where the unswapped tiles lost (6.52-6.57); batch 8 4.38 vs 4.39 swapped.
+QKV_ROPE_MAX_ROWS = int(os.environ.get("INFERGRAFT_QKV_ROPE_MAX_ROWS", "32"))
+UNSWAPPED_ROPE_MAX_ROWS = 16
+ROPE_SWAP_TILES = os.environ.get("INFERGRAFT_ROPE_SWAP", "1") == "1"
 
 
 def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
-    """Two [BN, BK] tiles a step (dims and their rotate-half partners), from the same
-    in-model A/B at batch 1: 32 x 128 x 4 stages 3.70 ms, x 3 stages 3.73, 16 x 128 3.85."""
+    """Two [BN, BK] tiles a step (dims and their rotate-half partners); 16-bit weights take
+    swapped 64-wide tiles (the in-model A/B above), int8 ones those of the same A/B at
+    batch 1 before: 32 x 128 x 4 stages 3.70 ms, x 3 stages 3.73, 16 x 128 3.85."""
     if takes_gemv(m, gemv):  # one row: kernels/gemv.py's register loop
         cfg = gemv_config("qkv_rope")
         return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], half))
+    if gemv and ROPE_SWAP_TILES:
+        return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=min(64, half), BLOCK_K=128,
+                    num_warps=4, num_stages=4, SWAP=True)
     return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=min(32, half), BLOCK_K=128, num_warps=4,
                 num_stages=4 if m <= 16 else 3)
 
@@ -198,7 +206,8 @@ def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
 def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
                            k_cache, v_cache, idx0, idx1, scale=None, config=None):
     """Same contract as ``normed_qkv_rope_torch``; one GEMM whose epilogue rotates and
-    stores q, k and v where it applies (16-bit, <= ``QKV_ROPE_MAX_ROWS`` rows, all of
+    stores q, k and v where it applies (<= ``QKV_ROPE_MAX_ROWS`` rows on swapped tiles, else
+    <= ``UNSWAPPED_ROPE_MAX_ROWS``; all of
     every head rotated, D / 2 a multiple of 16), else ``normed_linear`` +
     ``rotary_kv_write``."""
     _check_sum_sq(x, sum_sq)
@@ -207,7 +216,9 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \
         f"qkv weight has {weight.shape[0]} rows, not (Hq={num_heads} + 2 Hkv={hkv}) x D={d}"
     cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1], gemv=scale is None), scale)
-    if not (_fusable(x, weight, scale) and x.shape[0] <= QKV_ROPE_MAX_ROWS and 2 * half == d
+    max_rows = QKV_ROPE_MAX_ROWS if cfg.get("SWAP") else min(QKV_ROPE_MAX_ROWS,
+                                                              UNSWAPPED_ROPE_MAX_ROWS)
+    if not (_fusable(x, weight, scale) and x.shape[0] <= max_rows and 2 * half == d
             and half % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16
             and k_cache.dtype == v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride()):
         qkv = normed_linear_triton(x, weight, bias, sum_sq, eps, scale)

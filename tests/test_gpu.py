@@ -97,7 +97,7 @@ def test_bf16_llama7b_shape_logits_and_first_divergence():
 def test_bf16_batch_decode_step_through_graphs(batch):
     """One graph decode step in bf16 against HF (bf16 error vs float32 no worse than HF's
     own), down each decode path: 4 rows, the fused layer with RoPE and the K/V write in
-    the qkv GEMM; 24, the fused layer with the rotary kernel; 40, the plain layer whose
+    the qkv GEMM; 24, the same on swapped tiles (W x^T); 40, the plain layer whose
     o/down projections hand float32 split-K partials to the next add+RMSNorm."""
     from infergraft.kernels.fused_linear import FUSE_MAX_ROWS, QKV_ROPE_MAX_ROWS
     from infergraft.kernels.linear import split_config
@@ -108,7 +108,7 @@ def test_bf16_batch_decode_step_through_graphs(batch):
                            max_batch_size=batch)
     path = "qkv+rope" if batch <= QKV_ROPE_MAX_ROWS else "fused" if batch <= FUSE_MAX_ROWS \
         else "split"
-    assert path == {4: "qkv+rope", 24: "fused", 40: "split"}[batch]
+    assert path == {4: "qkv+rope", 24: "qkv+rope", 40: "split"}[batch]
     assert path != "split" or split_config(batch, 256, 256) is not None
     prompts = [random_prompt(10 + i % 7, 1024, 100 + i) for i in range(batch)]
     seqs = [engine.add_request(p) for p in prompts]

@@ -12,7 +12,7 @@ from .test_fused_linear import _gemv_cfgs, _sum_sq_parts, _weight, fuse_fp32  # 
 from .test_rotary import MAX_POS, _cos_sin
 from .tolerances import TOLERANCES
 
-BLOCKS, BS = 6, 4  # cache [BLOCKS, BS, Hkv, D]
+BLOCKS, BS = 9, 4  # cache [BLOCKS, BS, Hkv, D]: room for QKV_ROPE_MAX_ROWS + 1 tokens
 
 
 def _inputs(randn, gen, device, dtype, m, hq, hkv, d, k, bias, parts, int8=False):
@@ -54,7 +54,8 @@ def test_qkv_rope_matches_the_composition(device, dtype, randn, gen, poisoned_em
     x0 = x.clone()
     cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=16, BLOCK_K=32, num_warps=4,
                num_stages=2)  # several column and K tiles; int8 weights also the defaults
-    for config in ((cfg, None) if int8 else (cfg,)) + tuple(_gemv_cfgs(m)):
+    tiles = (cfg, dict(cfg, SWAP=True))  # also swapped: y^T = W x^T
+    for config in (tiles + (None,) if int8 else tiles) + tuple(_gemv_cfgs(m)):
         caches = [torch.full((BLOCKS, BS, hkv, d), -3.25, dtype=dtype, device=device)
                   for _ in range(4)]
         q = FL.normed_qkv_rope_triton(x, w, b, ss, 1e-5, cos, sin, positions, hq, caches[0],
@@ -72,12 +73,12 @@ def test_qkv_rope_matches_the_composition(device, dtype, randn, gen, poisoned_em
 
 
 def test_qkv_rope_default_tiles_and_the_unfused_fallbacks(device, randn, gen):
-    """Default tiles (32-wide of a 64-dim half-head), partial rotary, more rows than
-    QKV_ROPE_MAX_ROWS (the composition takes over) and float32 (cuBLAS): all equal the
-    reference."""
+    """Default tiles (swapped, 64-wide of a 64-dim half-head), past 16 rows too, partial
+    rotary, more rows than QKV_ROPE_MAX_ROWS (the composition takes over) and float32
+    (cuBLAS): all equal the reference."""
     dt = torch.float16
-    for d, r, dtype, m in ((128, 128, dt, 3), (64, 32, dt, 3), (64, 64, torch.float32, 3),
-                           (32, 32, dt, FL.QKV_ROPE_MAX_ROWS + 1)):
+    for d, r, dtype, m in ((128, 128, dt, 3), (128, 128, dt, 20), (64, 32, dt, 3),
+                           (64, 64, torch.float32, 3), (32, 32, dt, FL.QKV_ROPE_MAX_ROWS + 1)):
         hq, hkv, k = 2, 1, 128
         x, (w, _, _), b, ss, positions, idx0, idx1 = _inputs(randn, gen, device, dtype, m, hq,
                                                               hkv, d, k, False, 2)
@@ -115,12 +116,13 @@ def test_qkv_rope_rejects_bad_inputs(device, randn, gen):
 
 def test_qkv_rope_int8_default_tiles_and_the_unfused_fallbacks(device, randn, gen):
     """int8 weights, the one-kernel path with its default tiles and more rows than
-    QKV_ROPE_MAX_ROWS (the fused normed GEMM + the rotary kernel), and the reference: all
+    UNSWAPPED_ROPE_MAX_ROWS (int8 tiles are not swapped: the fused normed GEMM + the rotary
+    kernel), and the reference: all
     equal the float32 math on the dequantised weight, within the reference's roundings
     (normed x to float16, then the projection: two ulps). Past FUSE_MAX_ROWS it is the
     int8 GEMM kernel, as in test_fused_linear.test_int8_weights_off_the_fused_path."""
     dt, hq, hkv, d, k = torch.float16, 2, 1, 64, 96
-    for m in (3, FL.QKV_ROPE_MAX_ROWS + 1):
+    for m in (3, FL.UNSWAPPED_ROPE_MAX_ROWS + 1, FL.QKV_ROPE_MAX_ROWS + 1):
         x, (q8, s, wf), b, ss, positions, idx0, idx1 = _inputs(randn, gen, device, dt, m, hq, hkv,
                                                                d, k, True, 2, int8=True)
         cos, sin = _cos_sin(d, device)
