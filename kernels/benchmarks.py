@@ -124,8 +124,9 @@ def sweep_split(ms, dtype=torch.bfloat16) -> None:
 
 
 def _tiles_str(cfg: dict) -> str:
-    # BLOCK_N x BLOCK_K x stages / warps, e.g. 32x512x4/4w
-    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}x{cfg['num_stages']}/{cfg['num_warps']}w"
+    # BLOCK_N x BLOCK_K x stages / warps, e.g. 32x512x4/4w (+ swap)
+    return (f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}x{cfg['num_stages']}/{cfg['num_warps']}w"
+            f"{' swap' if cfg.get('SWAP') else ''}")
 
 
 def _tile_times(call, tiles) -> list:
@@ -158,6 +159,10 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16, int8: bool = False) -> None:
     tiles = [dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=bn, BLOCK_K=bk,
                   num_warps=nw, num_stages=ns)
              for bn, bk, ns, nw in itertools.product((32, 64), (64, 128, 256, 512), (3, 4), (4, 8))]
+    if not int8 and m > 1:  # y^T = W x^T tiles (wgmma), as the defaults take at 2-32 rows
+        tiles += [dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+                       num_stages=ns, SWAP=True)
+                  for bn, bk, ns in itertools.product((64, 128), (64, 128, 256), (3, 4, 5))]
 
     def mm(a, w):  # the plain chain's GEMM; w = (weight, scale or None)
         return linear_triton(a, w[0]) if w[1] is None else int8_linear_triton(a, *w)
@@ -192,8 +197,7 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16, int8: bool = False) -> None:
 
 
 def _tile_name(seconds: float, cfg: dict) -> str:
-    return (f"{seconds * 1e6:.1f} us {cfg['BLOCK_M']}x{_tiles_str(cfg)}"
-            f"{' swap' if cfg.get('SWAP') else ''}")
+    return f"{seconds * 1e6:.1f} us {cfg['BLOCK_M']}x{_tiles_str(cfg)}"
 
 
 def sweep_int8(ms) -> None:
