@@ -10,11 +10,12 @@ import torch
 
 from .engine import Engine
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
-from .memory import check_fits, device_budget, weight_bytes
+from .memory import activation_bytes, check_fits, device_budget, weight_bytes
 from .model import DecoderModel
 from .plan import Plan
 from .quant import SlotPacker
 from .plugins import PluginManager, get_plugin_manager
+from .scheduler import default_prefill_tokens
 from .source import resolve_source
 from .weights import load_weights
 
@@ -141,11 +142,12 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine (see DESIGN §3).
 
-    ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V must fit in (default:
-    the free memory of a CUDA device; unchecked on the CPU). ``cuda_graphs``: decode
-    under CUDA graphs (default: on CUDA when the cache supports it); ``prefill_graphs``:
-    a single fresh prompt's prefill too, per length bucket (default: with ``cuda_graphs``
-    when the cache supports it). ``max_prefill_tokens``: prompt tokens one prefill step
+    ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
+    a ``max_prefill_tokens`` step must fit in (default: the free memory of a CUDA device;
+    unchecked on the CPU). ``cuda_graphs``: decode under CUDA graphs (default: on CUDA
+    when the cache supports it); ``prefill_graphs``: a single fresh prompt's prefill too,
+    per length bucket (default: with ``cuda_graphs`` when the cache supports it).
+    ``max_prefill_tokens``: prompt tokens one prefill step
     feeds at most (default max(max_seq_len, 2048)); a longer prompt is prefilled in
     chunks, each step also carrying one decode token of every running sequence."""
     t0 = time.perf_counter()
@@ -170,6 +172,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if spec.position == "learned" and max_seq_len > spec.max_position:
         raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
                         "learned positions")
+    prefill_tokens = _prefill_budget(max_prefill_tokens, max_seq_len)
     from infergraft.kernels import get_ops  # here, not at import: it imports triton
 
     ops = get_ops(device, kernels)
@@ -183,8 +186,10 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         weight_bytes=weight_bytes(spec, dtype, weight_quant),
         kv_bytes_per_token=backend.bytes_per_token(spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(spec, dtype),
-        options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window)
-    plan = pm.prepare_plan(plan, spec)
+        options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window,
+        max_prefill_tokens=prefill_tokens,
+        activation_bytes=activation_bytes(spec, dtype, prefill_tokens, max_batch_size))
+    plan = _with_activations(pm.prepare_plan(plan, spec), plan, spec, dtype)
     budget, budget_source = device_budget(device, device_memory)
     kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
     check_fits(plan, kv_device, budget, budget_source)  # before any weight is loaded
@@ -203,13 +208,22 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if kv_quant is not None:
         opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
-    engine = Engine(net.eval(), cache, source.tokenizer, plan, spec,
-                    _prefill_budget(max_prefill_tokens))
+    engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_prefill_tokens)
     engine.graph_runner = _graph_runner(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = _prefill_graphs(net, cache, plan, engine.graph_runner,
                                             prefill_graphs)
     engine.build_seconds = time.perf_counter() - t0
     return engine
+
+
+def _with_activations(plan, before, spec, dtype):
+    """``plan`` (from the prepare_plan hooks) with its activation bytes recounted for its
+    batch and prefill step, unless a hook set them itself (they differ from ``before``)."""
+    prefill_tokens = _prefill_budget(plan.max_prefill_tokens, plan.max_seq_len)
+    counted = plan.activation_bytes
+    if counted == before.activation_bytes:  # a hook may have changed the batch or the step
+        counted = activation_bytes(spec, dtype, prefill_tokens, plan.max_batch_size)
+    return attrs.evolve(plan, max_prefill_tokens=prefill_tokens, activation_bytes=counted)
 
 
 def _graph_runner(net, cache, plan, device, wanted):
@@ -243,8 +257,11 @@ def _prefill_graphs(net, cache, plan, decode_runner, wanted):
     return PrefillGraphRunner(net, cache, plan.max_seq_len, share_pool_with=decode_runner)
 
 
-def _prefill_budget(n):
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+def _prefill_budget(n, max_seq_len: int) -> int:
+    """The tokens one prefill step feeds at most: ``max_prefill_tokens`` or the default."""
+    if n is None:
+        return default_prefill_tokens(max_seq_len)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise PlanError(f"max_prefill_tokens must be an integer >= 1 (or None for the "
                         f"default), got {n!r}")
     return n

@@ -12,7 +12,7 @@ from .errors import InvalidRequestError
 from .pipeline import DecodePipeline
 from .request import Completion, SamplingParams, Sequence
 from .sampler import sample
-from .scheduler import Scheduler, tokens_of
+from .scheduler import Scheduler, default_prefill_tokens, tokens_of
 
 Prompt = Union[str, list]
 
@@ -24,7 +24,7 @@ class Engine:
         self.device = torch.device(plan.device)
         # tokens one prefill step feeds at most (longer prompts go in chunks)
         self.scheduler = Scheduler(cache, plan.max_batch_size, max_prefill_tokens=(
-            max_prefill_tokens or max(plan.max_seq_len, 2048)))
+            max_prefill_tokens or default_prefill_tokens(plan.max_seq_len)))
         eos = set(spec.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -1,8 +1,11 @@
-"""Memory planner: weight and K/V bytes from the config alone (nothing is loaded).
+"""Memory planner: weight, K/V and activation bytes from the config alone (nothing is
+loaded).
 
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element,
-plus, for quantised K/V, the per-token, per-head scales. ``infergraft plan`` prints
-these numbers; ``core.build`` refuses a configuration whose weights + K/V do not fit.
+plus, for quantised K/V, the per-token, per-head scales. Activations: an upper bound of
+what the largest forward step holds at its peak (``activation_bytes``), the memory vLLM
+reserves after its profile run. ``infergraft plan`` prints these numbers; ``core.build``
+refuses a configuration whose weights + K/V + activations do not fit.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import attrs
 import torch
 
 from .errors import PlanError
+from .scheduler import default_prefill_tokens
 from .units import KVSizes
 from .units import fmt_bytes, parse_bytes
 
@@ -33,6 +37,43 @@ def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
     if weight_quantizer is not None:
         return weight_quantizer.weight_bytes(spec, element_bytes(dtype))
     return spec.param_count * element_bytes(dtype)
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` if it is an integer >= 1, else PlanError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size: int) -> int:
+    """Upper bound of the transient bytes one forward step of ``step_tokens`` prefill
+    tokens holds at its peak: an estimate from the shapes, not a measurement.
+
+    Counted, in ``dtype``: the tensors ``core.model.DecoderLayer.forward`` keeps alive
+    together (the formula below) for T = step_tokens + max_batch_size - 1 rows (one
+    decode token of every other running sequence may ride along a prefill step), plus
+    the LM head's logits and their float32 copy for max_batch_size rows (a step samples
+    one row per sequence). Not counted: scratch inside kernels (attention workspace; the
+    CPU's torch reference ops add float32 temporaries, the Triton kernels on CUDA none),
+    a weight quantiser's widened weights, CUDA-graph pools, and ``Engine.logits``, which
+    returns the logits of every row.
+    """
+    positive_int("step_tokens", step_tokens)
+    positive_int("max_batch_size", max_batch_size)
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    mlp = 3 * spec.intermediate_size if spec.gated_mlp else 2 * spec.intermediate_size
+    # Per row: the layer's input stream and residual, the new residual and the normed
+    # input (4H), and the largest of what the three phases add to them: attention (qkv,
+    # rotated q and k, its output: 3q + 3kv), the second norm (o output, the new residual
+    # and normed input while the first pair is still bound, attention output: 3H + q),
+    # the MLP (o output, attention output, gate_up and its activation: H + q + 3I, or
+    # fc_in and its activation: H + q + 2I).
+    per_row = 4 * h + max(3 * q + 3 * kv, 3 * h + q, h + q + mlp)
+    rows = step_tokens + max_batch_size - 1
+    e = element_bytes(dtype)
+    logits_per_row = spec.vocab_size * (4 if e == 4 else e + 4)  # float32: no copy
+    return rows * per_row * e + max_batch_size * logits_per_row
 
 
 def as_bytes(size) -> int:
@@ -81,6 +122,8 @@ class MemoryPlan(KVSizes):
     budget: Optional[int] = None
     budget_source: str = ""
     sliding_window: Optional[int] = None  # the model's attention window, if any
+    activation_bytes: int = 0  # the largest step's transient tensors (activation_bytes())
+    max_prefill_tokens: Optional[int] = None  # that step's prefill tokens
 
     @property
     def window_tokens(self) -> Optional[int]:
@@ -95,21 +138,34 @@ class MemoryPlan(KVSizes):
         until it decodes) holds only its window's K/V; None without a window or budget."""
         if self.budget is None or self.window_tokens is None:
             return None
-        room = self.budget - self.weight_bytes - self.kv_bytes_per_sequence
+        room = self.kv_room - self.kv_bytes_per_sequence
         if room < 0:
             return 0
         return 1 + room // (self.window_tokens * self.kv_bytes_per_token)
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes_total
+        return self.weight_bytes + self.kv_bytes_total + self.activation_bytes
+
+    @property
+    def kv_room(self) -> Optional[int]:
+        """Budget left for K/V once the weights and the activations are in."""
+        if self.budget is None:
+            return None
+        return self.budget - self.weight_bytes - self.activation_bytes
 
     @property
     def max_batch_that_fits(self) -> Optional[int]:
-        """Largest batch of ``max_seq_len`` sequences whose K/V fit beside the weights."""
+        """Largest batch of ``max_seq_len`` sequences whose K/V fit beside the weights and
+        the activations (those counted at ``max_batch_size``)."""
         if self.budget is None:
             return None
-        return max(0, (self.budget - self.weight_bytes) // self.kv_bytes_per_sequence)
+        return max(0, self.kv_room // self.kv_bytes_per_sequence)
+
+    @property
+    def activation_label(self) -> str:
+        n = self.max_prefill_tokens
+        return f"activations (a {n}-token step)" if n else "activations"
 
     @property
     def fits(self) -> bool:
@@ -124,7 +180,8 @@ class MemoryPlan(KVSizes):
             ("KV per token", f"{fmt_bytes(self.kv_bytes_per_token)} ({self.kv_bytes_per_token} B)"),
             (f"KV per sequence ({self.max_seq_len} tokens)", fmt_bytes(self.kv_bytes_per_sequence)),
             (f"KV total (batch {self.max_batch_size})", fmt_bytes(self.kv_bytes_total)),
-            ("weights + KV", fmt_bytes(self.total_bytes)),
+            (self.activation_label, fmt_bytes(self.activation_bytes)),
+            ("weights + KV + activations", fmt_bytes(self.total_bytes)),
         ]
         if self.budget is None:
             rows.append(("budget", "not given (--device-memory)"))
@@ -146,29 +203,35 @@ class MemoryPlan(KVSizes):
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
     def refusal(self) -> str:
+        n = self.max_prefill_tokens
+        step = f" ({n}-token prefill steps)" if n else ""
         return (f"{self.model} does not fit: weights {fmt_bytes(self.weight_bytes)} + K/V "
                 f"{fmt_bytes(self.kv_bytes_total)} ({self.max_batch_size} sequences x "
-                f"{self.max_seq_len} tokens x {fmt_bytes(self.kv_bytes_per_token)} per token) = "
+                f"{self.max_seq_len} tokens x {fmt_bytes(self.kv_bytes_per_token)} per token) + "
+                f"activations {fmt_bytes(self.activation_bytes)}{step} = "
                 f"{fmt_bytes(self.total_bytes)} > {fmt_bytes(self.budget)} "
                 f"({self.budget_source}); the largest batch of {self.max_seq_len}-token "
                 f"sequences that fits is {self.max_batch_that_fits}"
                 + (f" ({self.max_batch_with_window} with one prompt at full length and the "
                    f"rest in their {self.window_tokens}-token window)" if self.window_tokens else "")
-                + ". Lower max_batch_size or "
-                "max_seq_len, store K/V as int8 (plugins=['paged', 'kv-int8']), or use a "
-                "smaller dtype")
+                + ". Lower max_batch_size, max_seq_len or max_prefill_tokens, store K/V as "
+                "int8 (plugins=['paged', 'kv-int8']), or use a smaller dtype")
 
 
 def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                 kv_quantizer=None, max_seq_len: Optional[int] = None,
                 max_batch_size: int = 8, budget: Optional[int] = None,
-                budget_source: str = "", weight_quantizer=None) -> MemoryPlan:
+                budget_source: str = "", weight_quantizer=None,
+                max_prefill_tokens: Optional[int] = None) -> MemoryPlan:
     """The memory plan of ``spec`` (weights from ``spec.param_count``, packed by
-    ``weight_quantizer`` when given)."""
+    ``weight_quantizer`` when given; activations of a ``max_prefill_tokens`` step, by
+    default the engine's: ``scheduler.default_prefill_tokens(max_seq_len)``)."""
     max_seq_len = int(max_seq_len or min(spec.max_position, 4096))
     if max_seq_len < 1 or max_batch_size < 1:
         raise PlanError(f"max_seq_len and max_batch_size must be >= 1, got {max_seq_len}, "
                         f"{max_batch_size}")
+    step = default_prefill_tokens(max_seq_len) if max_prefill_tokens is None \
+        else positive_int("max_prefill_tokens", max_prefill_tokens)
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
                       kv_dtype=kv_dtype.replace("torch.", ""),
@@ -176,19 +239,25 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                       kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
                       max_seq_len=max_seq_len, max_batch_size=int(max_batch_size),
                       budget=budget, budget_source=budget_source,
-                      sliding_window=getattr(spec, "sliding_window", None))
+                      sliding_window=getattr(spec, "sliding_window", None),
+                      activation_bytes=activation_bytes(spec, dtype, step, int(max_batch_size)),
+                      max_prefill_tokens=step)
 
 
 def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -> None:
-    """Raise PlanError, with the numbers, if weights + K/V exceed ``budget``."""
+    """Raise PlanError, with the numbers, if weights + K/V + activations (the plan's
+    ``activation_bytes``) exceed ``budget``."""
     if budget is None:
         return
+    activations = getattr(plan, "activation_bytes", 0)
     mem = MemoryPlan(model=plan.model, dtype=plan.dtype, kv_dtype=plan.kv_dtype,
                      weight_bytes=plan.weight_bytes, kv_bytes_per_token=plan.kv_bytes_per_token,
                      max_seq_len=plan.max_seq_len, max_batch_size=plan.max_batch_size,
                      budget=budget, budget_source=source,
-                     sliding_window=getattr(plan, "sliding_window", None))
-    if plan.weight_bytes + kv_device_bytes > budget:
+                     sliding_window=getattr(plan, "sliding_window", None),
+                     activation_bytes=activations,
+                     max_prefill_tokens=getattr(plan, "max_prefill_tokens", None))
+    if plan.weight_bytes + kv_device_bytes + activations > budget:
         msg = mem.refusal()
         if kv_device_bytes != plan.kv_bytes_total:  # a backend sized its pool otherwise
             msg += (f" (the {plan.cache_backend} cache holds {fmt_bytes(kv_device_bytes)} of "

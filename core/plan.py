@@ -47,10 +47,12 @@ class Plan(KVSizes):
     kv_bytes_per_token: int
     options: tuple[tuple[str, Any], ...] = ()
     sliding_window: int | None = None  # the model's attention window (caches may hold less)
+    max_prefill_tokens: int | None = None  # tokens one prefill step feeds at most
+    activation_bytes: int = 0  # that step's transient tensors (core.memory.activation_bytes)
 
     def rows(self) -> list[tuple[str, str]]:
         p = self.parallel
-        return [
+        rows = [
             ("model", f"{self.model} ({self.architecture})"),
             ("policy", self.policy),
             ("dtype / device", f"{self.dtype} / {self.device}"),
@@ -64,8 +66,14 @@ class Plan(KVSizes):
             ("KV per token", fmt_bytes(self.kv_bytes_per_token)),
             ("KV per sequence", fmt_bytes(self.kv_bytes_per_sequence)),
             ("KV total", fmt_bytes(self.kv_bytes_total)),
-        ] + ([("sliding window", f"{self.sliding_window} tokens (a cache may hold only those)")]
-             if self.sliding_window else []) + [(f"option {k}", repr(v)) for k, v in self.options]
+        ]
+        if self.max_prefill_tokens:
+            rows.append((f"activations (a {self.max_prefill_tokens}-token step)",
+                         fmt_bytes(self.activation_bytes)))
+        if self.sliding_window:
+            rows.append(("sliding window",
+                         f"{self.sliding_window} tokens (a cache may hold only those)"))
+        return rows + [(f"option {k}", repr(v)) for k, v in self.options]
 
     def __str__(self) -> str:
         rows = self.rows()

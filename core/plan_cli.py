@@ -1,5 +1,6 @@
 """``infergraft plan MODEL``: the memory plan (weights, K/V per token / sequence / batch,
-the largest batch that fits) from the model's config alone; no weight is loaded."""
+the activations of the largest prefill step, the largest batch that fits) from the
+model's config alone; no weight is loaded."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight storage (auto: the weights dtype; int8: the int8 quantizer)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="tokens one prefill step feeds at most, as core.build takes it "
+                        "(default: max(max_seq_len, 2048))")
     p.add_argument("--device-memory", default=None,
                    help="budget, e.g. 80GiB (default: free CUDA memory, else host RAM)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
@@ -72,6 +76,7 @@ def run(args) -> int:
     mem = plan_memory(spec, model=name, dtype=dtype, kv_quantizer=kv_quant,
                       weight_quantizer=weight_quant,
                       max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+                      max_prefill_tokens=args.max_prefill_tokens,
                       budget=budget, budget_source=source)
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights
         kv = plan_memory(spec, dtype=kv_dtype, max_seq_len=mem.max_seq_len)

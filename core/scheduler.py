@@ -29,6 +29,13 @@ from .errors import InfergraftError
 from .request import Sequence, Status
 
 
+def default_prefill_tokens(max_seq_len: int) -> int:
+    """Tokens one prefill step feeds at most when ``max_prefill_tokens`` is not given: a
+    whole ``max_seq_len`` prompt, and no fewer than 2048 (the engine and the memory
+    planner both use this, so the planned step is the one that runs)."""
+    return max(max_seq_len, 2048)
+
+
 class SchedulerError(InfergraftError, RuntimeError):
     """The cache refuses a sequence even with nothing else running (a backend bug)."""
 

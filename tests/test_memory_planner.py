@@ -1,13 +1,15 @@
-"""The memory planner: KV bytes from the config alone, `infergraft plan`, build refusals."""
+"""The memory planner: KV and activation bytes from the config alone, `infergraft plan`,
+build refusals."""
 import json
 
+import attrs
 import pytest
 import torch
 
 from infergraft import core
 from infergraft.core.cli import main
 from infergraft.core.errors import PlanError
-from infergraft.core.memory import kv_bytes_per_token, plan_memory
+from infergraft.core.memory import activation_bytes, kv_bytes_per_token, plan_memory
 from infergraft.core.testing.models import random_model, tiny_llama_config
 from infergraft.core.units import fmt_bytes
 
@@ -17,9 +19,23 @@ LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                  max_position_embeddings=4096, tie_word_embeddings=False)
 
 
+# LLaMA-2-7B's activation row (elements; H = q = kv = 4096, I = 11008, see
+# memory.activation_bytes): 4H + max(3q + 3kv, 3H + q, H + q + 3I) = 16384 + 41216
+LLAMA2_7B_ROW = 4 * 4096 + max(6 * 4096, 4 * 4096, 2 * 4096 + 3 * 11008)  # 57600
+
+
+def llama2_7b_activations(step, batch, elem=2):
+    """step + batch - 1 rows of LLAMA2_7B_ROW, and batch rows of logits (32000 vocab) in
+    the model dtype and float32."""
+    return (step + batch - 1) * LLAMA2_7B_ROW * elem + batch * 32000 * (elem + 4)
+
+
+def _spec(policy, cfg):
+    return core.get_plugin_manager().policies().get(policy).describe(cfg)
+
+
 def _llama2_7b_spec():
-    cfg = tiny_llama_config(**LLAMA2_7B)
-    return core.get_plugin_manager().policies().get("llama").describe(cfg)
+    return _spec("llama", tiny_llama_config(**LLAMA2_7B))
 
 
 def test_llama2_7b_kv_is_half_a_mib_per_token_and_1_gib_per_2048_tokens():
@@ -30,7 +46,53 @@ def test_llama2_7b_kv_is_half_a_mib_per_token_and_1_gib_per_2048_tokens():
     assert mem.kv_bytes_per_token == MiB // 2
     assert mem.kv_bytes_per_sequence == GiB
     assert mem.weight_bytes == 6_738_415_616 * 2  # LLaMA-2-7B's parameter count, fp16
-    assert mem.max_batch_that_fits == (80 * GiB - mem.weight_bytes) // GiB == 67
+    # the engine's default step at max_seq_len 2048: max(2048, 2048) tokens
+    assert mem.max_prefill_tokens == 2048
+    assert mem.activation_bytes == llama2_7b_activations(2048, 1) == 236_121_600
+    assert mem.total_bytes == mem.weight_bytes + GiB + mem.activation_bytes
+    assert mem.max_batch_that_fits == (80 * GiB - mem.weight_bytes - mem.activation_bytes) \
+        // GiB == 67
+
+
+def test_activation_bytes_follow_the_formula_and_grow_with_the_step():
+    spec = _llama2_7b_spec()
+    assert LLAMA2_7B_ROW == 57600  # the MLP phase is the largest
+    fp16 = [activation_bytes(spec, torch.float16, step, 8) for step in (512, 2048, 4096)]
+    assert fp16 == [llama2_7b_activations(step, 8) for step in (512, 2048, 4096)]
+    assert fp16[0] < fp16[1] < fp16[2]
+    assert fp16[2] - fp16[1] == 2048 * LLAMA2_7B_ROW * 2  # the rows alone grow
+    # one more sequence: one more row that may ride along, one more row of logits
+    assert activation_bytes(spec, torch.float16, 2048, 9) - fp16[1] == \
+        LLAMA2_7B_ROW * 2 + 32000 * 6
+    # float32: the logits need no float32 copy
+    assert activation_bytes(spec, torch.float32, 2048, 1) == \
+        2048 * LLAMA2_7B_ROW * 4 + 32000 * 4
+    # GPT-2 small (no gate, H = q = kv = 768, I = 3072): 4H + (H + q + 2I)
+    from transformers import GPT2Config
+
+    gpt2 = _spec("gpt2", GPT2Config(architectures=["GPT2LMHeadModel"]))
+    assert activation_bytes(gpt2, torch.float32, 1024, 1) == \
+        1024 * (4 * 768 + 768 + 768 + 2 * 3072) * 4 + 50257 * 4
+    for bad in (0, -1, 2.5, True, None):
+        with pytest.raises(PlanError, match="step_tokens must be an integer >= 1"):
+            activation_bytes(spec, torch.float16, bad, 1)
+    with pytest.raises(PlanError, match="max_prefill_tokens must be an integer >= 1"):
+        plan_memory(spec, max_prefill_tokens=0)
+
+
+def test_plan_memory_defaults_to_the_engines_prefill_step():
+    spec = _llama2_7b_spec()
+    for seq_len, step in ((512, 2048), (2048, 2048), (4096, 4096)):
+        mem = plan_memory(spec, dtype=torch.float16, max_seq_len=seq_len, max_batch_size=2)
+        assert mem.max_prefill_tokens == step
+        assert mem.activation_bytes == llama2_7b_activations(step, 2)
+    hf = random_model(tiny_llama_config(), seed=0)
+    for asked, step in ((None, 2048), (100, 100)):
+        engine = core.build(hf, max_seq_len=256, max_batch_size=2, max_prefill_tokens=asked)
+        assert engine.plan.max_prefill_tokens == engine.scheduler.max_prefill_tokens == step
+        assert engine.plan.activation_bytes == \
+            activation_bytes(engine.spec, torch.float32, step, 2)
+        assert f"activations (a {step}-token step)" in str(engine.plan)
 
 
 def test_int8_kv_adds_its_scales():
@@ -48,15 +110,26 @@ def test_plan_cli_reads_only_the_config(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["kv_bytes_per_token"] == MiB // 2 and got["kv_bytes_per_sequence"] == GiB
     assert got["kv_bytes_total"] == 4 * GiB and got["weight_bytes"] == 6_738_415_616 * 2
+    act = llama2_7b_activations(2048, 4)
+    assert got["activation_bytes"] == act and got["max_prefill_tokens"] == 2048
+    assert got["total_bytes"] == 6_738_415_616 * 2 + 4 * GiB + act
     assert got["max_batch_that_fits"] == 67 and got["fits"] is True
     assert main(["plan", str(tmp_path), "--dtype", "float16", "--kv-dtype", "int8",
                  "--max-seq-len", "2048", "--device-memory", "16GiB"]) == 0
     text = capsys.readouterr().out
     assert "float16 / int8" in text and fmt_bytes(2 * 32 * 32 * 132) in text
-    fit = (16 * GiB - 6_738_415_616 * 2) // (2 * 32 * 32 * 132 * 2048)  # 6 int8 sequences
+    room = 16 * GiB - 6_738_415_616 * 2 - llama2_7b_activations(2048, 8)
+    fit = room // (2 * 32 * 32 * 132 * 2048)  # 6 int8 sequences
     rows = dict(line.split("  ", 1) for line in text.splitlines())
     assert rows["fits"].strip() == "NO"  # 8 x 2048 tokens do not
     assert rows["largest batch at 2048 tokens"].strip() == str(fit) and fit == 6
+    assert rows["activations (a 2048-token step)"].strip() == \
+        fmt_bytes(llama2_7b_activations(2048, 8))
+    assert main(["plan", str(tmp_path), "--dtype", "float16", "--max-seq-len", "2048",
+                 "--max-prefill-tokens", "512", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["max_prefill_tokens"] == 512
+    assert got["activation_bytes"] == llama2_7b_activations(512, 8)
     # int8 weights: the 32 layers' projections (qkv 12288, o 4096, gate_up 22016, down 4096
     # rows) at 1 byte + a float32 scale per row; embeddings, lm_head and norms at 2 bytes
     assert main(["plan", str(tmp_path), "--dtype", "float16", "--weights", "int8",
@@ -76,21 +149,25 @@ def test_plan_cli_demo_alias_and_bad_input(capsys):
     assert "cannot read 'lots' as a size" in capsys.readouterr().err
     assert main(["plan", "/nonexistent/model"]) == 2
     assert "config.json" in capsys.readouterr().err
+    assert main(["plan", "smollm2-135m", "--max-prefill-tokens", "0"]) == 2
+    assert "max_prefill_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_build_refuses_what_does_not_fit_with_the_numbers():
     hf = random_model(tiny_llama_config(), seed=0)
-    spec_bytes = 2 * 2 * 2 * 16 * 4  # L=2, Hkv=2, D=16, float32 -> 256 B per token
+    spec_bytes = 2 * 2 * 2 * 16 * 4  # K and V, L=2, Hkv=2, D=16, float32 -> 512 B per token
     with pytest.raises(PlanError) as e:
         core.build(hf, max_seq_len=512, max_batch_size=8, device_memory="1MiB")
     msg = str(e.value)
     assert "does not fit" in msg and "8 sequences x 512 tokens" in msg
     assert fmt_bytes(spec_bytes) in msg and "1.00 MiB (device_memory)" in msg
     assert "largest batch" in msg
-    # the same budget fits a smaller batch, and a paged pool sized below the plan
-    core.build(hf, max_seq_len=512, max_batch_size=2, device_memory="1MiB")
+    # the same budget fits a smaller batch, and a paged pool sized below the plan, with
+    # 16-token prefill steps (the default 2048-token step alone needs over 5 MiB here)
+    core.build(hf, max_seq_len=512, max_batch_size=2, device_memory="1MiB",
+               max_prefill_tokens=16)
     core.build(hf, plugins=["paged"], max_seq_len=512, max_batch_size=8, num_blocks=64,
-               device_memory="1MiB")
+               device_memory="1MiB", max_prefill_tokens=16)
     with pytest.raises(PlanError, match="device_memory"):
         core.build(hf, max_seq_len=64, device_memory="a lot")
 
@@ -112,12 +189,13 @@ def test_plan_counts_windows_for_sliding_window_models(tmp_path, capsys):
     # 2 layers x 2 kv heads x 16 dims x 2 (K, V) x 2 bytes = 256 B per token
     tiny_mistral_config(sliding_window=64).save_pretrained(tmp_path)
     args = ["plan", str(tmp_path), "--dtype", "float16", "--max-seq-len", "512",
-            "--max-batch-size", "8"]
+            "--max-batch-size", "8", "--max-prefill-tokens", "64"]
     assert main(args + ["--device-memory", "2MiB", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     per_token, weights = got["kv_bytes_per_token"], got["weight_bytes"]
     assert per_token == 256 and got["sliding_window"] == 64
-    room = 2 * MiB - weights - 512 * per_token  # one prompt at full length, then windows
+    # one prompt at full length, then windows, beside the weights and the activations
+    room = 2 * MiB - weights - got["activation_bytes"] - 512 * per_token
     assert got["max_batch_with_window"] == 1 + room // (64 * per_token)
     assert got["max_batch_with_window"] > 2 * got["max_batch_that_fits"] >= 2
     assert main(args + ["--device-memory", "2MiB"]) == 0
@@ -138,3 +216,45 @@ def test_build_refusal_of_a_window_model_says_what_its_windows_allow():
                                         r"rest in their 64-token window\)"):
         core.build(hf, plugins=["paged"], dtype="float16", device="cpu", max_seq_len=512,
                    max_batch_size=4096, device_memory="2MiB")
+
+
+def _tiny_llama_budget(max_prefill_tokens=None):
+    """(model, weight bytes, K/V bytes, activation bytes) of the tiny LLaMA at 2 x 512
+    tokens, float32, as the planner counts them."""
+    cfg = tiny_llama_config()
+    mem = plan_memory(_spec("llama", cfg), max_seq_len=512, max_batch_size=2,
+                      max_prefill_tokens=max_prefill_tokens)
+    return random_model(cfg, seed=0), mem.weight_bytes, mem.kv_bytes_total, mem.activation_bytes
+
+
+def test_build_refuses_a_budget_that_only_weights_and_kv_fit():
+    hf, weights, kv, act = _tiny_llama_budget()  # the default step: 2048 tokens
+    assert kv == 2 * 512 * 512 and act > 2 * kv  # the activations are what overflows
+    budget = weights + kv + act // 2
+    with pytest.raises(PlanError) as e:
+        core.build(hf, max_seq_len=512, max_batch_size=2, device_memory=budget)
+    msg = str(e.value)
+    assert f"+ activations {fmt_bytes(act)} (2048-token prefill steps)" in msg
+    assert "Lower max_batch_size, max_seq_len or max_prefill_tokens" in msg
+    assert "that fits is 0" in msg  # (budget - weights - activations) // K/V per sequence
+    # 64-token steps: the same budget fits, and the engine steps as planned
+    _, _, _, small = _tiny_llama_budget(max_prefill_tokens=64)
+    assert weights + kv + small <= budget
+    engine = core.build(hf, max_seq_len=512, max_batch_size=2, device_memory=budget,
+                        max_prefill_tokens=64)
+    assert engine.plan.activation_bytes == small and engine.scheduler.max_prefill_tokens == 64
+    done = engine.generate([list(range(3, 103))], max_new_tokens=2)  # a 100-token prompt
+    assert 1 <= len(done[0].token_ids) <= 2
+
+
+def test_a_prepare_plan_hook_that_shrinks_the_step_shrinks_the_activations():
+    class SmallSteps:
+        @core.hookimpl
+        def infergraft_prepare_plan(self, plan):
+            return attrs.evolve(plan, max_prefill_tokens=64)
+
+    hf, weights, kv, act = _tiny_llama_budget()
+    _, _, _, small = _tiny_llama_budget(max_prefill_tokens=64)
+    engine = core.build(hf, plugins=[SmallSteps()], max_seq_len=512, max_batch_size=2,
+                        device_memory=weights + kv + act // 2)
+    assert engine.plan.activation_bytes == small and engine.scheduler.max_prefill_tokens == 64

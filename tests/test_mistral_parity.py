@@ -161,7 +161,7 @@ def test_read_returns_the_window_oldest_first(windowed):
 
 def test_memory_check_counts_the_ring_not_max_seq_len():
     # 1,024-token rows would be 32x the ring's W=32 columns: a budget that fits weights +
-    # the ring must be accepted, one that does not must still be refused
+    # the ring + the activations must be accepted, one that does not must still be refused
     from infergraft.core.errors import PlanError
 
     hf = random_model(tiny_mistral_config(sliding_window=32), seed=0)
@@ -170,9 +170,10 @@ def test_memory_check_counts_the_ring_not_max_seq_len():
     ring = engine.cache.stats()["bytes"]
     assert engine.plan.sliding_window == 32
     assert ring == engine.plan.kv_bytes_per_token * 32 * 2 < engine.plan.kv_bytes_total
-    core.build(hf, device_memory=engine.plan.weight_bytes + ring, **kw)
+    needed = engine.plan.weight_bytes + ring + engine.plan.activation_bytes
+    core.build(hf, device_memory=needed, **kw)
     with pytest.raises(PlanError, match="holds"):
-        core.build(hf, device_memory=engine.plan.weight_bytes + ring - 1, **kw)
+        core.build(hf, device_memory=needed - 1, **kw)
 
 
 def test_spec_and_ring_width():
