@@ -10,12 +10,12 @@ import torch
 
 from .engine import Engine
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
-from .memory import activation_bytes, check_fits, device_budget, weight_bytes
+from .memory import (activation_bytes, check_fits, device_budget, prefill_step_tokens,
+                     weight_bytes)
 from .model import DecoderModel
 from .plan import Plan
 from .quant import SlotPacker
 from .plugins import PluginManager, get_plugin_manager
-from .scheduler import default_prefill_tokens
 from .source import resolve_source
 from .weights import load_weights
 
@@ -172,7 +172,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if spec.position == "learned" and max_seq_len > spec.max_position:
         raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
                         "learned positions")
-    prefill_tokens = _prefill_budget(max_prefill_tokens, max_seq_len)
+    prefill_tokens = prefill_step_tokens(max_prefill_tokens, max_seq_len)
     from infergraft.kernels import get_ops  # here, not at import: it imports triton
 
     ops = get_ops(device, kernels)
@@ -219,7 +219,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
 def _with_activations(plan, before, spec, dtype):
     """``plan`` (from the prepare_plan hooks) with its activation bytes recounted for its
     batch and prefill step, unless a hook set them itself (they differ from ``before``)."""
-    prefill_tokens = _prefill_budget(plan.max_prefill_tokens, plan.max_seq_len)
+    prefill_tokens = prefill_step_tokens(plan.max_prefill_tokens, plan.max_seq_len)
     counted = plan.activation_bytes
     if counted == before.activation_bytes:  # a hook may have changed the batch or the step
         counted = activation_bytes(spec, dtype, prefill_tokens, plan.max_batch_size)
@@ -255,13 +255,3 @@ def _prefill_graphs(net, cache, plan, decode_runner, wanted):
                         f"capture a prefill (paged, or contiguous without a sliding window or "
                         f"int8 K/V); got {plan.cache_backend} with kv_dtype={plan.kv_dtype}")
     return PrefillGraphRunner(net, cache, plan.max_seq_len, share_pool_with=decode_runner)
-
-
-def _prefill_budget(n, max_seq_len: int) -> int:
-    """The tokens one prefill step feeds at most: ``max_prefill_tokens`` or the default."""
-    if n is None:
-        return default_prefill_tokens(max_seq_len)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise PlanError(f"max_prefill_tokens must be an integer >= 1 (or None for the "
-                        f"default), got {n!r}")
-    return n

@@ -39,11 +39,19 @@ def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
     return spec.param_count * element_bytes(dtype)
 
 
-def positive_int(name: str, value) -> int:
-    """``value`` if it is an integer >= 1, else PlanError naming ``name``."""
+def positive_int(name: str, value, hint: str = "") -> int:
+    """``value`` if it is an integer >= 1, else PlanError naming ``name`` (+ ``hint``)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
+        raise PlanError(f"{name} must be an integer >= 1, got {value!r}{hint}")
     return value
+
+
+def prefill_step_tokens(max_prefill_tokens, max_seq_len: int) -> int:
+    """Tokens one prefill step feeds at most: ``max_prefill_tokens``, or the engine's
+    default (``scheduler.default_prefill_tokens``) for None."""
+    if max_prefill_tokens is None:
+        return default_prefill_tokens(max_seq_len)
+    return positive_int("max_prefill_tokens", max_prefill_tokens, " (or None for the default)")
 
 
 def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size: int) -> int:
@@ -230,8 +238,7 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
     if max_seq_len < 1 or max_batch_size < 1:
         raise PlanError(f"max_seq_len and max_batch_size must be >= 1, got {max_seq_len}, "
                         f"{max_batch_size}")
-    step = default_prefill_tokens(max_seq_len) if max_prefill_tokens is None \
-        else positive_int("max_prefill_tokens", max_prefill_tokens)
+    step = prefill_step_tokens(max_prefill_tokens, max_seq_len)
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
                       kv_dtype=kv_dtype.replace("torch.", ""),

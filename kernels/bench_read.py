@@ -50,8 +50,7 @@ def read_bandwidth(nbytes: int, copies: int = 4) -> list[tuple[float, tuple]]:
 def main() -> int:
     from infergraft.core.bench import copy_bandwidth
 
-    from .gemv import gemv_config
-    from .linear import skinny_gemm
+    from .linear import skinny_config, skinny_gemm
 
     print(f"copy (read + written) {copy_bandwidth('cuda') / 1e12:.3f} TB/s", flush=True)
     best = max(read_bandwidth(2 ** 31, copies=1))
@@ -61,8 +60,7 @@ def main() -> int:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         it = itertools.cycle(ws)
-        kind = "wide" if n >= 8192 else "o" if k <= 4096 else "down"
-        t = graph_time(lambda: skinny_gemm(x, next(it), config=gemv_config(kind)))
+        t = graph_time(lambda: skinny_gemm(x, next(it), config=skinny_config(1, n, k)))
         print(f"{name:8s} {n * k * 2 / 1e6:6.1f} MB: read {best[0] / 1e12:.3f} TB/s, "
               f"batch-1 GEMV {n * k * 2 / t / 1e12:.3f} TB/s ({t * 1e6:.1f} us)", flush=True)
         del ws

@@ -200,7 +200,7 @@ def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
         return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=min(64, half), BLOCK_K=128,
                     num_warps=4, num_stages=4, SWAP=True)
     return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=min(32, half), BLOCK_K=128, num_warps=4,
-                num_stages=4 if m <= 16 else 3)
+                num_stages=4)  # unswapped: <= UNSWAPPED_ROPE_MAX_ROWS rows only
 
 
 def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
