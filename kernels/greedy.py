@@ -2,10 +2,18 @@
 
 The argmax follows ``torch.argmax``: ties go to the first index, and a NaN beats
 everything (the row's first NaN wins), so a broken logit is never silently skipped.
+
+It ends every decode step, so its latency counts: one program walking a 32000-wide row
+took 6.3 us on an H200; the row split over 16 programs, the last to finish picking among
+their winners, takes 2.5 (graphs of 20 calls; in the 7B decode step at batch 1 3.530 ->
+3.524 ms, in-process A/B, three rounds; docs/BENCHMARKS.md).
 """
+import os
+
 import torch
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
+from .paged_plan import _semaphores
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -62,18 +70,64 @@ if HAVE_TRITON:
             take = (x > best) | ((x != x) & (best == best))
             best = tl.where(take, x, best)
             best_idx = tl.where(take, cols, best_idx)
-        # across lanes: the smallest column among the lanes holding the row's max
+        tl.store(out_ptr + row, _first_best(best, best_idx, V).to(tl.int64))
+
+    @triton.jit
+    def _first_best(best, best_idx, V):
+        """Of candidates (value, column): the smallest column among those holding the max,
+        or among the NaNs if any (torch.argmax's choice)."""
         is_nan = best != best
         top = tl.max(tl.where(is_nan, float("-inf"), best), axis=0)
         has_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
         winner = tl.where(has_nan, is_nan, best == top)
-        idx = tl.min(tl.where(winner, best_idx, V), axis=0)
-        tl.store(out_ptr + row, idx.to(tl.int64))
+        return tl.min(tl.where(winner, best_idx, V), axis=0)
+
+    @triton.jit
+    def _logits_argmax_split_kernel(y_ptr, logits_ptr, out_ptr, best_ptr, idx_ptr, sem_ptr,
+                                    stride_y, stride_l, V, BLOCK: tl.constexpr,
+                                    BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        # Program (row, c) takes columns [c * BLOCK, (c + 1) * BLOCK): its logits and its
+        # best; the last of the row's programs to finish (a counter) picks among them.
+        row = tl.program_id(0).to(tl.int64)
+        c, chunks = tl.program_id(1), tl.num_programs(1)
+        cols = c * BLOCK + tl.arange(0, BLOCK)                                # [BLOCK]
+        mask = cols < V
+        x = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        tl.store(logits_ptr + row * stride_l + cols, x, mask=mask)
+        # an all -inf chunk names its first column (so an all -inf row -> 0)
+        tl.store(best_ptr + row * chunks + c, _chunk_value(x))
+        tl.store(idx_ptr + row * chunks + c, _first_best(x, cols, V))
+        # a scalar atomic runs on one thread: the barrier orders the partial stores first
+        tl.debug_barrier()
+        if tl.atomic_add(sem_ptr + row, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+            k = tl.arange(0, BLOCK_C)
+            km = k < chunks
+            best = tl.load(best_ptr + row * chunks + k, mask=km, other=float("-inf"),
+                           cache_modifier=".cg")
+            idx = tl.load(idx_ptr + row * chunks + k, mask=km, other=V, cache_modifier=".cg")
+            # the chunks' winners in column order: the first best of them is the row's
+            tl.store(out_ptr + row, _first_best(best, idx, V).to(tl.int64))
+            tl.store(sem_ptr + row, 0)  # zero again for the next call or graph replay
+
+    @triton.jit
+    def _chunk_value(x):
+        """A chunk's best value: NaN if it holds one, else its max."""
+        has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
+        return tl.where(has_nan, float("nan"), tl.max(x, axis=0))
 
 
-def logits_argmax_triton(y: torch.Tensor, out: torch.Tensor, block: int | None = None) -> torch.Tensor:
+#: columns per program of the split kernel: 16 programs a row at V = 32000
+SPLIT_BLOCK = 2048
+SPLIT_ON = os.environ.get("INFERGRAFT_ARGMAX_SPLIT", "1") == "1"  # the split kernel (A/B knob)
+
+
+def logits_argmax_triton(y: torch.Tensor, out: torch.Tensor, block: int | None = None,
+                         split: bool | None = None) -> torch.Tensor:
     # y: [n, V] (rows any stride, last dim contiguous) -> new float32 [n, V]; out: [n] int64
-    # ``block``: chunk width (a power of 2), for tests of the chunk boundaries
+    # ``block``: chunk width (a power of 2), for tests of the chunk boundaries. ``split``:
+    # a row's chunks on as many programs, merged by the last to finish (a counter on the
+    # shared semaphore buffer), else one program walks the row
     _check(y, out)
     if block is not None and (block < 16 or block & (block - 1)):
         raise ValueError(f"block must be a power of 2 >= 16, got {block}")
@@ -83,8 +137,20 @@ def logits_argmax_triton(y: torch.Tensor, out: torch.Tensor, block: int | None =
     logits = torch.empty((n, v), dtype=torch.float32, device=y.device)
     if n == 0:
         return logits
-    # it ends the decode step (one program per row: latency, not bandwidth): 16 fp32 a
-    # thread per chunk, up to 32 warps, so V = 32000 takes 2 trips to memory, not 8
+    if SPLIT_ON if split is None else split:
+        block_s = block or min(next_pow2(v), SPLIT_BLOCK)
+        chunks = -(-v // block_s)
+        sems = _semaphores(y.device, n) if chunks > 1 else None
+        if sems is not None:
+            best = torch.empty((n, chunks), dtype=torch.float32, device=y.device)
+            idx = torch.empty((n, chunks), dtype=torch.int32, device=y.device)
+            _logits_argmax_split_kernel[(n, chunks)](
+                y, logits, out, best, idx, sems, y.stride(0), logits.stride(0), v,
+                BLOCK=block_s, BLOCK_C=max(2, next_pow2(chunks)),
+                num_warps=min(8, max(1, block_s // 256)), **pdl_launch(y.device))
+            return logits
+    # one program per row (latency, not bandwidth): 16 fp32 a thread per chunk, up to 32
+    # warps, so V = 32000 takes 2 trips to memory, not 8
     block = block or min(next_pow2(v), 16384)
     warps = min(32, max(4, block // 512))
     _logits_argmax_kernel[(n,)](y, logits, out, y.stride(0), logits.stride(0), v,

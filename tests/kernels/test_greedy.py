@@ -29,13 +29,16 @@ def _check(y, expect=None):
     """The kernel against y.float() and torch.argmax (and ``expect`` when given)."""
     y0 = y.clone()
     ref = torch.argmax(y.float(), -1)
-    for block in (None, 4096):  # the default chunk, and 4096-wide chunks (boundaries)
-        logits, idx = _run(lambda y, out: logits_argmax_triton(y, out, block=block), y)
+    # the default chunk, 4096-wide chunks (boundaries), 256-wide ones (many programs a row
+    # for the split kernel); each row on one program, or split over programs
+    for block, split in ((None, True), (4096, True), (256, True), (None, False), (4096, False)):
+        how = f"block {block}, split {split}"
+        logits, idx = _run(lambda y, out: logits_argmax_triton(y, out, block=block, split=split), y)
         assert logits.dtype == torch.float32 and logits.shape == y.shape and logits.is_contiguous()
-        assert_exact(logits, y.float(), f"logits != y.float() (block {block})")
-        assert_exact(idx, ref, f"argmax (block {block})")
+        assert_exact(logits, y.float(), f"logits != y.float() ({how})")
+        assert_exact(idx, ref, f"argmax ({how})")
         if expect is not None:
-            assert idx.tolist() == expect, f"block {block}"
+            assert idx.tolist() == expect, how
     ref_logits, ref_idx = _run(logits_argmax_torch, y)
     assert_exact(ref_logits, y.float(), "reference logits")
     assert_exact(ref_idx, ref, "reference argmax")
@@ -77,12 +80,15 @@ def test_nan_wins_first_nan(device, dtype, randn, poisoned_empty):
     # torch's rule on this version, which the kernel must follow
     expect = torch.argmax(y.float(), -1).tolist()
     assert expect == [7, 6000, 8999, 7], f"torch.argmax NaN rule changed: {expect}"
-    for fn in IMPLS:
+    variants = {"torch": logits_argmax_torch, "split": logits_argmax_triton,
+                "split 256": lambda y, out: logits_argmax_triton(y, out, block=256),
+                "one program": lambda y, out: logits_argmax_triton(y, out, split=False)}
+    for name, fn in variants.items():
         logits, idx = _run(fn, y)
-        assert torch.equal(torch.isnan(logits), torch.isnan(y)), fn.__name__
+        assert torch.equal(torch.isnan(logits), torch.isnan(y)), name
         finite = ~torch.isnan(y)
-        assert_exact(logits[finite], y.float()[finite], f"{fn.__name__}: logits != y.float()")
-        assert idx.tolist() == expect, fn.__name__
+        assert_exact(logits[finite], y.float()[finite], f"{name}: logits != y.float()")
+        assert idx.tolist() == expect, name
 
 
 @pytest.mark.parametrize("fn", IMPLS)
