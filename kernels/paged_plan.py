@@ -68,7 +68,8 @@ def _capturing() -> bool:
 
 def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
     """At least n int32 counters on ``device``, zero between calls (each fused call sets
-    its counters back to 0), or None where it would have to grow inside a CUDA graph
+    its counters back to 0; decode attention's merge and ``logits_argmax``'s split share
+    them: calls on one stream never overlap), or None where it would have to grow inside a CUDA graph
     capture (a fresh buffer must be zeroed outside the graph and outlive it)."""
     buf = _SEMAPHORES.get(device)
     if buf is not None and buf.numel() >= n:
