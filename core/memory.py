@@ -18,7 +18,7 @@ import torch
 from .errors import PlanError
 from .scheduler import default_prefill_tokens
 from .units import KVSizes
-from .units import fmt_bytes, parse_bytes
+from .units import activations_label, fmt_bytes, parse_bytes
 
 
 def element_bytes(dtype: torch.dtype) -> int:
@@ -172,8 +172,7 @@ class MemoryPlan(KVSizes):
 
     @property
     def activation_label(self) -> str:
-        n = self.max_prefill_tokens
-        return f"activations (a {n}-token step)" if n else "activations"
+        return activations_label(self.max_prefill_tokens)
 
     @property
     def fits(self) -> bool:

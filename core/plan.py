@@ -5,7 +5,7 @@ from typing import Any
 
 import attrs
 
-from .units import KVSizes, fmt_bytes
+from .units import KVSizes, activations_label, fmt_bytes
 
 
 @attrs.frozen
@@ -68,7 +68,7 @@ class Plan(KVSizes):
             ("KV total", fmt_bytes(self.kv_bytes_total)),
         ]
         if self.max_prefill_tokens:
-            rows.append((f"activations (a {self.max_prefill_tokens}-token step)",
+            rows.append((activations_label(self.max_prefill_tokens),
                          fmt_bytes(self.activation_bytes)))
         if self.sliding_window:
             rows.append(("sliding window",

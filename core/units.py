@@ -31,3 +31,8 @@ class KVSizes:
     @property
     def kv_bytes_total(self) -> int:
         return self.kv_bytes_per_sequence * self.max_batch_size
+
+
+def activations_label(step_tokens: int | None) -> str:
+    """The name both plans print for the activations' row: which step they were sized for."""
+    return f"activations (a {step_tokens}-token step)" if step_tokens else "activations"
