@@ -36,6 +36,16 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def last_to_arrive(counter_ptr, total):
+        """Count this program in at ``counter_ptr`` (int32, zero before the first of
+        ``total`` arrives): True for the last, which then sees every other's stores
+        (acquire); it sets the counter back to 0 itself once done. A scalar atomic runs on
+        one thread: the barrier orders every thread's stores before its release (not
+        every Triton inserts one)."""
+        tl.debug_barrier()
+        return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == total - 1
+
+    @triton.jit
     def pdl_enter(PDL: tl.constexpr):
         """Programmatic dependent launch (Hopper): wait until the previous kernel has
         finished and flushed, then let the next one launch, so its launch and CTA setup
@@ -56,7 +66,7 @@ if HAVE_TRITON:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
 else:
-    load_row_add_residual = pdl_enter = pdl_wait = pdl_release = None
+    load_row_add_residual = last_to_arrive = pdl_enter = pdl_wait = pdl_release = None
 
 
 _PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
+from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
 from .paged_plan import _semaphores
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -95,12 +95,10 @@ if HAVE_TRITON:
         mask = cols < V
         x = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=float("-inf")).to(tl.float32)
         tl.store(logits_ptr + row * stride_l + cols, x, mask=mask)
-        # an all -inf chunk names its first column (so an all -inf row -> 0)
         tl.store(best_ptr + row * chunks + c, _chunk_value(x))
+        # an all -inf chunk names its first column (so an all -inf row -> 0)
         tl.store(idx_ptr + row * chunks + c, _first_best(x, cols, V))
-        # a scalar atomic runs on one thread: the barrier orders the partial stores first
-        tl.debug_barrier()
-        if tl.atomic_add(sem_ptr + row, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+        if last_to_arrive(sem_ptr + row, chunks):
             k = tl.arange(0, BLOCK_C)
             km = k < chunks
             best = tl.load(best_ptr + row * chunks + k, mask=km, other=float("-inf"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
+from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
 from .paged_plan import _semaphores, _sm_count, split_len, split_plan, tile_config  # noqa: F401
 
 #: float32 elements (heads x splits x head_dim) per step of the fused merge: 64 registers
@@ -160,11 +160,8 @@ if HAVE_TRITON:
             tl.store(m_ptr + row, m, mask=gmask)
             tl.store(l_ptr + row, l, mask=gmask)
             if FUSED:
-                # a scalar atomic runs on one thread: the barrier orders every thread's
-                # partial stores before its release (not every Triton inserts one)
-                tl.debug_barrier()
                 cnt = sem_ptr + b * tl.num_programs(1) + hkv  # this (sequence, kv head)
-                if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
+                if last_to_arrive(cnt, nsplit):
                     # last to finish: the other S - 1 partials are visible (acquire)
                     h0 = hkv * GROUP
                     _merge_splits(acc_ptr, m_ptr, l_ptr, (b * hq + h0) * nsplit, GROUP,
