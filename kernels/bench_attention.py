@@ -48,8 +48,8 @@ def make_inputs(bsz, hq, hkv, context, device, dtype=torch.bfloat16, table_token
 
 def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layout="token",
                 table_tokens=TABLE_TOKENS, fused=True):
-    from .paged_attention import (_sm_count, paged_attention_torch, paged_attention_triton,
-                                  split_len, split_plan)
+    from .paged_attention import (_sm_count, launch_plan, paged_attention_torch,
+                                  paged_attention_triton, split_len)
 
     q, k, v, tables, lens, kv_bytes = make_inputs(bsz, hq, hkv, context, device, dtype,
                                                   table_tokens=table_tokens, layout=layout)
@@ -66,8 +66,9 @@ def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layo
             return None, None
         return kv_bytes / t / 1e12, t
 
-    auto_s = split_plan(bsz, hkv, tables[0].shape[1] * BLOCK_SIZE, None, _sm_count(q.device), 32)
-    auto_p = split_len(context, auto_s, 32)  # the kernel splits the actual length
+    auto_s, auto_n, _ = launch_plan(bsz, hkv, tables[0].shape[1] * BLOCK_SIZE, None,
+                                    _sm_count(q.device), dtype != torch.float32)
+    auto_p = split_len(context, auto_s, auto_n)  # the kernel splits the actual length
     row = {f"S={s}": tbs(num_splits=s)[0] for s in splits}
     row["auto"], t_auto = tbs()
     best = (None, None)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
-from .paged_plan import _semaphores, _sm_count, split_len, split_plan, tile_config  # noqa: F401
+from .paged_plan import _semaphores, _sm_count, launch_plan, split_len, split_plan  # noqa: F401
 
 #: float32 elements (heads x splits x head_dim) per step of the fused merge: 64 registers
 #: a thread at 4 warps; a larger S x head_dim is merged by the second kernel instead
@@ -187,7 +187,7 @@ if HAVE_TRITON:
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                            window: int | None = None, k_scale=None, v_scale=None, *,
-                           num_splits: int | None = None, block_n: int = 32,
+                           num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            fused_combine: bool = True):
     """Same contract as ``paged_attention_torch``; returns a new [B, Hq, D] tensor.
@@ -198,7 +198,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     semaphore buffer), else a second kernel does (also when the buffer would have to grow
     during a CUDA graph capture, or S x D exceeds ``MERGE_ELEMS``). S = 1 is one kernel.
     ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` are tuning knobs
-    (defaults: ``tile_config``)."""
+    (defaults: ``paged_plan.launch_plan``)."""
     assert q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}"
     bsz, hq, d = q.shape
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
@@ -227,7 +227,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     assert window is None or (isinstance(window, int) and window >= 1), f"window {window!r}"
     assert num_splits is None or (isinstance(num_splits, int) and num_splits >= 1), \
         f"num_splits {num_splits!r}"
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of 2 >= 16"
+    assert block_n is None or (block_n >= 16 and block_n & (block_n - 1) == 0), \
+        f"block_n {block_n} must be a power of 2 >= 16"
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         assert x.stride(-1) == 1, f"{name} must be contiguous in its last dim, strides {x.stride()}"
     others = [("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
@@ -242,8 +243,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     sks = ks.stride() if quant else (0, 0, 0)
     svs = vs.stride() if quant else (0, 0, 0)
     group, block_d = hq // hkv, max(16, next_pow2(d))
-    nsplit = split_plan(bsz, hkv, block_tables.shape[1] * bs, window, _sm_count(q.device),
-                        block_n, num_splits)
+    nsplit, block_n, tune = launch_plan(bsz, hkv, block_tables.shape[1] * bs, window,
+                                        _sm_count(q.device), not quant and q.element_size() == 2
+                                        and d <= 128, num_splits, block_n, num_warps, num_stages)
     block_s, sems = next_pow2(nsplit), None
     if nsplit > 1:  # scratch: acc [B, Hq, S, D], m and l [B, Hq, S] (float32)
         acc = torch.empty((bsz, hq, nsplit, d), dtype=torch.float32, device=q.device)
@@ -257,7 +259,6 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         acc = m = l = out  # unused when not SPLIT
     # the fused merge takes BLOCK_H of the GROUP heads at a time ([H, S, D] in registers)
     block_h = min(next_pow2(group), max(1, MERGE_ELEMS // (block_s * block_d)))
-    tune = tile_config(nsplit, num_warps, num_stages)
     _paged_decode_kernel[(bsz, hkv, nsplit)](
         q, k_cache, v_cache, ks, vs, block_tables, context_lens, out, acc, m, l,
         out if sems is None else sems,  # counters unused when not FUSED

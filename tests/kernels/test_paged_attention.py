@@ -12,8 +12,8 @@ from infergraft.kernels.kv_write import quantize_int8_torch
 from infergraft.kernels import paged_attention as pa
 from infergraft.kernels import paged_plan
 from infergraft.kernels._triton import next_pow2
-from infergraft.kernels.paged_attention import (paged_attention_torch, paged_attention_triton,
-                                                split_len, split_plan)
+from infergraft.kernels.paged_attention import (launch_plan, paged_attention_torch,
+                                                paged_attention_triton, split_len, split_plan)
 
 from .tolerances import assert_close
 
@@ -185,6 +185,44 @@ def test_split_plan_depends_on_shapes_only():
             assert p % 16 == 0 and s * p >= visible and p - 16 < -(-visible // s)
 
 
+def test_launch_plan_takes_two_wave_tiles_for_mid_sized_steps():
+    # LLaMA-2-7B decode on an H200 (132 SMs, 576-token table): (S, keys per tile, launch)
+    def plan(bsz, hkv=32, window=None, wide=True, **forced):
+        s, bn, tune = launch_plan(bsz, hkv, 576, window, 132, wide, **forced)
+        return s, bn, tune["num_warps"], tune["num_stages"]
+    assert plan(1) == (18, 32, 4, 2)        # few pairs: split_plan, 32-key tiles
+    assert plan(4) == (9, 32, 4, 2)         # 128 pairs: under 1.5 x SMs
+    assert plan(8) == (1, 128, 8, 2)        # 256 pairs: one program per SM, two waves
+    assert plan(64, hkv=8) == plan(16) == (1, 64, 4, 3)   # 512 pairs: two per SM
+    assert plan(12) == (2, 32, 2, 4)        # 384 pairs: three per SM
+    assert plan(32) == plan(64) == (1, 32, 2, 4)          # >= 4 x SMs: unsplit, as before
+    assert plan(12, window=20) == (1, 32, 2, 4)           # a 20-key window fills one tile
+    assert plan(8, wide=False) == (5, 32, 4, 2)           # float32 / int8 K/V, head_dim > 128
+    assert plan(8, num_splits=3) == (3, 32, 4, 2)         # forced knobs keep split_plan
+    assert plan(8, block_n=64) == (5, 64, 4, 2)
+    assert plan(8, num_warps=4)[:3] == (1, 128, 4)        # warps / stages alone: overridden
+
+
+@pytest.mark.parametrize("pairs_per_sm", [1.6, 2.6, 3.5], ids=["S1x128", "S2x32", "S1x64"])
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
+def test_mid_plans_match_reference(device, dtype, randn, gen, poisoned_empty, pairs_per_sm, window):
+    # batches that land in each MID_PLANS row on this device (4 "SMs" in the interpreter)
+    hq, hkv, d, bs = 4, 2, 32, 16
+    sms = pa._sm_count(torch.device(device))
+    bsz = math.ceil(pairs_per_sm * sms / hkv)
+    lens = torch.randint(1, 200, (bsz,), generator=gen).tolist()
+    k, v, _, _, tables, _ = _paged(randn, gen, lens, hkv, d, bs, dtype, False, device, 13)
+    q = randn(bsz, hq, d, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_attention_triton(q, k, v, tables, ctx, d ** -0.5, window)
+    assert_close(out, paged_attention_torch(q, k, v, tables, ctx, d ** -0.5, window),
+                 f"{bsz} sequences, window {window}")
+    s, bn, _ = launch_plan(bsz, hkv, 13 * bs, window, sms, dtype != torch.float32)
+    if dtype != torch.float32:  # the mid-sized plans are for 16-bit K/V only
+        want = {1.6: (1, 128), 2.6: (2, 32), 3.5: (1, 64)}[pairs_per_sm]
+        assert (s, bn) == (min(want[0], -(-min(window or 208, 208) // want[1])), want[1])
+
+
 def _combine_launches(monkeypatch) -> list:
     """Record launches of the second (combine) kernel."""
     launches, real = [], pa._paged_combine_kernel
@@ -255,8 +293,9 @@ FUSED_CASES = [  # (Hq, Hkv, D, block_size, lens, table width in blocks, num_spl
 def test_fused_combine_matches_two_kernels(device, dtype, randn, gen, poisoned_empty, monkeypatch,
                                            fresh_semaphores, hq, hkv, d, bs, lens, width,
                                            num_splits, window, merge):
-    nsplit = split_plan(len(lens), hkv, width * bs, window, pa._sm_count(torch.device(device)), 32,
-                        num_splits)
+    nsplit, _, _ = launch_plan(len(lens), hkv, width * bs, window,
+                               pa._sm_count(torch.device(device)), dtype != torch.float32,
+                               num_splits)
     one_head = next_pow2(nsplit) * max(16, next_pow2(d))  # [1, S, D]: a loop over the group
     monkeypatch.setattr(pa, "MERGE_ELEMS", {"default": pa.MERGE_ELEMS, "one-head": one_head,
                                             "too-big": one_head - 1}[merge])
