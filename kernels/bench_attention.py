@@ -7,6 +7,8 @@ BLOCK_N x num_warps sweep at the automatic split count, against a measured copy.
 Split partials are merged by the last split to finish (fused, the default) or, with
 ``--two-kernel``, by a second kernel: run both to compare, e.g. ``--batches 1 --heads
 32/32 --context 576 --table 2048 --no-sweep`` with and without ``--two-kernel``.
+``--grid --splits 1,2,3,4,6`` times each of those split counts with each of ``GRID_TILES``
+(the sweep behind ``paged_plan.MID_PLANS``) against the shipped plan.
 ``TRITON_INTERPRET=1 ... --dry`` runs the same loop on the CPU (Triton interpreter, one
 call each, no timing, float16: the 3.9 interpreter's bf16 tl.dot is wrong) to check the
 plumbing without a GPU; use small --context with it.
@@ -22,6 +24,9 @@ import torch
 D, BLOCK_SIZE, TABLE_TOKENS = 128, 16, 576
 SWEEP = list(itertools.product((32, 64, 128), (4, 8)))  # (BLOCK_N, num_warps)
 WIDE_SWEEP = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4, 5)))  # + num_stages
+# --grid: every fixed S of --splits with each of these (BLOCK_N, num_warps, num_stages): the
+# sweep behind paged_plan.MID_PLANS
+GRID_TILES = [(32, 4, 2), (32, 2, 4), (64, 4, 2), (64, 4, 3), (128, 8, 2)]
 L2_BYTES = 256 << 20  # cycle through distinct caches worth this much so replays miss L2
 
 
@@ -96,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--wide", action="store_true", help="sweep num_warps 2-8 and num_stages 2-5 too")
     p.add_argument("--layout", default="token", choices=("token", "head"),
                    help="K/V storage: [NB, BS, Hkv, D] (token) or [NB, Hkv, BS, D] (head)")
+    p.add_argument("--grid", action="store_true",
+                   help="time every --splits S with each GRID_TILES tile; print the 4 best per shape")
     p.add_argument("--dry", action="store_true", help="CPU interpreter, one call per config, no timing")
     a = p.parse_args(argv)
     if a.dry:
@@ -123,6 +130,8 @@ def main(argv=None) -> int:
         bw = copy_bandwidth("cuda")  # the same roofline as `infergraft bench`
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     splits = [int(s) for s in a.splits.split(",") if s]
+    if a.grid:
+        return grid(timer, a, splits, device, dtype)
     sweep = None if a.no_sweep else (WIDE_SWEEP if a.wide else SWEEP)
     cols = [f"S={s}" for s in splits] + ["auto"]
     print(f"{str(dtype)[6:]} D={D} block={BLOCK_SIZE} context={a.context} table={a.table} "
@@ -139,6 +148,32 @@ def main(argv=None) -> int:
         tile = f"{fmt(best[0]).strip()} {best[1]}" if best[0] is not None else "-"
         print(f"{heads:>6} {bsz:3d} {nbytes / 1e6:6.1f} " + " ".join(fmt(row[c]) for c in cols)
               + f" {f'{s}x{plen}':>10} {(t or 0) * 1e6:8.1f} {pct} {tile:>16} {err:8.1e}", flush=True)
+    return 0
+
+
+def grid(timer, a, splits, device, dtype) -> int:
+    """us per call of the shipped plan and of each (S, tile) of the grid, best four first."""
+    from .paged_attention import paged_attention_triton
+
+    for heads, bsz in itertools.product(a.heads.split(","), (int(b) for b in a.batches.split(","))):
+        hq, hkv = (int(x) for x in heads.split("/"))
+        q, k, v, tables, lens, _ = make_inputs(bsz, hq, hkv, a.context, device, dtype,
+                                               table_tokens=a.table, layout=a.layout)
+
+        def us(**kw):
+            it = itertools.cycle(tables)
+            try:
+                return timer(lambda: paged_attention_triton(q, k, v, next(it), lens, D ** -0.5,
+                                                            **kw), len(tables)) * 1e6
+            except Exception as e:  # noqa: BLE001 - shared memory: that tile does not fit
+                if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
+                    raise
+                return None
+        times = {f"S{s} {n}x{w}x{st}": us(num_splits=s, block_n=n, num_warps=w, num_stages=st)
+                 for s in splits for n, w, st in GRID_TILES}
+        best = sorted((t, c) for c, t in times.items() if t is not None)[:4]
+        print(f"{heads:>6} B={bsz:<3d} pairs={bsz * hkv:<4d} shipped {us():7.2f} us; best: "
+              + ", ".join(f"{c} {t:.2f}" for t, c in best), flush=True)
     return 0
 
 
