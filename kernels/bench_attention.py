@@ -72,7 +72,8 @@ def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layo
         return kv_bytes / t / 1e12, t
 
     auto_s, auto_n, _ = launch_plan(bsz, hkv, tables[0].shape[1] * BLOCK_SIZE, None,
-                                    _sm_count(q.device), dtype != torch.float32)
+                                    _sm_count(q.device), group=hq // hkv,
+                                    wide_tiles=dtype != torch.float32)
     auto_p = split_len(context, auto_s, auto_n)  # the kernel splits the actual length
     row = {f"S={s}": tbs(num_splits=s)[0] for s in splits}
     row["auto"], t_auto = tbs()

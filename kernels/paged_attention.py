@@ -243,9 +243,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     sks = ks.stride() if quant else (0, 0, 0)
     svs = vs.stride() if quant else (0, 0, 0)
     group, block_d = hq // hkv, max(16, next_pow2(d))
-    nsplit, block_n, tune = launch_plan(bsz, hkv, block_tables.shape[1] * bs, window,
-                                        _sm_count(q.device), not quant and q.element_size() == 2
-                                        and d <= 128, num_splits, block_n, num_warps, num_stages)
+    nsplit, block_n, tune = launch_plan(
+        bsz, hkv, block_tables.shape[1] * bs, window, _sm_count(q.device), group=group,
+        wide_tiles=not quant and q.element_size() == 2 and d <= 128, num_splits=num_splits,
+        block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     block_s, sems = next_pow2(nsplit), None
     if nsplit > 1:  # scratch: acc [B, Hq, S, D], m and l [B, Hq, S] (float32)
         acc = torch.empty((bsz, hq, nsplit, d), dtype=torch.float32, device=q.device)

@@ -51,23 +51,28 @@ def split_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int
 
 #: Mid-sized steps, (sequence, kv head) pairs from ``r`` x the SM count up: (splits, keys per
 #: tile, warps, stages), each about two full waves of programs (1, 2 and 3 resident per SM).
-#: H200 sweep (bf16, D=128, 544 of 576 keys; per layer, MHA 32/32 and GQA 32/8, 16-bit K/V):
-#: 256 pairs 28.8 -> 26.9 us (MHA) and 29.4 -> 28.1 (GQA; 81.4 -> 75.6 at 2000 keys), 384 pairs
-#: 39.0 -> 38.7 and 39.6 -> 36.9, 512 pairs 53.0 -> 43.1 and 54.2 -> 44.5 (168.7 -> 138.0 at
-#: 2000 keys); below 1.5 x SMs the rule above (within 1-7% of that sweep's best)
+#: H200 sweep (bf16, D=128, 544 of 576 keys; us per layer, 16-bit K/V; old -> new):
+#: GQA 32/8 at 256 pairs 29.4 -> 28.1 (81.4 -> 75.6 at 2000 keys), 384 pairs 39.6 -> 36.9,
+#: 512 pairs 54.2 -> 44.5; below 1.5 x SMs the rule above (within 1-7% of that sweep's best)
 MID_PLANS = ((1.5, (1, 128, 8, 2)), (2.5, (2, 32, 2, 4)), (3.4, (1, 64, 4, 3)))
+#: ... and with one query head per kv head (MHA: LLaMA-2-7B 32/32): 256 pairs 28.8 -> 25.9,
+#: 384 pairs 39.0 -> 37.2, 512 pairs 53.0 -> 43.1 (168.7 -> 138.0 at 2000 keys); GQA's
+#: 64-key tiles at 256 pairs took 34.5 us, its 128-key tiles at 384 pairs 40.5
+MID_PLANS_MHA = ((1.5, (2, 64, 4, 2)), (2.5, (1, 64, 4, 2)), (3.4, (1, 64, 4, 3)))
 
 
-def launch_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int,
-                wide_tiles: bool, num_splits: int | None = None, block_n: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None):
+def launch_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int, *,
+                group: int, wide_tiles: bool, num_splits: int | None = None,
+                block_n: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None):
     """(S, keys per tile, warps and stages) of one decode-attention call, from shapes
-    only. ``wide_tiles``: 16-bit K/V with head_dim <= 128, where the ``MID_PLANS`` tiles fit
-    in shared memory and were measured; a given ``num_splits`` or ``block_n`` keeps the
-    ``split_plan`` rule with them."""
+    only. ``group``: query heads per kv head. ``wide_tiles``: 16-bit K/V with head_dim
+    <= 128, where the ``MID_PLANS`` tiles fit in shared memory and were measured; a given
+    ``num_splits`` or ``block_n`` keeps the ``split_plan`` rule with them."""
     pairs = bsz * hkv
     if wide_tiles and num_splits is None and block_n is None and pairs < UNSPLIT_PER_SM * sms:
-        mid = [plan for lo, plan in MID_PLANS if pairs >= lo * sms]
+        table = MID_PLANS_MHA if group == 1 else MID_PLANS
+        mid = [plan for lo, plan in table if pairs >= lo * sms]
         if mid:
             s, bn, warps, stages = mid[-1]
             span = max(1, min(window, max_tokens) if window else max_tokens)

@@ -186,28 +186,33 @@ def test_split_plan_depends_on_shapes_only():
 
 
 def test_launch_plan_takes_two_wave_tiles_for_mid_sized_steps():
-    # LLaMA-2-7B decode on an H200 (132 SMs, 576-token table): (S, keys per tile, launch)
+    # an H200 (132 SMs), 576-token table, 32 query heads: (S, keys per tile, warps, stages)
     def plan(bsz, hkv=32, window=None, wide=True, **forced):
-        s, bn, tune = launch_plan(bsz, hkv, 576, window, 132, wide, **forced)
+        s, bn, tune = launch_plan(bsz, hkv, 576, window, 132, group=32 // hkv, wide_tiles=wide,
+                                  **forced)
         return s, bn, tune["num_warps"], tune["num_stages"]
     assert plan(1) == (18, 32, 4, 2)        # few pairs: split_plan, 32-key tiles
     assert plan(4) == (9, 32, 4, 2)         # 128 pairs: under 1.5 x SMs
-    assert plan(8) == (1, 128, 8, 2)        # 256 pairs: one program per SM, two waves
-    assert plan(64, hkv=8) == plan(16) == (1, 64, 4, 3)   # 512 pairs: two per SM
-    assert plan(12) == (2, 32, 2, 4)        # 384 pairs: three per SM
+    assert plan(8) == (2, 64, 4, 2)         # LLaMA-2-7B (MHA), 256 pairs: 3 per SM
+    assert plan(32, hkv=8) == (1, 128, 8, 2)              # GQA, 256 pairs: 1 per SM
+    assert plan(12) == (1, 64, 4, 2)        # 384 pairs
+    assert plan(48, hkv=8) == (2, 32, 2, 4)
+    assert plan(16) == plan(64, hkv=8) == (1, 64, 4, 3)   # 512 pairs: 2 per SM, both
     assert plan(32) == plan(64) == (1, 32, 2, 4)          # >= 4 x SMs: unsplit, as before
-    assert plan(12, window=20) == (1, 32, 2, 4)           # a 20-key window fills one tile
+    assert plan(48, hkv=8, window=20) == (1, 32, 2, 4)    # a 20-key window fills one tile
     assert plan(8, wide=False) == (5, 32, 4, 2)           # float32 / int8 K/V, head_dim > 128
     assert plan(8, num_splits=3) == (3, 32, 4, 2)         # forced knobs keep split_plan
-    assert plan(8, block_n=64) == (5, 64, 4, 2)
-    assert plan(8, num_warps=4)[:3] == (1, 128, 4)        # warps / stages alone: overridden
+    assert plan(8, block_n=128) == (5, 128, 4, 2)
+    assert plan(8, num_warps=8)[:3] == (2, 64, 8)         # warps / stages alone: overridden
 
 
-@pytest.mark.parametrize("pairs_per_sm", [1.6, 2.6, 3.5], ids=["S1x128", "S2x32", "S1x64"])
+@pytest.mark.parametrize("pairs_per_sm", [1.6, 2.6, 3.5], ids=["lo", "mid", "hi"])
+@pytest.mark.parametrize("hq", [2, 4], ids=["mha", "gqa2"])
 @pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
-def test_mid_plans_match_reference(device, dtype, randn, gen, poisoned_empty, pairs_per_sm, window):
-    # batches that land in each MID_PLANS row on this device (4 "SMs" in the interpreter)
-    hq, hkv, d, bs = 4, 2, 32, 16
+def test_mid_plans_match_reference(device, dtype, randn, gen, poisoned_empty, pairs_per_sm, hq,
+                                   window):
+    # batches that land in each MID_PLANS(_MHA) row on this device (4 "SMs" in the interpreter)
+    hkv, d, bs = 2, 32, 16
     sms = pa._sm_count(torch.device(device))
     bsz = math.ceil(pairs_per_sm * sms / hkv)
     lens = torch.randint(1, 200, (bsz,), generator=gen).tolist()
@@ -217,9 +222,11 @@ def test_mid_plans_match_reference(device, dtype, randn, gen, poisoned_empty, pa
     out = paged_attention_triton(q, k, v, tables, ctx, d ** -0.5, window)
     assert_close(out, paged_attention_torch(q, k, v, tables, ctx, d ** -0.5, window),
                  f"{bsz} sequences, window {window}")
-    s, bn, _ = launch_plan(bsz, hkv, 13 * bs, window, sms, dtype != torch.float32)
+    s, bn, _ = launch_plan(bsz, hkv, 13 * bs, window, sms, group=hq // hkv,
+                           wide_tiles=dtype != torch.float32)
     if dtype != torch.float32:  # the mid-sized plans are for 16-bit K/V only
-        want = {1.6: (1, 128), 2.6: (2, 32), 3.5: (1, 64)}[pairs_per_sm]
+        table = paged_plan.MID_PLANS_MHA if hq == hkv else paged_plan.MID_PLANS
+        want = table[[1.6, 2.6, 3.5].index(pairs_per_sm)][1]
         assert (s, bn) == (min(want[0], -(-min(window or 208, 208) // want[1])), want[1])
 
 
@@ -283,7 +290,7 @@ def test_splits_follow_the_actual_length(device, randn, gen, poisoned_empty, mon
 FUSED_CASES = [  # (Hq, Hkv, D, block_size, lens, table width in blocks, num_splits, window)
     (6, 2, 24, 5, [9, 1, 33, 64], 20, 4, None),  # GQA 3: a padding head in the merge
     (8, 1, 32, 8, [3, 41], 10, 5, 7),            # MQA, ratio 8, a window
-    (4, 4, 16, 16, [1, 37, 80], 8, None, None),  # MHA, automatic S
+    (2, 2, 16, 16, [1, 80], 8, None, None),      # MHA, automatic S (few pairs: split)
 ]
 
 
@@ -294,8 +301,8 @@ def test_fused_combine_matches_two_kernels(device, dtype, randn, gen, poisoned_e
                                            fresh_semaphores, hq, hkv, d, bs, lens, width,
                                            num_splits, window, merge):
     nsplit, _, _ = launch_plan(len(lens), hkv, width * bs, window,
-                               pa._sm_count(torch.device(device)), dtype != torch.float32,
-                               num_splits)
+                               pa._sm_count(torch.device(device)), group=hq // hkv,
+                               wide_tiles=dtype != torch.float32, num_splits=num_splits)
     one_head = next_pow2(nsplit) * max(16, next_pow2(d))  # [1, S, D]: a loop over the group
     monkeypatch.setattr(pa, "MERGE_ELEMS", {"default": pa.MERGE_ELEMS, "one-head": one_head,
                                             "too-big": one_head - 1}[merge])
