@@ -10,8 +10,8 @@ import torch
 
 from .engine import Engine
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
-from .memory import (activation_bytes, check_fits, device_budget, prefill_step_tokens,
-                     weight_bytes)
+from .memory import (activation_bytes, check_fits, device_budget, positive_int,
+                     prefill_step_tokens, weight_bytes)
 from .model import DecoderModel
 from .plan import Plan
 from .quant import SlotPacker
@@ -165,10 +165,10 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     kv_quant = _kv_quantizer(backend, quantizers)
     weight_quant = _weight_quantizer(quantizers)
 
-    max_seq_len = int(max_seq_len or min(spec.max_position, DEFAULT_MAX_SEQ_LEN))
-    max_batch_size = int(max_batch_size or DEFAULT_MAX_BATCH_SIZE)
-    if max_seq_len < 1 or max_batch_size < 1:
-        raise PlanError(f"max_seq_len and max_batch_size must be >= 1, got {max_seq_len}, {max_batch_size}")
+    max_seq_len = positive_int("max_seq_len", min(spec.max_position, DEFAULT_MAX_SEQ_LEN)
+                               if max_seq_len is None else max_seq_len, " (or None for the default)")
+    max_batch_size = positive_int("max_batch_size", DEFAULT_MAX_BATCH_SIZE if max_batch_size is None
+                                  else max_batch_size, " (or None for the default)")
     if spec.position == "learned" and max_seq_len > spec.max_position:
         raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
                         "learned positions")

@@ -9,6 +9,7 @@ refuses a configuration whose weights + K/V + activations do not fit.
 """
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Optional
 
@@ -40,10 +41,11 @@ def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
 
 
 def positive_int(name: str, value, hint: str = "") -> int:
-    """``value`` if it is an integer >= 1, else PlanError naming ``name`` (+ ``hint``)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    """``value`` as an int if it is an integer >= 1 (numpy's too), else PlanError naming
+    ``name`` (+ ``hint``)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise PlanError(f"{name} must be an integer >= 1, got {value!r}{hint}")
-    return value
+    return int(value)
 
 
 def prefill_step_tokens(max_prefill_tokens, max_seq_len: int) -> int:
@@ -233,20 +235,19 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
     """The memory plan of ``spec`` (weights from ``spec.param_count``, packed by
     ``weight_quantizer`` when given; activations of a ``max_prefill_tokens`` step, by
     default the engine's: ``scheduler.default_prefill_tokens(max_seq_len)``)."""
-    max_seq_len = int(max_seq_len or min(spec.max_position, 4096))
-    if max_seq_len < 1 or max_batch_size < 1:
-        raise PlanError(f"max_seq_len and max_batch_size must be >= 1, got {max_seq_len}, "
-                        f"{max_batch_size}")
+    max_seq_len = positive_int("max_seq_len", min(spec.max_position, 4096) if max_seq_len is None
+                               else max_seq_len)
+    max_batch_size = positive_int("max_batch_size", max_batch_size)
     step = prefill_step_tokens(max_prefill_tokens, max_seq_len)
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
                       kv_dtype=kv_dtype.replace("torch.", ""),
                       weight_bytes=weight_bytes(spec, dtype, weight_quantizer),
                       kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
-                      max_seq_len=max_seq_len, max_batch_size=int(max_batch_size),
+                      max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                       budget=budget, budget_source=budget_source,
                       sliding_window=getattr(spec, "sliding_window", None),
-                      activation_bytes=activation_bytes(spec, dtype, step, int(max_batch_size)),
+                      activation_bytes=activation_bytes(spec, dtype, step, max_batch_size),
                       max_prefill_tokens=step)
 
 

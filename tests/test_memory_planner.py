@@ -153,6 +153,22 @@ def test_plan_cli_demo_alias_and_bad_input(capsys):
     assert "max_prefill_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
+def test_sizes_must_be_positive_integers_or_none():
+    import numpy as np
+
+    hf = random_model(tiny_llama_config(), seed=0)
+    for kw, msg in ((dict(max_batch_size=0), "max_batch_size must be an integer >= 1, got 0"),
+                    (dict(max_seq_len=2.5), "max_seq_len must be an integer >= 1, got 2.5"),
+                    (dict(max_seq_len=-3), "max_seq_len must be an integer >= 1, got -3")):
+        with pytest.raises(PlanError, match=msg + r" \(or None for the default\)"):
+            core.build(hf, **kw)
+        with pytest.raises(PlanError, match=msg):
+            plan_memory(_llama2_7b_spec(), **kw)
+    engine = core.build(hf, max_seq_len=np.int64(128), max_batch_size=None)
+    assert (engine.plan.max_seq_len, engine.plan.max_batch_size) == (128, 8)
+    assert type(engine.plan.max_seq_len) is int
+
+
 def test_build_refuses_what_does_not_fit_with_the_numbers():
     hf = random_model(tiny_llama_config(), seed=0)
     spec_bytes = 2 * 2 * 2 * 16 * 4  # K and V, L=2, Hkv=2, D=16, float32 -> 512 B per token
