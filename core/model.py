@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .rope import rope_cos_sin
-from .spec import ModelSpec
+from .spec import ModelSpec, split_qkv
 
 
 class Linear(nn.Module):
@@ -166,9 +166,7 @@ class DecoderLayer(nn.Module):
         """qkv [T, q + 2kv] -> attention output [T, q] (the cache writes K/V, RoPE first)."""
         s = self.spec
         t = qkv.shape[0]
-        q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)
-        k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
-        v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
+        q, k, v = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim)
         if rope is None:
             attn = cache.attention(layer_idx, q, k, v, meta)  # [T, Hq, D]
         elif getattr(cache, "fuses_rotary", False):  # the cache rotates q, k (with its K/V write)

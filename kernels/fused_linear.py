@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from infergraft.core.spec import split_qkv
+
 from ._triton import HAVE_TRITON, next_pow2, triton
 from .int8_linear import int8_linear_torch, int8_linear_triton
 from .gemv import gemv_config, takes_gemv
@@ -162,21 +164,13 @@ def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scal
     return (y, parts) if sum_sq else y
 
 
-def _heads(qkv, num_heads, num_kv_heads, d):
-    # qkv: [T, (Hq + 2 Hkv) D] -> views q [T, Hq, D], k, v [T, Hkv, D]
-    t, q_size, kv_size = qkv.shape[0], num_heads * d, num_kv_heads * d
-    return (qkv[:, :q_size].view(t, num_heads, d),
-            qkv[:, q_size:q_size + kv_size].view(t, num_kv_heads, d),
-            qkv[:, q_size + kv_size:].view(t, num_kv_heads, d))
-
-
 def normed_qkv_rope_torch(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
                           k_cache, v_cache, idx0, idx1, scale=None):
     """The decode step's attention input: rms_norm(x) W^T (norm weight folded into W) split
     into heads, RoPE on q and k, k and v written to ``cache[idx0[t], idx1[t]]`` (rows
     with idx0 < 0 nowhere) -> rotated q [T, Hq, D]. Caches: [NB, BS, Hkv, D]."""
     qkv = normed_linear_torch(x, weight, bias, sum_sq, eps, scale=scale)
-    q, k, v = _heads(qkv, num_heads, k_cache.shape[2], k_cache.shape[3])
+    q, k, v = split_qkv(qkv, num_heads, k_cache.shape[2], k_cache.shape[3])
     return rotary_kv_write_torch(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
 
 
@@ -222,7 +216,7 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
             and half % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16
             and k_cache.dtype == v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride()):
         qkv = normed_linear_triton(x, weight, bias, sum_sq, eps, scale)
-        q, k, v = _heads(qkv, num_heads, hkv, d)
+        q, k, v = split_qkv(qkv, num_heads, hkv, d)
         return rotary_kv_write_triton(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
     m = x.shape[0]
     check_gemm(x, weight, bias, scale)

@@ -4,6 +4,7 @@ weights, and int8 ones with a scale per row."""
 import pytest
 import torch
 
+from infergraft.core.spec import split_qkv
 from infergraft.kernels import fused_linear as FL
 from infergraft.kernels.int8_linear import quantize_int8
 from infergraft.kernels.rotary import rotary_kv_write_torch
@@ -35,7 +36,7 @@ def _reference(x, wf, b, positions, cos, sin, hq, caches, idx0, idx1, eps):
     xf = x.float()
     qkv = torch.nn.functional.linear(xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps),
                                      wf, None if b is None else b.float()).to(x.dtype)
-    q, k, v = FL._heads(qkv, hq, caches[0].shape[2], caches[0].shape[3])
+    q, k, v = split_qkv(qkv, hq, caches[0].shape[2], caches[0].shape[3])
     return rotary_kv_write_torch(q, k, v, cos, sin, positions, *caches, idx0, idx1)
 
 
