@@ -181,6 +181,9 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, ops, device, max_position: int | None = None):
         super().__init__()
         self.spec, self.ops = spec, ops
+        from infergraft.kernels.paged_plan import CounterPool  # not at import: it imports triton
+
+        self.counters = CounterPool()  # this engine's own: engines on other streams share none
         self.embed = nn.Module()
         self.embed.register_buffer("weight", None)
         if spec.position == "learned":
@@ -252,7 +255,8 @@ class DecoderModel(nn.Module):
         y = self.ops.lm_head(x, self.lm_head_weight)  # [n, V] in the model dtype
         if greedy_out is None:
             return y.float()
-        return self.ops.logits_argmax(y, greedy_out)  # float32 [n, V]; argmax -> greedy_out
+        # float32 [n, V]; argmax -> greedy_out (split rows merge on this model's counters)
+        return self.ops.logits_argmax(y, greedy_out, counters=self.counters)
 
 
 def folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import os
 import torch
 
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
-from .paged_plan import _semaphores
+from .paged_plan import SHARED_COUNTERS
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -37,7 +37,7 @@ def _check(y: torch.Tensor, out: torch.Tensor) -> None:
         raise ValueError(f"out must be contiguous, got strides {out.stride()}")
 
 
-def logits_argmax_torch(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def logits_argmax_torch(y: torch.Tensor, out: torch.Tensor, *, counters=None) -> torch.Tensor:
     # y: [n, V] -> new float32 [n, V]; out: [n] int64 <- argmax per row (written in place)
     _check(y, out)
     # copy=True: y.float() would hand back y itself when y is already float32
@@ -121,11 +121,12 @@ SPLIT_ON = os.environ.get("INFERGRAFT_ARGMAX_SPLIT", "1") == "1"  # the split ke
 
 
 def logits_argmax_triton(y: torch.Tensor, out: torch.Tensor, block: int | None = None,
-                         split: bool | None = None) -> torch.Tensor:
+                         split: bool | None = None, *, counters=None) -> torch.Tensor:
     # y: [n, V] (rows any stride, last dim contiguous) -> new float32 [n, V]; out: [n] int64
     # ``block``: chunk width (a power of 2), for tests of the chunk boundaries. ``split``:
-    # a row's chunks on as many programs, merged by the last to finish (a counter on the
-    # shared semaphore buffer), else one program walks the row
+    # a row's chunks on as many programs, merged by the last to finish (a counter from
+    # ``counters``, the caller's paged_plan.CounterPool, or the shared one), else one
+    # program walks the row
     _check(y, out)
     if block is not None and (block < 16 or block & (block - 1)):
         raise ValueError(f"block must be a power of 2 >= 16, got {block}")
@@ -138,7 +139,7 @@ def logits_argmax_triton(y: torch.Tensor, out: torch.Tensor, block: int | None =
     if SPLIT_ON if split is None else split:
         block_s = block or min(next_pow2(v), SPLIT_BLOCK)
         chunks = -(-v // block_s)
-        sems = _semaphores(y.device, n) if chunks > 1 else None
+        sems = (counters or SHARED_COUNTERS).get(y.device, n) if chunks > 1 else None
         if sems is not None:
             best = torch.empty((n, chunks), dtype=torch.float32, device=y.device)
             idx = torch.empty((n, chunks), dtype=torch.int32, device=y.device)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
-from .paged_plan import _semaphores, _sm_count, launch_plan, split_len, split_plan  # noqa: F401
+from .paged_plan import SHARED_COUNTERS, _sm_count, launch_plan, split_len, split_plan  # noqa: F401
 
 #: float32 elements (heads x splits x head_dim) per step of the fused merge: 64 registers
 #: a thread at 4 warps; a larger S x head_dim is merged by the second kernel instead
@@ -24,7 +24,7 @@ MERGE_ELEMS = 8192
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                          window: int | None = None, k_scale=None, v_scale=None):
+                          window: int | None = None, k_scale=None, v_scale=None, *, counters=None):
     # q: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, MB] int;
     # context_lens: [B] int (>= 1); k_scale, v_scale: [NB, BS, Hkv] float32 for int8
     bsz, bs = q.shape[0], k_cache.shape[1]
@@ -189,14 +189,15 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
                            window: int | None = None, k_scale=None, v_scale=None, *,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           fused_combine: bool = True):
+                           fused_combine: bool = True, counters=None):
     """Same contract as ``paged_attention_torch``; returns a new [B, Hq, D] tensor.
 
     Flash-decoding: with S > 1 splits of the sequence (``num_splits``, automatic when
     None) each program writes a partial softmax to scratch; with ``fused_combine`` the
-    last program of each (sequence, kv head) to finish merges them (counted on a cached
-    semaphore buffer), else a second kernel does (also when the buffer would have to grow
-    during a CUDA graph capture, or S x D exceeds ``MERGE_ELEMS``). S = 1 is one kernel.
+    last program of each (sequence, kv head) to finish merges them (counted on
+    ``counters``, a ``paged_plan.CounterPool`` the caller owns, or the shared one), else a
+    second kernel does (also when the counters would have to grow during a CUDA graph
+    capture, or S x D exceeds ``MERGE_ELEMS``). S = 1 is one kernel.
     ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` are tuning knobs
     (defaults: ``paged_plan.launch_plan``)."""
     assert q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}"
@@ -255,7 +256,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         # fused: counters [B, Hkv]; not for a merge too large for registers (it would
         # lower the occupancy of the whole decode kernel)
         if fused_combine and block_s * block_d <= MERGE_ELEMS:
-            sems = _semaphores(q.device, bsz * hkv)
+            sems = (counters or SHARED_COUNTERS).get(q.device, bsz * hkv)
     else:
         acc = m = l = out  # unused when not SPLIT
     # the fused merge takes BLOCK_H of the GROUP heads at a time ([H, S, D] in registers)

@@ -1,5 +1,5 @@
 """Launch planning for ``paged_attention_triton``: the split count (from shapes only),
-warps and stages, and the semaphore counters of the fused combine."""
+warps and stages, and the counters of the fused combine (``CounterPool``)."""
 from __future__ import annotations
 
 import functools
@@ -89,10 +89,6 @@ def split_len(visible: int, nsplit: int, block_n: int) -> int:
     return _cdiv(_cdiv(visible, nsplit), block_n) * block_n
 
 
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counters: captured graphs may still use them
-
-
 def _capturing() -> bool:
     try:
         return torch.cuda.is_current_stream_capturing()
@@ -100,21 +96,34 @@ def _capturing() -> bool:
         return False
 
 
-def _semaphores(device: torch.device, n: int) -> torch.Tensor | None:
-    """At least n int32 counters on ``device``, zero between calls (each fused call sets
-    its counters back to 0; decode attention's merge and ``logits_argmax``'s split share
-    them: calls on one stream never overlap), or None where it would have to grow inside a CUDA graph
-    capture (a fresh buffer must be zeroed outside the graph and outlive it)."""
-    buf = _SEMAPHORES.get(device)
-    if buf is not None and buf.numel() >= n:
+class CounterPool:
+    """int32 counters, zero between calls (each call sets its own back to 0), for kernels
+    whose last program to finish merges the others' work: decode attention's split merge
+    and ``logits_argmax``'s split. Calls drawing on one pool must not overlap, so an engine
+    owns its pools (its cache's, its model's): engines replaying graphs on other streams
+    never share a counter. ``SHARED_COUNTERS`` serves callers that bring none."""
+
+    def __init__(self):
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []  # outgrown buffers: captured graphs may use them
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor | None:
+        """At least n counters on ``device``, or None where the buffer would have to grow
+        inside a CUDA graph capture (a fresh one must be zeroed outside the graph and
+        outlive it): the caller then merges another way."""
+        buf = self._buffers.get(device)
+        if buf is not None and buf.numel() >= n:
+            return buf
+        if _capturing():
+            return None
+        if buf is not None:
+            self._retired.append(buf)
+        buf = self._buffers[device] = torch.zeros(max(1024, next_pow2(n)), dtype=torch.int32,
+                                                  device=device)
         return buf
-    if _capturing():
-        return None
-    if buf is not None:
-        _RETIRED.append(buf)
-    buf = _SEMAPHORES[device] = torch.zeros(max(1024, next_pow2(n)), dtype=torch.int32,
-                                             device=device)
-    return buf
+
+
+SHARED_COUNTERS = CounterPool()
 
 
 def tile_config(nsplit: int, num_warps: int | None, num_stages: int | None) -> dict:

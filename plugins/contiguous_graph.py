@@ -81,7 +81,7 @@ class ContiguousGraphInputs:
         blocks = -(-self.max_seq_len // self.width)
         tables = meta.rows[:, None].expand(-1, blocks)  # [B, blocks]
         return self.ops.paged_attention(q, kview, vview, tables, meta.context_lens, self.scale,
-                                        self.window, k_scale, v_scale)
+                                        self.window, k_scale, v_scale, counters=self.counters)
 
     # -- prefill: one fresh prompt, padded to its length bucket -------------------------------
     @property

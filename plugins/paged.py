@@ -39,6 +39,9 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
         self._tables: dict = {}
         self._len: dict = {}
         self._reserved: dict = {}  # tokens reserved by allocate (the prompt)
+        from infergraft.kernels.paged_plan import CounterPool  # not at import: it imports triton
+
+        self.counters = CounterPool()  # the decode kernel's merge counters, this cache's own
 
     def _storage(self, n, device, pin=False):
         s = self.spec
@@ -180,7 +183,7 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
                 self.ops.kv_write(k, v, kc, vc, meta.slot_block, meta.slot_offset)
         if meta.decode:  # q: [B, Hq, D], one token per sequence
             return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
-                                            self.scale, self.window, ks, vs)
+                                            self.scale, self.window, ks, vs, counters=self.counters)
         return self._prefill_attention(layer, q, k, v, meta)
 
     # -- hooks for backends built on this one (offload) -----------------------------------

@@ -46,7 +46,7 @@ class PagedPrefillAttention:
             scales = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
             out[rows] = self.ops.paged_attention(
                 q[rows], self.k[layer], self.v[layer], meta.block_tables[seqs],
-                meta.context_lens[seqs], self.scale, self.window, *scales)
+                meta.context_lens[seqs], self.scale, self.window, *scales, counters=self.counters)
         for j, (start, n, off) in enumerate(zip(meta.starts, meta.counts, first_rows(meta.counts))):
             if is_rider(start, n):
                 continue  # done above

@@ -185,9 +185,10 @@ def test_contiguous_kv_int8_device_decode_matches_host_path(cfg, monkeypatch):
     dev.cache.device_decode = True
     scales, real = [], dev.cache.ops.paged_attention
 
-    def spy(q, k, v, tables, lens, scale, window, k_scale, v_scale):
+    def spy(q, k, v, tables, lens, scale, window, k_scale, v_scale, *, counters):
         scales.append((k.dtype, k_scale.dtype, v_scale.shape == k.shape[:3]))
-        return real(q, k, v, tables, lens, scale, window, k_scale, v_scale)
+        assert counters is dev.cache.counters  # the cache's own merge counters
+        return real(q, k, v, tables, lens, scale, window, k_scale, v_scale, counters=counters)
     monkeypatch.setattr(dev.cache, "ops", types.SimpleNamespace(**{**vars(dev.cache.ops),
                                                                   "paged_attention": spy}))
     prompts = [random_prompt(n, cfg.vocab_size, n) for n in (3, 12, 20)]

@@ -138,3 +138,20 @@ def test_triton_rejects_strided_columns(device, randn):
     out = torch.zeros(16, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="contiguous in its last dim"):
         logits_argmax_triton(randn(8, 16).t(), out)
+
+
+def test_split_rows_count_on_the_callers_pool(device, randn, poisoned_empty, monkeypatch):
+    # each engine's model owns its counters: the split kernel draws on the pool it is given
+    from infergraft.kernels import greedy, paged_plan
+
+    shared = paged_plan.CounterPool()
+    monkeypatch.setattr(greedy, "SHARED_COUNTERS", shared)
+    y = randn(3, 5000)
+    mine = paged_plan.CounterPool()
+    _, idx = _run(lambda y, out: logits_argmax_triton(y, out, split=True, block=1024,
+                                                      counters=mine), y)
+    assert idx.tolist() == torch.argmax(y, -1).tolist()
+    (buf,) = mine._buffers.values()
+    assert (buf == 0).all() and not shared._buffers
+    _, idx = _run(lambda y, out: logits_argmax_triton(y, out, split=True, block=1024), y)
+    assert idx.tolist() == torch.argmax(y, -1).tolist() and len(shared._buffers) == 1

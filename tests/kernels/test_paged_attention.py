@@ -240,10 +240,11 @@ def _combine_launches(monkeypatch) -> list:
 
 @pytest.fixture
 def fresh_semaphores(monkeypatch):
-    """An empty semaphore cache (and retired list) for this test only."""
-    monkeypatch.setattr(paged_plan, "_SEMAPHORES", {})
-    monkeypatch.setattr(paged_plan, "_RETIRED", [])
-    return paged_plan._SEMAPHORES
+    """An empty shared counter pool for this test only."""
+    pool = paged_plan.CounterPool()
+    monkeypatch.setattr(paged_plan, "SHARED_COUNTERS", pool)
+    monkeypatch.setattr(pa, "SHARED_COUNTERS", pool)
+    return pool
 
 
 WIDE = 2048  # table tokens: a graph captured for long contexts, replayed with short ones
@@ -332,8 +333,25 @@ def test_semaphores_are_zero_again_for_the_next_call(device, randn, gen, poisone
         ctx.copy_(torch.tensor(lens))
         out = paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=4)
         assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.25), f"lens {lens}")
-        (sems,) = fresh_semaphores.values()  # one buffer, allocated by the first call
+        (sems,) = fresh_semaphores._buffers.values()  # one buffer, allocated by the first call
         assert sems.dtype == torch.int32 and (sems == 0).all(), sems[:6]
+
+
+def test_callers_own_counter_pools_share_no_counters(device, randn, gen, poisoned_empty,
+                                                     fresh_semaphores):
+    # two engines (each cache its own pool) replaying on two streams must not count on
+    # the same counters: each call takes its caller's pool, the shared one stays unused
+    k, v, _, _, tables, _ = _paged(randn, gen, [70, 33], 2, 16, 8, torch.float32, False, device, 16)
+    q = randn(2, 4, 16)
+    ctx = torch.tensor([70, 33], dtype=torch.int32, device=device)
+    ref = paged_attention_torch(q, k, v, tables, ctx, 0.25)
+    pools = [paged_plan.CounterPool(), paged_plan.CounterPool()]
+    for pool in pools:
+        out = paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3, counters=pool)
+        assert_close(out, ref)
+    (a,), (b,) = (list(p._buffers.values()) for p in pools)
+    assert a is not b and a.data_ptr() != b.data_ptr() and (a == 0).all() and (b == 0).all()
+    assert not fresh_semaphores._buffers  # the shared pool was never drawn on
 
 
 def test_capture_that_would_grow_the_semaphores_falls_back(device, randn, gen, poisoned_empty,
@@ -344,17 +362,17 @@ def test_capture_that_would_grow_the_semaphores_falls_back(device, randn, gen, p
     ref = paged_attention_torch(q, k, v, tables, ctx, 0.25)
     launches = _combine_launches(monkeypatch)
     small = torch.zeros(3, dtype=torch.int32, device=device)
-    fresh_semaphores[q.device] = small
+    fresh_semaphores._buffers[q.device] = small
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
     assert len(launches) == 1  # needs 2 x 2 counters: two kernels, no allocation in the capture
-    assert fresh_semaphores[q.device] is small and not paged_plan._RETIRED
+    assert fresh_semaphores._buffers[q.device] is small and not fresh_semaphores._retired
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
-    grown = fresh_semaphores[q.device]
+    grown = fresh_semaphores._buffers[q.device]
     assert len(launches) == 1 and grown.numel() >= 4  # grown outside a capture: fused
-    assert len(paged_plan._RETIRED) == 1 and paged_plan._RETIRED[0] is small  # kept alive
+    assert len(fresh_semaphores._retired) == 1 and fresh_semaphores._retired[0] is small  # kept alive
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
-    assert len(launches) == 1 and fresh_semaphores[q.device] is grown  # fused, as is
+    assert len(launches) == 1 and fresh_semaphores._buffers[q.device] is grown  # fused, as is
     assert (grown == 0).all()
