@@ -3,6 +3,7 @@ random block tables, GQA ratios 1/3/4/8, sliding windows, int8 K/V, and split-KV
 (flash-decoding) with forced and automatic split counts, split by the actual length,
 merged by the last split to finish (semaphores) or by a second kernel."""
 import functools
+import itertools
 import math
 
 import pytest
@@ -204,6 +205,12 @@ def test_launch_plan_takes_two_wave_tiles_for_mid_sized_steps():
     assert plan(8, num_splits=3) == (3, 32, 4, 2)         # forced knobs keep split_plan
     assert plan(8, block_n=128) == (5, 128, 4, 2)
     assert plan(8, num_warps=8)[:3] == (2, 64, 8)         # warps / stages alone: overridden
+    for bsz, hkv, width, window in itertools.product((1, 3, 8, 12, 16, 40, 64), (1, 8, 32),
+                                                     (16, 100, 576, 4096), (None, 1, 37, 1000)):
+        for group in (1, 4):
+            s, bn, _ = launch_plan(bsz, hkv, width, window, 132, group=group, wide_tiles=True)
+            span = min(window, width) if window else width
+            assert s >= 1 and bn in (32, 64, 128) and s <= -(-span // bn), (bsz, hkv, width, window)
 
 
 @pytest.mark.parametrize("pairs_per_sm", [1.6, 2.6, 3.5], ids=["lo", "mid", "hi"])
