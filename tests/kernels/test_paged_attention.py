@@ -246,7 +246,7 @@ def _combine_launches(monkeypatch) -> list:
 
 
 @pytest.fixture
-def fresh_semaphores(monkeypatch):
+def shared_counters(monkeypatch):
     """An empty shared counter pool for this test only."""
     pool = paged_plan.CounterPool()
     monkeypatch.setattr(paged_plan, "SHARED_COUNTERS", pool)
@@ -306,7 +306,7 @@ FUSED_CASES = [  # (Hq, Hkv, D, block_size, lens, table width in blocks, num_spl
 @pytest.mark.parametrize("hq,hkv,d,bs,lens,width,num_splits,window", FUSED_CASES,
                          ids=["gqa3", "mqa8", "mha"])
 def test_fused_combine_matches_two_kernels(device, dtype, randn, gen, poisoned_empty, monkeypatch,
-                                           fresh_semaphores, hq, hkv, d, bs, lens, width,
+                                           shared_counters, hq, hkv, d, bs, lens, width,
                                            num_splits, window, merge):
     nsplit, _, _ = launch_plan(len(lens), hkv, width * bs, window,
                                pa._sm_count(torch.device(device)), group=hq // hkv,
@@ -331,7 +331,7 @@ def test_fused_combine_matches_two_kernels(device, dtype, randn, gen, poisoned_e
 
 
 def test_semaphores_are_zero_again_for_the_next_call(device, randn, gen, poisoned_empty,
-                                                     fresh_semaphores):
+                                                     shared_counters):
     # the same buffers with new lengths written in place: what a CUDA graph replay does
     k, v, _, _, tables, _ = _paged(randn, gen, [128] * 3, 2, 16, 8, torch.float32, False, device)
     q = randn(3, 4, 16)
@@ -340,12 +340,12 @@ def test_semaphores_are_zero_again_for_the_next_call(device, randn, gen, poisone
         ctx.copy_(torch.tensor(lens))
         out = paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=4)
         assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.25), f"lens {lens}")
-        (sems,) = fresh_semaphores._buffers.values()  # one buffer, allocated by the first call
+        (sems,) = shared_counters._buffers.values()  # one buffer, allocated by the first call
         assert sems.dtype == torch.int32 and (sems == 0).all(), sems[:6]
 
 
 def test_callers_own_counter_pools_share_no_counters(device, randn, gen, poisoned_empty,
-                                                     fresh_semaphores):
+                                                     shared_counters):
     # two engines (each cache its own pool) replaying on two streams must not count on
     # the same counters: each call takes its caller's pool, the shared one stays unused
     k, v, _, _, tables, _ = _paged(randn, gen, [70, 33], 2, 16, 8, torch.float32, False, device, 16)
@@ -358,28 +358,28 @@ def test_callers_own_counter_pools_share_no_counters(device, randn, gen, poisone
         assert_close(out, ref)
     (a,), (b,) = (list(p._buffers.values()) for p in pools)
     assert a is not b and a.data_ptr() != b.data_ptr() and (a == 0).all() and (b == 0).all()
-    assert not fresh_semaphores._buffers  # the shared pool was never drawn on
+    assert not shared_counters._buffers  # the shared pool was never drawn on
 
 
 def test_capture_that_would_grow_the_semaphores_falls_back(device, randn, gen, poisoned_empty,
-                                                           monkeypatch, fresh_semaphores):
+                                                           monkeypatch, shared_counters):
     k, v, _, _, tables, _ = _paged(randn, gen, [50, 9], 2, 16, 8, torch.float32, False, device, 16)
     q = randn(2, 4, 16)  # the buffers are keyed by a tensor's device (cuda:0, not cuda)
     ctx = torch.tensor([50, 9], dtype=torch.int32, device=device)
     ref = paged_attention_torch(q, k, v, tables, ctx, 0.25)
     launches = _combine_launches(monkeypatch)
     small = torch.zeros(3, dtype=torch.int32, device=device)
-    fresh_semaphores._buffers[q.device] = small
+    shared_counters._buffers[q.device] = small
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
     assert len(launches) == 1  # needs 2 x 2 counters: two kernels, no allocation in the capture
-    assert fresh_semaphores._buffers[q.device] is small and not fresh_semaphores._retired
+    assert shared_counters._buffers[q.device] is small and not shared_counters._retired
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
-    grown = fresh_semaphores._buffers[q.device]
+    grown = shared_counters._buffers[q.device]
     assert len(launches) == 1 and grown.numel() >= 4  # grown outside a capture: fused
-    assert len(fresh_semaphores._retired) == 1 and fresh_semaphores._retired[0] is small  # kept alive
+    assert len(shared_counters._retired) == 1 and shared_counters._retired[0] is small  # kept alive
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert_close(paged_attention_triton(q, k, v, tables, ctx, 0.25, num_splits=3), ref)
-    assert len(launches) == 1 and fresh_semaphores._buffers[q.device] is grown  # fused, as is
+    assert len(launches) == 1 and shared_counters._buffers[q.device] is grown  # fused, as is
     assert (grown == 0).all()
