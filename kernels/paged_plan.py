@@ -50,7 +50,7 @@ def split_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int
 
 
 #: Mid-sized steps, (sequence, kv head) pairs from ``r`` x the SM count up: (splits, keys per
-#: tile, warps, stages), each about two full waves of programs (1, 2 and 3 resident per SM).
+#: tile, warps, stages), each about two full waves of programs (1 to 3 resident per SM).
 #: H200 sweep (bf16, D=128, 544 of 576 keys; us per layer, 16-bit K/V; old -> new):
 #: GQA 32/8 at 256 pairs 29.4 -> 28.1 (81.4 -> 75.6 at 2000 keys), 384 pairs 39.6 -> 36.9,
 #: 512 pairs 54.2 -> 44.5; below 1.5 x SMs the rule above (within 1-7% of that sweep's best)
