@@ -57,3 +57,14 @@ def poisoned_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", empty)
     yield
+
+
+@pytest.fixture
+def shared_counters(monkeypatch):
+    """An empty shared counter pool for this test only."""
+    from infergraft.kernels import greedy, paged_attention, paged_plan
+
+    pool = paged_plan.CounterPool()
+    for module in (paged_plan, paged_attention, greedy):  # each imported the name
+        monkeypatch.setattr(module, "SHARED_COUNTERS", pool)
+    return pool

@@ -140,12 +140,11 @@ def test_triton_rejects_strided_columns(device, randn):
         logits_argmax_triton(randn(8, 16).t(), out)
 
 
-def test_split_rows_count_on_the_callers_pool(device, randn, poisoned_empty, monkeypatch):
+def test_split_rows_count_on_the_callers_pool(device, randn, poisoned_empty, shared_counters):
     # each engine's model owns its counters: the split kernel draws on the pool it is given
-    from infergraft.kernels import greedy, paged_plan
+    from infergraft.kernels import paged_plan
 
-    shared = paged_plan.CounterPool()
-    monkeypatch.setattr(greedy, "SHARED_COUNTERS", shared)
+    shared = shared_counters
     y = randn(3, 5000)
     mine = paged_plan.CounterPool()
     _, idx = _run(lambda y, out: logits_argmax_triton(y, out, split=True, block=1024,
