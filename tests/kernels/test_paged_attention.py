@@ -1,7 +1,8 @@
 """paged_attention: Triton vs the torch reference (and the reference vs plain math),
 random block tables, GQA ratios 1/3/4/8, sliding windows, int8 K/V, and split-KV
 (flash-decoding) with forced and automatic split counts, split by the actual length,
-merged by the last split to finish (semaphores) or by a second kernel."""
+merged by the last split to finish (counters) or by a second kernel. Split counts, tiles
+and the counter pools themselves: test_paged_plan.py."""
 import functools
 import math
 
