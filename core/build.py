@@ -10,8 +10,8 @@ import torch
 
 from .engine import Engine
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
-from .memory import (activation_bytes, check_fits, device_budget, positive_int,
-                     prefill_step_tokens, weight_bytes)
+from .memory import (activation_bytes, check_fits, device_budget, prefill_step_tokens,
+                     resolve_sizes, weight_bytes)
 from .model import DecoderModel
 from .plan import Plan
 from .quant import SlotPacker
@@ -21,8 +21,6 @@ from .weights import load_weights
 
 DEFAULT_CACHE_BACKEND = "contiguous"
 DEFAULT_PLANNER = "single"
-DEFAULT_MAX_BATCH_SIZE = 8
-DEFAULT_MAX_SEQ_LEN = 4096
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -165,10 +163,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     kv_quant = _kv_quantizer(backend, quantizers)
     weight_quant = _weight_quantizer(quantizers)
 
-    max_seq_len = positive_int("max_seq_len", min(spec.max_position, DEFAULT_MAX_SEQ_LEN)
-                               if max_seq_len is None else max_seq_len, " (or None for the default)")
-    max_batch_size = positive_int("max_batch_size", DEFAULT_MAX_BATCH_SIZE if max_batch_size is None
-                                  else max_batch_size, " (or None for the default)")
+    max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     if spec.position == "learned" and max_seq_len > spec.max_position:
         raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
                         "learned positions")

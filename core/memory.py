@@ -48,6 +48,20 @@ def positive_int(name: str, value, hint: str = "") -> int:
     return int(value)
 
 
+DEFAULT_MAX_SEQ_LEN = 4096  # capped by the model's own positions
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
+def resolve_sizes(spec, max_seq_len, max_batch_size) -> tuple[int, int]:
+    """``max_seq_len`` and ``max_batch_size`` as ``core.build`` and the planner take them:
+    None for the defaults, else integers >= 1 (PlanError otherwise)."""
+    hint = " (or None for the default)"
+    return (positive_int("max_seq_len", min(spec.max_position, DEFAULT_MAX_SEQ_LEN)
+                         if max_seq_len is None else max_seq_len, hint),
+            positive_int("max_batch_size", DEFAULT_MAX_BATCH_SIZE if max_batch_size is None
+                         else max_batch_size, hint))
+
+
 def prefill_step_tokens(max_prefill_tokens, max_seq_len: int) -> int:
     """Tokens one prefill step feeds at most: ``max_prefill_tokens``, or the engine's
     default (``scheduler.default_prefill_tokens``) for None."""
@@ -229,15 +243,13 @@ class MemoryPlan(KVSizes):
 
 def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                 kv_quantizer=None, max_seq_len: Optional[int] = None,
-                max_batch_size: int = 8, budget: Optional[int] = None,
+                max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, budget: Optional[int] = None,
                 budget_source: str = "", weight_quantizer=None,
                 max_prefill_tokens: Optional[int] = None) -> MemoryPlan:
     """The memory plan of ``spec`` (weights from ``spec.param_count``, packed by
     ``weight_quantizer`` when given; activations of a ``max_prefill_tokens`` step, by
     default the engine's: ``scheduler.default_prefill_tokens(max_seq_len)``)."""
-    max_seq_len = positive_int("max_seq_len", min(spec.max_position, 4096) if max_seq_len is None
-                               else max_seq_len)
-    max_batch_size = positive_int("max_batch_size", max_batch_size)
+    max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     step = prefill_step_tokens(max_prefill_tokens, max_seq_len)
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
