@@ -29,6 +29,11 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the CPU interpreter: small, so tests exercise splitting
 
 
+def _longest_span(max_tokens: int, window: int | None) -> int:
+    """Keys a query sees at most: the window, at most the table's width, or the width."""
+    return max(1, min(window, max_tokens) if window else max_tokens)
+
+
 def split_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int,
                block_n: int, num_splits: int | None = None) -> int:
     """S, the number of splits of the sequence axis (``num_splits`` when given).
@@ -42,8 +47,7 @@ def split_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int
         return num_splits  # forced: kept even where some splits get no keys
     if bsz * hkv >= UNSPLIT_PER_SM * sms:
         return 1
-    span = max(1, min(window, max_tokens) if window else max_tokens)
-    tiles = _cdiv(span, block_n)
+    tiles = _cdiv(_longest_span(max_tokens, window), block_n)
     want = _cdiv(PROGRAMS_PER_SM * sms, max(1, bsz * hkv))
     per = _cdiv(tiles, max(1, min(want, tiles)))  # tiles per split at the longest span
     return _cdiv(tiles, per)  # drop splits that the longest span leaves empty
@@ -75,8 +79,7 @@ def launch_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: in
         mid = [plan for lo, plan in table if pairs >= lo * sms]
         if mid:
             s, bn, warps, stages = mid[-1]
-            span = max(1, min(window, max_tokens) if window else max_tokens)
-            return (min(s, _cdiv(span, bn)), bn,
+            return (min(s, _cdiv(_longest_span(max_tokens, window), bn)), bn,
                     dict(num_warps=num_warps or warps, num_stages=num_stages or stages))
     bn = block_n or 32
     s = split_plan(bsz, hkv, max_tokens, window, sms, bn, num_splits)
