@@ -63,6 +63,12 @@ MID_PLANS = ((1.5, (1, 128, 8, 2)), (2.5, (2, 32, 2, 4)), (3.4, (1, 64, 4, 3)))
 #: 384 pairs 39.0 -> 37.2, 512 pairs 53.0 -> 43.1 (168.7 -> 138.0 at 2000 keys); GQA's
 #: 64-key tiles at 256 pairs took 34.5 us, its 128-key tiles at 384 pairs 40.5
 MID_PLANS_MHA = ((1.5, (2, 64, 4, 2)), (2.5, (1, 64, 4, 2)), (3.4, (1, 64, 4, 3)))
+#: Large GQA steps, from ``r`` x SMs pairs up: unsplit 64-key tiles instead of 32-key ones
+#: with 2 warps. H200 (bf16, D=128, 544 keys; us per layer, shipped -> this): 32/8 at 1024
+#: pairs 106.7 -> 85.8 (7B-shaped GQA model, batch 128: 7.58-7.82 -> 6.84-6.99 ms a step),
+#: 1536 pairs 121.3 -> 120.9, 2048 pairs 169.2 -> 157.3; at 768 pairs it lost (62.7 -> 70.7).
+#: MHA keeps 2-warp tiles: at 2048 pairs they were best (145.6; 64-key 175.1).
+LARGE_PLAN_GQA = (7.5, (1, 64, 4, 2))
 
 
 def launch_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int, *,
@@ -71,19 +77,28 @@ def launch_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: in
                 num_stages: int | None = None):
     """(S, keys per tile, warps and stages) of one decode-attention call, from shapes
     only. ``group``: query heads per kv head. ``wide_tiles``: 16-bit K/V with head_dim
-    <= 128, where the ``MID_PLANS`` tiles fit in shared memory and were measured; a given
-    ``num_splits`` or ``block_n`` keeps the ``split_plan`` rule with them."""
-    pairs = bsz * hkv
-    if wide_tiles and num_splits is None and block_n is None and pairs < UNSPLIT_PER_SM * sms:
-        table = MID_PLANS_MHA if group == 1 else MID_PLANS
-        mid = [plan for lo, plan in table if pairs >= lo * sms]
-        if mid:
-            s, bn, warps, stages = mid[-1]
-            return (min(s, _cdiv(_longest_span(max_tokens, window), bn)), bn,
-                    dict(num_warps=num_warps or warps, num_stages=num_stages or stages))
+    <= 128, where the ``MID_PLANS`` / ``LARGE_PLAN_GQA`` tiles fit in shared memory and
+    were measured; a given ``num_splits`` or ``block_n`` keeps the ``split_plan`` rule."""
+    row = _measured_plan(bsz * hkv, sms, group) \
+        if wide_tiles and num_splits is None and block_n is None else None
+    if row:
+        s, bn, warps, stages = row
+        return (min(s, _cdiv(_longest_span(max_tokens, window), bn)), bn,
+                dict(num_warps=num_warps or warps, num_stages=num_stages or stages))
     bn = block_n or 32
     s = split_plan(bsz, hkv, max_tokens, window, sms, bn, num_splits)
     return s, bn, tile_config(s, num_warps, num_stages)
+
+
+def _measured_plan(pairs: int, sms: int, group: int):
+    """The ``MID_PLANS`` / ``LARGE_PLAN_GQA`` row (S, keys, warps, stages) for this many
+    (sequence, kv head) pairs, or None where the ``split_plan`` rule stands."""
+    if pairs < UNSPLIT_PER_SM * sms:
+        mid = [plan for lo, plan in (MID_PLANS_MHA if group == 1 else MID_PLANS)
+               if pairs >= lo * sms]
+        return mid[-1] if mid else None
+    lo, plan = LARGE_PLAN_GQA
+    return plan if group > 1 and pairs >= lo * sms else None
 
 
 def split_len(visible: int, nsplit: int, block_n: int) -> int:

@@ -55,12 +55,18 @@ def test_launch_plan_takes_two_wave_tiles_for_mid_sized_steps():
     assert plan(48, hkv=8) == (2, 32, 2, 4)
     assert plan(16) == plan(64, hkv=8) == (1, 64, 4, 3)   # 512 pairs: 2 per SM, both
     assert plan(32) == plan(64) == (1, 32, 2, 4)          # >= 4 x SMs: unsplit, as before
+    assert plan(96, hkv=8) == (1, 32, 2, 4)               # GQA, 768 pairs: the same
+    assert plan(128, hkv=8) == plan(256, hkv=8) == (1, 64, 4, 2)  # GQA from 7.5 x SMs
+    assert plan(128, hkv=8, window=20) == (1, 64, 4, 2)   # one tile either way
+    assert plan(128) == (1, 32, 2, 4)                     # MHA keeps 2-warp tiles
+    assert plan(128, hkv=8, wide=False) == plan(128, hkv=8, block_n=32) == (1, 32, 2, 4)
     assert plan(48, hkv=8, window=20) == (1, 32, 2, 4)    # a 20-key window fills one tile
     assert plan(8, wide=False) == (5, 32, 4, 2)           # float32 / int8 K/V, head_dim > 128
     assert plan(8, num_splits=3) == (3, 32, 4, 2)         # forced knobs keep split_plan
     assert plan(8, block_n=128) == (5, 128, 4, 2)
     assert plan(8, num_warps=8)[:3] == (2, 64, 8)         # warps / stages alone: overridden
-    for bsz, hkv, width, window in itertools.product((1, 3, 8, 12, 16, 40, 64), (1, 8, 32),
+    for bsz, hkv, width, window in itertools.product((1, 3, 8, 12, 16, 40, 64, 128, 256),
+                                                     (1, 8, 32),
                                                      (16, 100, 576, 4096), (None, 1, 37, 1000)):
         for group in (1, 4):
             s, bn, _ = launch_plan(bsz, hkv, width, window, 132, group=group, wide_tiles=True)
@@ -90,6 +96,25 @@ def test_mid_plans_match_reference(device, dtype, randn, gen, poisoned_empty, pa
         table = paged_plan.MID_PLANS_MHA if hq == hkv else paged_plan.MID_PLANS
         want = table[[1.6, 2.6, 3.5].index(pairs_per_sm)][1]
         assert (s, bn) == (min(want[0], -(-min(window or 208, 208) // want[1])), want[1])
+
+
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
+def test_large_gqa_plan_matches_reference(device, dtype, randn, gen, poisoned_empty, window):
+    # a batch past LARGE_PLAN_GQA's threshold on this device: one program per pair, 64 keys
+    hq, hkv, d, bs = 4, 2, 32, 16
+    sms = pa._sm_count(torch.device(device))
+    bsz = math.ceil(paged_plan.LARGE_PLAN_GQA[0] * sms / hkv)
+    lens = torch.randint(1, 200, (bsz,), generator=gen).tolist()
+    k, v, _, _, tables, _ = _paged(randn, gen, lens, hkv, d, bs, dtype, False, device, 13)
+    q = randn(bsz, hq, d, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_attention_triton(q, k, v, tables, ctx, d ** -0.5, window)
+    assert_close(out, paged_attention_torch(q, k, v, tables, ctx, d ** -0.5, window),
+                 f"{bsz} sequences, window {window}")
+    s, bn, tune = launch_plan(bsz, hkv, 13 * bs, window, sms, group=hq // hkv,
+                              wide_tiles=dtype != torch.float32)
+    want = (1, 64, 4, 2) if dtype != torch.float32 else (1, 32, 2, 4)
+    assert (s, bn, tune["num_warps"], tune["num_stages"]) == want
 
 
 def test_semaphores_are_zero_again_for_the_next_call(device, randn, gen, poisoned_empty,
