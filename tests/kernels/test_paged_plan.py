@@ -74,12 +74,10 @@ def test_launch_plan_takes_two_wave_tiles_for_mid_sized_steps():
             assert s >= 1 and bn in (32, 64, 128) and s <= -(-span // bn), (bsz, hkv, width, window)
 
 
-@pytest.mark.parametrize("pairs_per_sm", [1.6, 2.6, 3.5], ids=["lo", "mid", "hi"])
-@pytest.mark.parametrize("hq", [2, 4], ids=["mha", "gqa2"])
-@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
-def test_mid_plans_match_reference(device, dtype, randn, gen, poisoned_empty, pairs_per_sm, hq,
-                                   window):
-    # batches that land in each MID_PLANS(_MHA) row on this device (4 "SMs" in the interpreter)
+def _plan_vs_reference(device, dtype, randn, gen, pairs_per_sm, hq, window):
+    """Decode attention for a batch of ``pairs_per_sm`` x this device's SMs of (sequence, kv
+    head) pairs (4 "SMs" in the interpreter), checked against the torch reference; returns
+    the call's plan (S, keys per tile, warps, stages)."""
     hkv, d, bs = 2, 32, 16
     sms = pa._sm_count(torch.device(device))
     bsz = math.ceil(pairs_per_sm * sms / hkv)
@@ -90,31 +88,29 @@ def test_mid_plans_match_reference(device, dtype, randn, gen, poisoned_empty, pa
     out = paged_attention_triton(q, k, v, tables, ctx, d ** -0.5, window)
     assert_close(out, paged_attention_torch(q, k, v, tables, ctx, d ** -0.5, window),
                  f"{bsz} sequences, window {window}")
-    s, bn, _ = launch_plan(bsz, hkv, 13 * bs, window, sms, group=hq // hkv,
-                           wide_tiles=dtype != torch.float32)
+    s, bn, tune = launch_plan(bsz, hkv, 13 * bs, window, sms, group=hq // hkv,
+                              wide_tiles=dtype != torch.float32)
+    return s, bn, tune["num_warps"], tune["num_stages"]
+
+
+@pytest.mark.parametrize("pairs_per_sm", [1.6, 2.6, 3.5], ids=["lo", "mid", "hi"])
+@pytest.mark.parametrize("hq", [2, 4], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
+def test_mid_plans_match_reference(device, dtype, randn, gen, poisoned_empty, pairs_per_sm, hq,
+                                   window):
+    # batches that land in each MID_PLANS(_MHA) row
+    s, bn, _, _ = _plan_vs_reference(device, dtype, randn, gen, pairs_per_sm, hq, window)
     if dtype != torch.float32:  # the mid-sized plans are for 16-bit K/V only
-        table = paged_plan.MID_PLANS_MHA if hq == hkv else paged_plan.MID_PLANS
+        table = paged_plan.MID_PLANS_MHA if hq == 2 else paged_plan.MID_PLANS
         want = table[[1.6, 2.6, 3.5].index(pairs_per_sm)][1]
         assert (s, bn) == (min(want[0], -(-min(window or 208, 208) // want[1])), want[1])
 
 
 @pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
 def test_large_gqa_plan_matches_reference(device, dtype, randn, gen, poisoned_empty, window):
-    # a batch past LARGE_PLAN_GQA's threshold on this device: one program per pair, 64 keys
-    hq, hkv, d, bs = 4, 2, 32, 16
-    sms = pa._sm_count(torch.device(device))
-    bsz = math.ceil(paged_plan.LARGE_PLAN_GQA[0] * sms / hkv)
-    lens = torch.randint(1, 200, (bsz,), generator=gen).tolist()
-    k, v, _, _, tables, _ = _paged(randn, gen, lens, hkv, d, bs, dtype, False, device, 13)
-    q = randn(bsz, hq, d, dtype=dtype)
-    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
-    out = paged_attention_triton(q, k, v, tables, ctx, d ** -0.5, window)
-    assert_close(out, paged_attention_torch(q, k, v, tables, ctx, d ** -0.5, window),
-                 f"{bsz} sequences, window {window}")
-    s, bn, tune = launch_plan(bsz, hkv, 13 * bs, window, sms, group=hq // hkv,
-                              wide_tiles=dtype != torch.float32)
-    want = (1, 64, 4, 2) if dtype != torch.float32 else (1, 32, 2, 4)
-    assert (s, bn, tune["num_warps"], tune["num_stages"]) == want
+    # past LARGE_PLAN_GQA's threshold: one program per pair, 64-key tiles (16-bit K/V)
+    plan = _plan_vs_reference(device, dtype, randn, gen, paged_plan.LARGE_PLAN_GQA[0], 4, window)
+    assert plan == ((1, 64, 4, 2) if dtype != torch.float32 else (1, 32, 2, 4))
 
 
 def test_semaphores_are_zero_again_for_the_next_call(device, randn, gen, poisoned_empty,
