@@ -82,11 +82,28 @@ def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
         seqs = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
-        if run >= warmup:  # the batch steps together: any sequence's ITLs are the step times
+        if run >= warmup:
             ttfts.append(max(s.metrics.ttft for s in seqs))
-            itl = seqs[0].metrics.itl
+            itl = full_batch_steps([s.metrics for s in seqs])
+            if not itl:
+                raise ValueError(
+                    f"batch {len(seqs)} never decoded whole: its prompts took more steps to "
+                    f"admit than the {new_tokens} new tokens last; give more new tokens "
+                    f"(--new-tokens) or a larger prefill step (max_prefill_tokens)")
             itls += itl[min(2, len(itl) - 1):]
     return statistics.median(ttfts), statistics.median(itls)
+
+
+def full_batch_steps(metrics) -> list[float]:
+    """Step times (seconds) while the whole batch decodes: between the last sequence's
+    first token and the first sequence's last one. A batch whose prompts are admitted
+    over several steps has prefill chunks in its first sequences' early steps, and fewer
+    rows in its last sequences' final ones; neither is a step of this batch size. A step
+    stamps one time on every sequence it gives a token to."""
+    start = max(m.first_token for m in metrics)
+    end = min(m.token_times[-1] for m in metrics)
+    times = [t for t in metrics[0].token_times if start <= t <= end]
+    return [b - a for a, b in zip(times, times[1:])]
 
 
 class _StepClock:

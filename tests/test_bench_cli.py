@@ -3,6 +3,8 @@ our engine, HF on the same weights and the copy-bandwidth roofline, and writes t
 and JSON (the GPU figures in docs/BENCHMARKS.md come from the same code)."""
 import json
 
+import pytest
+
 from infergraft.core.bench_cli import main
 
 
@@ -34,3 +36,43 @@ def test_bench_with_int8_weights_counts_the_packed_bytes(tmp_path, capsys):
         step_bytes.append(data["results"][0]["roofline_ms"] / 1e3 * data["copy_bandwidth_Bps"])
     capsys.readouterr()
     assert step_bytes[1] < 0.7 * step_bytes[0]  # int8 projections, the rest as before
+
+
+def test_tpot_counts_only_steps_of_the_whole_batch():
+    from infergraft.core.bench import full_batch_steps
+    from infergraft.core.metrics import RequestMetrics
+
+    # three sequences admitted over steps at t=1, 2, 3 (one step a second, then 10 ms
+    # decode steps from t=3); the first finishes two steps before the last
+    def seq(first, last):
+        m = RequestMetrics(arrival=0.0)
+        for t in [float(x) for x in range(first, 3)] + [3 + 0.01 * i for i in range(last + 1)]:
+            m.on_token(t)
+        return m
+    steps = full_batch_steps([seq(1, 5), seq(2, 6), seq(3, 7)])
+    assert len(steps) == 5 and all(abs(s - 0.01) < 1e-9 for s in steps)  # t = 3 .. 3.05
+
+
+def test_tpot_of_a_batch_admitted_over_several_steps():
+    import torch
+
+    from infergraft import core
+    from infergraft.core.bench import bench_ours, full_batch_steps, random_prompts
+    from infergraft.core.request import SamplingParams
+    from infergraft.core.testing.models import random_model, tiny_llama_config
+
+    hf = random_model(tiny_llama_config())
+    engine = core.build(hf, max_prefill_tokens=8, dtype=torch.float32, device="cpu")
+    prompts = random_prompts(4, 8, hf.config.vocab_size)  # one prompt a step
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True))
+            for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    firsts = sorted(s.metrics.first_token for s in seqs)
+    assert firsts[0] < firsts[-1]  # admitted over several steps
+    steps = full_batch_steps([s.metrics for s in seqs])
+    # the steps where every sequence got a token: 6 new tokens, 3 prompts after the first
+    assert len(steps) == 6 - 1 - 3
+    assert bench_ours(engine, prompts, 6, warmup=0, repeats=1)[1] > 0
+    with pytest.raises(ValueError, match="never decoded whole.*--new-tokens"):
+        bench_ours(engine, prompts, 3, warmup=0, repeats=1)  # the first ends before the last starts
