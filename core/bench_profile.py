@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from .bench import random_prompts
+from .bench import full_batch_steps, random_prompts
 from .bench_cli import load_models
 from .request import SamplingParams
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                 table = kernel_table(engine.model, runner, engine.cache, bucket)
         # the step period is the inter-token latency (with the decode pipeline a step()
         # call returns while the next step already runs)
-        itl = statistics.median(seqs[0].metrics.itl[3:]) * 1e3
+        itl = statistics.median(full_batch_steps([s.metrics for s in seqs])[2:]) * 1e3
         call = statistics.median(calls[3:]) * 1e3
         print(f"batch {bs}: inter-token {itl:.3f} ms (step() call {call:.3f}), graph replay "
               f"{g:.3f} ms, host gap {itl - g:.3f} ms\n{table}", flush=True)
