@@ -89,7 +89,8 @@ def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
                 raise ValueError(
                     f"batch {len(seqs)} never decoded whole: its prompts took more steps to "
                     f"admit than the {new_tokens} new tokens last; give more new tokens "
-                    f"(--new-tokens) or a larger prefill step (max_prefill_tokens)")
+                    f"(--new-tokens) or more prompt tokens a step (--prefill-tokens, "
+                    f"build's max_prefill_tokens)")
             itls += itl[min(2, len(itl) - 1):]
     return statistics.median(ttfts), statistics.median(itls)
 

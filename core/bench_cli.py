@@ -23,9 +23,10 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
 
 
 def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
-                plugins=()):
+                plugins=(), max_prefill_tokens: int | None = None):
     """(hf_model, engine) on the same weights; ``plugins`` added to the engine's (the
-    paged cache on CUDA), e.g. ("int8",)."""
+    paged cache on CUDA), e.g. ("int8",); ``max_prefill_tokens``: the engine's prompt
+    tokens a step (None: its default)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from . import build
@@ -45,7 +46,7 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
     base = ["paged"] if str(device).startswith("cuda") else []
     return hf, build(hf, plugins=base + list(plugins) or None,
                      dtype=dtype, device=device, max_batch_size=max_batch_size,
-                     max_seq_len=max_seq_len)
+                     max_seq_len=max_seq_len, max_prefill_tokens=max_prefill_tokens)
 
 
 def markdown_table(results, bw: float) -> str:
@@ -104,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 GPU, 32 CPU")
     p.add_argument("--systems", default=None,
                    help="comma list of infergraft,hf-eager,hf-static (static on CUDA only)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prompt tokens our engine admits a step (default: the engine's, "
+                        "max(prompt + new tokens, 2048)); a batch is timed only once all of "
+                        "it decodes, so a large batch needs its prompts admitted in time")
     p.add_argument("--out", default=".bench", help="folder for results.json and tpot.png")
     p.add_argument("--plugins", default="",
                    help="comma list of plugins for our engine, e.g. int8 (weights; the "
@@ -120,7 +125,7 @@ def run(args) -> int:
     systems = (args.systems or ("infergraft,hf-eager,hf-static" if gpu else "infergraft,hf-eager")).split(",")
     plugins = [p for p in args.plugins.split(",") if p]
     hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,
-                             plugins)
+                             plugins, args.prefill_tokens)
     print(engine.plan, file=sys.stderr)
     results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, systems,
                                 log=lambda m: print(m, file=sys.stderr))

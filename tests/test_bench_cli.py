@@ -26,6 +26,17 @@ def test_bench_tiny_shape_writes_table_and_json(tmp_path, capsys):
     assert floor[2] > floor[1]
 
 
+def test_bench_refuses_a_batch_that_never_decodes_whole(tmp_path, capsys):
+    # 4 prompts of 8 tokens, one admitted a step: the first ends (3 tokens) before the
+    # last starts; a step that takes all four prompts times it
+    args = ["--model", "tiny", "--device", "cpu", "--batches", "4", "--prompt-len", "8",
+            "--new-tokens", "3", "--systems", "infergraft", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="never decoded whole.*--prefill-tokens"):
+        main(args + ["--prefill-tokens", "8"])
+    assert main(args + ["--prefill-tokens", "32"]) == 0
+    capsys.readouterr()
+
+
 def test_bench_with_int8_weights_counts_the_packed_bytes(tmp_path, capsys):
     args = ["--model", "tiny", "--device", "cpu", "--batches", "1", "--prompt-len", "8",
             "--new-tokens", "4", "--systems", "infergraft"]
