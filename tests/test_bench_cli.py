@@ -87,3 +87,17 @@ def test_tpot_of_a_batch_admitted_over_several_steps():
     assert bench_ours(engine, prompts, 6, warmup=0, repeats=1)[1] > 0
     with pytest.raises(ValueError, match="never decoded whole.*--new-tokens"):
         bench_ours(engine, prompts, 3, warmup=0, repeats=1)  # the first ends before the last starts
+
+
+def test_random_shapes_read_as_their_config_says():
+    from transformers import LlamaConfig
+
+    from infergraft.core.bench_cli import SHAPES
+    from infergraft.core.rope import rope_from_config
+
+    for name, shape in SHAPES.items():
+        cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        assert cfg.num_attention_heads % cfg.num_key_value_heads == 0, name
+        rope = rope_from_config(cfg, cfg.hidden_size // cfg.num_attention_heads)
+        assert rope.theta == shape.get("rope_theta", 10000.0), name
+    assert SHAPES["llama3-8b"]["num_key_value_heads"] == 8  # the GQA shape
