@@ -13,6 +13,7 @@ from typing import Optional
 import attrs
 import torch
 
+from .errors import PlanError
 from .request import SamplingParams
 
 
@@ -86,10 +87,10 @@ def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
             ttfts.append(max(s.metrics.ttft for s in seqs))
             itl = full_batch_steps([s.metrics for s in seqs])
             if not itl:
-                raise ValueError(
+                raise PlanError(
                     f"batch {len(seqs)} never decoded whole: its prompts took more steps to "
                     f"admit than the {new_tokens} new tokens last; give more new tokens "
-                    f"(--new-tokens) or more prompt tokens a step (--prefill-tokens, "
+                    f"(--new-tokens) or more prompt tokens a step (--max-prefill-tokens, "
                     f"build's max_prefill_tokens)")
             itls += itl[min(2, len(itl) - 1):]
     return statistics.median(ttfts), statistics.median(itls)

@@ -109,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 GPU, 32 CPU")
     p.add_argument("--systems", default=None,
                    help="comma list of infergraft,hf-eager,hf-static (static on CUDA only)")
-    p.add_argument("--prefill-tokens", type=int, default=None,
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="prompt tokens our engine admits a step (default: the engine's, "
                         "max(prompt + new tokens, 2048)); a batch is timed only once all of "
                         "it decodes, so a large batch needs its prompts admitted in time")
@@ -129,7 +129,7 @@ def run(args) -> int:
     systems = (args.systems or ("infergraft,hf-eager,hf-static" if gpu else "infergraft,hf-eager")).split(",")
     plugins = [p for p in args.plugins.split(",") if p]
     hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,
-                             plugins, args.prefill_tokens)
+                             plugins, args.max_prefill_tokens)
     print(engine.plan, file=sys.stderr)
     results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, systems,
                                 log=lambda m: print(m, file=sys.stderr))

@@ -6,6 +6,8 @@ import json
 import pytest
 
 from infergraft.core.bench_cli import main
+from infergraft.core.cli import main as cli_main
+from infergraft.core.errors import PlanError
 
 
 def test_bench_tiny_shape_writes_table_and_json(tmp_path, capsys):
@@ -31,9 +33,11 @@ def test_bench_refuses_a_batch_that_never_decodes_whole(tmp_path, capsys):
     # last starts; a step that takes all four prompts times it
     args = ["--model", "tiny", "--device", "cpu", "--batches", "4", "--prompt-len", "8",
             "--new-tokens", "3", "--systems", "infergraft", "--out", str(tmp_path)]
-    with pytest.raises(ValueError, match="never decoded whole.*--prefill-tokens"):
-        main(args + ["--prefill-tokens", "8"])
-    assert main(args + ["--prefill-tokens", "32"]) == 0
+    with pytest.raises(PlanError, match="never decoded whole.*--max-prefill-tokens"):
+        main(args + ["--max-prefill-tokens", "8"])
+    assert cli_main(["bench"] + args + ["--max-prefill-tokens", "8"]) == 2  # a message, no trace
+    assert "never decoded whole" in capsys.readouterr().err
+    assert main(args + ["--max-prefill-tokens", "32"]) == 0
     capsys.readouterr()
 
 
@@ -85,7 +89,7 @@ def test_tpot_of_a_batch_admitted_over_several_steps():
     # the steps where every sequence got a token: 6 new tokens, 3 prompts after the first
     assert len(steps) == 6 - 1 - 3
     assert bench_ours(engine, prompts, 6, warmup=0, repeats=1)[1] > 0
-    with pytest.raises(ValueError, match="never decoded whole.*--new-tokens"):
+    with pytest.raises(PlanError, match="never decoded whole.*--new-tokens"):
         bench_ours(engine, prompts, 3, warmup=0, repeats=1)  # the first ends before the last starts
 
 
