@@ -6,6 +6,7 @@ the attention that reads its own layout. The engine drives it per forward step:
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Hashable
 
 import torch
@@ -57,6 +58,15 @@ class KVCache:
     """
 
     fuses_rotary: bool = False
+
+    @functools.cached_property
+    def counters(self):
+        """This cache's own ``kernels.paged_plan.CounterPool``, for ``ops.paged_attention(...,
+        counters=)``: its split merge counts there, never on another engine's (whose graphs
+        may replay on another stream)."""
+        from infergraft.kernels.paged_plan import CounterPool  # not at import: it imports triton
+
+        return CounterPool()
 
     def can_allocate(self, num_tokens: int) -> bool:
         """True if a new sequence needing ``num_tokens`` slots in total fits now."""

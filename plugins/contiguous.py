@@ -41,9 +41,6 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
         self._free_rows = list(range(max_batch_size))
         self._row: dict = {}
         self._len: dict = {}
-        from infergraft.kernels.paged_plan import CounterPool  # not at import: it imports triton
-
-        self.counters = CounterPool()  # the decode kernel's merge counters, this cache's own
 
     # -- allocation ------------------------------------------------------------
     def can_allocate(self, num_tokens):

@@ -39,9 +39,6 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
         self._tables: dict = {}
         self._len: dict = {}
         self._reserved: dict = {}  # tokens reserved by allocate (the prompt)
-        from infergraft.kernels.paged_plan import CounterPool  # not at import: it imports triton
-
-        self.counters = CounterPool()  # the decode kernel's merge counters, this cache's own
 
     def _storage(self, n, device, pin=False):
         s = self.spec

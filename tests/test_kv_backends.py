@@ -195,6 +195,7 @@ def test_contiguous_kv_int8_device_decode_matches_host_path(cfg, monkeypatch):
     want = [c.token_ids for c in host.generate(prompts, max_new_tokens=16)]
     assert [c.token_ids for c in dev.generate(prompts, max_new_tokens=16)] == want
     assert scales and set(scales) == {(torch.int8, torch.float32, True)}
+    assert host.cache.counters is not dev.cache.counters  # one pool per cache (KVCache)
 
 
 class FloatRowsPlugin:
