@@ -13,7 +13,7 @@ import os
 import torch
 
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
-from .paged_plan import SHARED_COUNTERS
+from .paged_plan import counters_for
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -139,7 +139,7 @@ def logits_argmax_triton(y: torch.Tensor, out: torch.Tensor, block: int | None =
     if SPLIT_ON if split is None else split:
         block_s = block or min(next_pow2(v), SPLIT_BLOCK)
         chunks = -(-v // block_s)
-        sems = (counters or SHARED_COUNTERS).get(y.device, n) if chunks > 1 else None
+        sems = counters_for(counters, y.device, n) if chunks > 1 else None
         if sems is not None:
             best = torch.empty((n, chunks), dtype=torch.float32, device=y.device)
             idx = torch.empty((n, chunks), dtype=torch.int32, device=y.device)

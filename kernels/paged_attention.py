@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
-from .paged_plan import SHARED_COUNTERS, _sm_count, launch_plan, split_len, split_plan  # noqa: F401
+from .paged_plan import _sm_count, counters_for, launch_plan, split_len, split_plan  # noqa: F401
 
 #: float32 elements (heads x splits x head_dim) per step of the fused merge: 64 registers
 #: a thread at 4 warps; a larger S x head_dim is merged by the second kernel instead
@@ -256,7 +256,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         # fused: counters [B, Hkv]; not for a merge too large for registers (it would
         # lower the occupancy of the whole decode kernel)
         if fused_combine and block_s * block_d <= MERGE_ELEMS:
-            sems = (counters or SHARED_COUNTERS).get(q.device, bsz * hkv)
+            sems = counters_for(counters, q.device, bsz * hkv)
     else:
         acc = m = l = out  # unused when not SPLIT
     # the fused merge takes BLOCK_H of the GROUP heads at a time ([H, S, D] in registers)

@@ -144,6 +144,11 @@ class CounterPool:
 SHARED_COUNTERS = CounterPool()
 
 
+def counters_for(counters: CounterPool | None, device: torch.device, n: int):
+    """``CounterPool.get`` on the caller's pool, or on ``SHARED_COUNTERS`` if it brings none."""
+    return (counters or SHARED_COUNTERS).get(device, n)
+
+
 def tile_config(nsplit: int, num_warps: int | None, num_stages: int | None) -> dict:
     """Warps and pipeline depth, from a sweep on an H200 (bf16, D=128, 544-token context,
     ``kernels/bench_attention.py --wide``): with 32-key tiles, many short programs (split

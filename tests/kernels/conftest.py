@@ -62,9 +62,8 @@ def poisoned_empty(monkeypatch):
 @pytest.fixture
 def shared_counters(monkeypatch):
     """An empty shared counter pool for this test only."""
-    from infergraft.kernels import greedy, paged_attention, paged_plan
+    from infergraft.kernels import paged_plan
 
     pool = paged_plan.CounterPool()
-    for module in (paged_plan, paged_attention, greedy):  # each imported the name
-        monkeypatch.setattr(module, "SHARED_COUNTERS", pool)
+    monkeypatch.setattr(paged_plan, "SHARED_COUNTERS", pool)  # counters_for reads it here
     return pool
