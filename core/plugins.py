@@ -58,6 +58,16 @@ def _names_from_env(var: str) -> set[str] | None:
     return {n.strip() for n in raw.split(",") if n.strip()}
 
 
+def _component_names(module) -> set[str]:
+    """Names a built-in plugin module registers (``int8`` for ``weight_int8``)."""
+    names: set[str] = set()
+    for hook, _ in _KINDS.values():
+        fn = getattr(module, hook, None)
+        if fn is not None:
+            fn(lambda obj: names.add(obj.name))
+    return names
+
+
 def _check_contract(name: str, plugin: Any, origin: str) -> str:
     """The contract range the plugin declares (``INFERGRAFT_CONTRACT``), checked against
     ours; undeclared means "any" (built-ins are always on the current contract)."""
@@ -121,10 +131,9 @@ class PluginManager:
     def load_defaults(self) -> None:
         blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
         for modname in DEFAULT_PLUGINS:
-            short = modname.rsplit(".", 1)[1]
-            if short not in blocked:
-                self.register(importlib.import_module(modname), name=short, origin="built-in",
-                              version=_own_version())
+            short, module = modname.rsplit(".", 1)[1], importlib.import_module(modname)
+            if not blocked & ({short} | _component_names(module)):  # "int8" blocks weight_int8
+                self.register(module, name=short, origin="built-in", version=_own_version())
 
     def load_entry_points(self) -> None:
         blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()

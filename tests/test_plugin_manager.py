@@ -153,6 +153,11 @@ def test_disable_and_load_switches(monkeypatch, infergraft_reset_plugins):
     monkeypatch.setenv("INFERGRAFT_DISABLE_PLUGINS", "gpt2, single_device")
     pm = core.get_plugin_manager()
     assert "gpt2" not in pm.info and "single_device" not in pm.info and "llama" in pm.info
+    infergraft_reset_plugins()  # a built-in also by the name it registers (int8: weight_int8)
+    monkeypatch.setenv("INFERGRAFT_DISABLE_PLUGINS", "int8,kv-int8")
+    pm = core.get_plugin_manager()
+    assert "weight_int8" not in pm.info and "kv_int8" not in pm.info and "paged" in pm.info
+    assert "int8" not in pm.quantizers() and "kv-int8" not in pm.quantizers()
     infergraft_reset_plugins()
     monkeypatch.delenv("INFERGRAFT_DISABLE_PLUGINS")
     monkeypatch.setenv("INFERGRAFT_LOAD_PLUGINS", "")  # allow no entry-point plugin
