@@ -9,6 +9,7 @@ import difflib
 import importlib
 import importlib.metadata as md
 import os
+import warnings
 from types import ModuleType
 from typing import Any, Iterable
 
@@ -100,6 +101,7 @@ class PluginManager:
         self._pm.add_hookspecs(hookspecs)
         self.info: dict[str, PluginInfo] = {}
         self._registries: dict[str, Registry] | None = None
+        self._loadable: set[str] = set()  # names INFERGRAFT_DISABLE_PLUGINS may block
 
     # -- loading -------------------------------------------------------------------
     def register(self, plugin: Any, name: str | None = None, origin: str = "in-process",
@@ -132,13 +134,16 @@ class PluginManager:
         blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
         for modname in DEFAULT_PLUGINS:
             short, module = modname.rsplit(".", 1)[1], importlib.import_module(modname)
-            if not blocked & ({short} | _component_names(module)):  # "int8" blocks weight_int8
+            names = {short} | _component_names(module)
+            self._loadable |= names
+            if not blocked & names:  # "int8" blocks weight_int8
                 self.register(module, name=short, origin="built-in", version=_own_version())
 
     def load_entry_points(self) -> None:
         blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
         allowed = _names_from_env("INFERGRAFT_LOAD_PLUGINS")
         for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            self._loadable.add(ep.name)
             if ep.name in blocked or (allowed is not None and ep.name not in allowed):
                 continue
             dist = ep.dist
@@ -153,6 +158,14 @@ class PluginManager:
             except Exception as e:  # a broken install must name itself
                 raise PluginError(ep.name, "load", f"importing {ep.value!r} failed: {e!r}") from e
             self.register(plugin, name=ep.name, origin=origin, version=dist.version if dist else "")
+
+    def warn_unknown_blocked(self) -> None:
+        """Warn when INFERGRAFT_DISABLE_PLUGINS names no plugin (a typo blocks nothing)."""
+        unknown = (_names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()) - self._loadable
+        if unknown:
+            warnings.warn(f"INFERGRAFT_DISABLE_PLUGINS names {sorted(unknown)}, which no "
+                          f"built-in or installed plugin has; known: {sorted(self._loadable)}",
+                          stacklevel=3)
 
     def check_pending(self) -> None:
         """Fail loudly on hook implementations that match no hookspec (misspellings).
@@ -264,6 +277,7 @@ def get_plugin_manager() -> PluginManager:
         pm.load_defaults()
         pm.load_entry_points()
         pm.check_pending()
+        pm.warn_unknown_blocked()
         _default = pm
     return _default
 

@@ -158,6 +158,11 @@ def test_disable_and_load_switches(monkeypatch, infergraft_reset_plugins):
     pm = core.get_plugin_manager()
     assert "weight_int8" not in pm.info and "kv_int8" not in pm.info and "paged" in pm.info
     assert "int8" not in pm.quantizers() and "kv-int8" not in pm.quantizers()
+    infergraft_reset_plugins()  # a name no plugin has blocks nothing, and says so
+    monkeypatch.setenv("INFERGRAFT_DISABLE_PLUGINS", "int-8")
+    with pytest.warns(UserWarning, match=r"names \['int-8'\].*'int8'"):
+        pm = core.get_plugin_manager()
+    assert "weight_int8" in pm.info
     infergraft_reset_plugins()
     monkeypatch.delenv("INFERGRAFT_DISABLE_PLUGINS")
     monkeypatch.setenv("INFERGRAFT_LOAD_PLUGINS", "")  # allow no entry-point plugin
