@@ -13,6 +13,7 @@ from .errors import PlanError, UnknownPluginError, UnsupportedModelError
 from .memory import (activation_bytes, check_fits, device_budget, prefill_step_tokens,
                      resolve_sizes, weight_bytes)
 from .model import DecoderModel
+from .parallel import group_for, local_spec, rank_device, shard_fn, world_size_for
 from .plan import Plan
 from .quant import SlotPacker
 from .plugins import PluginManager, get_plugin_manager
@@ -163,6 +164,9 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     kv_quant = _kv_quantizer(backend, quantizers)
     weight_quant = _weight_quantizer(quantizers)
 
+    parallel = planner.plan(spec, world_size_for(planner, device), **opts[1])
+    tp = group_for(parallel)  # None unless tensor parallel
+    device, run_spec = rank_device(device, parallel), local_spec(spec, parallel.tensor_parallel)
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     if spec.position == "learned" and max_seq_len > spec.max_position:
         raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
@@ -177,33 +181,35 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         max_seq_len=max_seq_len, max_batch_size=max_batch_size, cache_backend=backend.name,
         kv_dtype=kv_quant.kv_dtype if kv_quant else str(dtype).replace("torch.", ""),
         quantizers=tuple(sel.quantizers),
-        planner=planner.name, parallel=planner.plan(spec, 1, **opts[1]),
-        weight_bytes=weight_bytes(spec, dtype, weight_quant),
-        kv_bytes_per_token=backend.bytes_per_token(spec, dtype, kv_quant) if kv_quant
-        else backend.bytes_per_token(spec, dtype),
+        planner=planner.name, parallel=parallel,
+        weight_bytes=weight_bytes(run_spec, dtype, weight_quant),  # this rank's
+        kv_bytes_per_token=backend.bytes_per_token(run_spec, dtype, kv_quant) if kv_quant
+        else backend.bytes_per_token(run_spec, dtype),
         options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window,
         max_prefill_tokens=prefill_tokens,
-        activation_bytes=activation_bytes(spec, dtype, prefill_tokens, max_batch_size))
-    plan = _with_activations(pm.prepare_plan(plan, spec), plan, spec, dtype)
+        activation_bytes=activation_bytes(run_spec, dtype, prefill_tokens, max_batch_size))
+    plan = _with_activations(pm.prepare_plan(plan, spec), plan, run_spec, dtype)
     budget, budget_source = device_budget(device, device_memory)
     kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
     check_fits(plan, kv_device, budget, budget_source)  # before any weight is loaded
 
-    net = DecoderModel(spec, ops, device, plan.max_seq_len)
+    net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=tp)
     tensors = source.tensors()
     if progress:
         from tqdm import tqdm
         tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
     pack = None if weight_quant is None else SlotPacker(weight_quant, ops, net, net.will_fuse(dtype))
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
-                 device=device, dtype=dtype, on_slot_ready=pack)  # packed as they stream in
+                 device=device, dtype=dtype, on_slot_ready=pack,  # packed as they stream in
+                 shard=shard_fn(planner, spec, parallel, tp))  # this rank's pieces
     if pack is not None:
         pack.finish()
     net.fold_norm_weights()  # where the fused decode layer runs (Triton ops, RMSNorm + SwiGLU)
     if kv_quant is not None:
         opts[0]["kv_quantizer"] = kv_quant
-    cache = backend.create(spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
+    cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_prefill_tokens)
+    engine.tp = tp
     engine.graph_runner = _graph_runner(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = _prefill_graphs(net, cache, plan, engine.graph_runner,
                                             prefill_graphs)
@@ -226,9 +232,13 @@ def _graph_runner(net, cache, plan, device, wanted):
     from .cuda_graph import CudaGraphRunner
 
     if wanted is None:
-        wanted = device.type == "cuda" and CudaGraphRunner.supported(cache)
+        wanted = device.type == "cuda" and CudaGraphRunner.supported(cache) \
+            and plan.parallel.tensor_parallel == 1
     if not wanted:
         return None
+    if plan.parallel.tensor_parallel > 1:
+        raise PlanError("cuda_graphs=True is not supported with tensor parallelism yet "
+                        f"(tensor_parallel={plan.parallel.tensor_parallel}): decode runs eagerly")
     if device.type != "cuda" or not CudaGraphRunner.supported(cache):
         raise PlanError(f"cuda_graphs=True needs a CUDA device and a cache backend that "
                         f"supports them (contiguous, paged); got {device} / {plan.cache_backend}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import build
@@ -14,8 +15,13 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def _build(args):
-    return build(args.model, plugins=args.plugin or None, dtype=args.dtype, device=args.device,
-                 max_seq_len=args.max_seq_len, progress=True)
+    """The engine; under torchrun (``--plugin tp``) only rank 0 prints."""
+    first = os.environ.get("RANK", "0") == "0"
+    engine = build(args.model, plugins=args.plugin or None, dtype=args.dtype,
+                   device=args.device, max_seq_len=args.max_seq_len, progress=first)
+    if not first:
+        sys.stdout = open(os.devnull, "w")
+    return engine
 
 
 def _prompt_text(engine, text: str, raw: bool) -> str:
@@ -50,6 +56,10 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     engine = _build(args)
     tok = engine.tokenizer
+    if engine.tp is not None:
+        print("chat reads the terminal in one process; under torchrun use generate",
+              file=sys.stderr)
+        return 2
     if tok is None or not getattr(tok, "chat_template", None):
         print("this model has no chat template", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ class Engine:
         self.graph_runner = None  # core.cuda_graph.CudaGraphRunner, set by build() on CUDA
         self.prefill_graphs = None  # core.prefill_graph.PrefillGraphRunner, likewise
         self.pipeline = DecodePipeline(self)  # greedy graph decode, one step ahead
+        self.tp = None  # core.parallel.TensorParallelGroup: every rank takes rank 0's samples
 
     @property
     def prefill_graphs(self):
@@ -120,7 +121,7 @@ class Engine:
             ready = [i for i, s in enumerate(seqs) if not s.prefill_left]  # whole prompt fed
             if len(ready) < len(seqs):  # a chunk: no token yet
                 seqs, logits = [seqs[i] for i in ready], logits[ready]
-        new = sample(logits, seqs) if seqs else []
+        new = self._sample(logits, seqs) if seqs else []
         forked = self._fork_samples(seqs, logits) if self._forks and step.kind == "prefill" else []
         now = time.perf_counter()
         for seq, tok in zip(seqs, new):
@@ -143,8 +144,12 @@ class Engine:
                     self.scheduler.add(child)  # prefilled later, like any request
                     continue
                 self.scheduler.adopt(child)
-                out.append((child, sample(logits[row:row + 1], [child])[0]))
+                out.append((child, self._sample(logits[row:row + 1], [child])[0]))
         return out
+
+    def _sample(self, logits, seqs) -> list[int]:
+        new = sample(logits, seqs)
+        return new if self.tp is None else self.tp.agree(new, logits.device)
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         seq.output_ids.append(token)

@@ -107,6 +107,7 @@ class DecoderLayer(nn.Module):
                     for n, p in self.NORM_FEEDS)
 
     NORM_FEEDS = (("attn_norm", "qkv"), ("mlp_norm", "gate_up"))
+    tp = None  # core.parallel.TensorParallelGroup: o and down outputs summed over ranks
     folded_norms = frozenset()  # norms whose weights already live in their projection
 
     @torch.no_grad()
@@ -155,12 +156,15 @@ class DecoderLayer(nn.Module):
         x, residual = self.attn_norm(h, residual)  # [T, H]
         attn = self._attend(self.qkv(x), layer_idx, positions, rope, cache, meta)  # [T, q]
         h = self.o(attn)  # [T, H] or partials [S, T, H]
+        if self.tp is not None:  # each rank's heads contributed a share of o's output
+            h = self.tp.all_reduce(h)
         x, residual = self.mlp_norm(h, residual)
         if self.spec.gated_mlp:
             x = self.ops.silu_mul(self.gate_up(x))  # [T, 2I] -> [T, I]
         else:
             x = self.ops.gelu(self.fc_in(x), self.spec.activation)
-        return self.down(x), residual  # [T, H] or partials [S, T, H]
+        out = self.down(x)  # [T, H] or partials [S, T, H]
+        return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
     def _attend(self, qkv, layer_idx, positions, rope, cache, meta):
         """qkv [T, q + 2kv] -> attention output [T, q] (the cache writes K/V, RoPE first)."""
@@ -178,9 +182,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, ops, device, max_position: int | None = None):
+    def __init__(self, spec: ModelSpec, ops, device, max_position: int | None = None,
+                 tp=None):
+        """``spec``: what this process runs (one rank's share under ``tp``, a
+        ``core.parallel.TensorParallelGroup``)."""
         super().__init__()
-        self.spec, self.ops = spec, ops
+        self.spec, self.ops, self.tp = spec, ops, tp
         from infergraft.kernels.paged_plan import CounterPool  # not at import: it imports triton
 
         self.counters = CounterPool()  # this engine's own: engines on other streams share none
@@ -190,6 +197,8 @@ class DecoderModel(nn.Module):
             self.pos_embed = nn.Module()
             self.pos_embed.register_buffer("weight", None)
         self.layers = nn.ModuleList(DecoderLayer(spec, ops) for _ in range(spec.num_layers))
+        for layer in self.layers:
+            layer.tp = tp
         self.final_norm = Norm(spec.norm, spec.norm_eps, ops)
         if not spec.tie_embeddings:
             self.lm_head = Linear(ops)
@@ -206,9 +215,9 @@ class DecoderModel(nn.Module):
         """Whether the fused decode layer can run for this spec, ops and weight dtype
         (known before any weight loads): RMSNorm + SwiGLU, ops that fuse, 16-bit weights
         (float32 GEMMs stay on cuBLAS: the plain layer is the fast one)."""
-        s = self.spec
+        s = self.spec  # (the fused layer adds the residual inside o / down: no all-reduce)
         return s.norm == "rms" and s.gated_mlp and bool(getattr(self.ops, "fuse_max_rows", 0)) \
-            and dtype in (torch.float16, torch.bfloat16)
+            and dtype in (torch.float16, torch.bfloat16) and self.tp is None
 
     def fold_norm_weights(self) -> bool:
         """Move each layer's norm weights into its GEMMs (after the weights are loaded)

@@ -52,6 +52,7 @@ class Plan(KVSizes):
 
     def rows(self) -> list[tuple[str, str]]:
         p = self.parallel
+        each = " (per rank)" if p.tensor_parallel > 1 else ""
         rows = [
             ("model", f"{self.model} ({self.architecture})"),
             ("policy", self.policy),
@@ -62,10 +63,10 @@ class Plan(KVSizes):
             ("planner", f"{self.planner} (world {p.world_size}, tp {p.tensor_parallel}, "
                         f"{len(p.stages)} stage(s))"),
             ("max batch x seq", f"{self.max_batch_size} x {self.max_seq_len}"),
-            ("weights", fmt_bytes(self.weight_bytes)),
-            ("KV per token", fmt_bytes(self.kv_bytes_per_token)),
-            ("KV per sequence", fmt_bytes(self.kv_bytes_per_sequence)),
-            ("KV total", fmt_bytes(self.kv_bytes_total)),
+            (f"weights{each}", fmt_bytes(self.weight_bytes)),
+            (f"KV per token{each}", fmt_bytes(self.kv_bytes_per_token)),
+            (f"KV per sequence{each}", fmt_bytes(self.kv_bytes_per_sequence)),
+            (f"KV total{each}", fmt_bytes(self.kv_bytes_total)),
         ]
         if self.max_prefill_tokens:
             rows.append((activations_label(self.max_prefill_tokens),

@@ -32,6 +32,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.kv_int8",
     "infergraft.plugins.weight_int8",
     "infergraft.plugins.single_device",
+    "infergraft.plugins.tensor_parallel",
 )
 ENTRY_POINT_GROUP = "infergraft"
 

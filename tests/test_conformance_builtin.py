@@ -35,6 +35,15 @@ class TestSinglePlanner(PlannerTests):
         return core.get_plugin_manager().planners().get("single")
 
 
+class TestTensorParallelPlanner(PlannerTests):
+    world_sizes = (1, 2, 4)
+    bad_world_sizes = (3, 8)  # 3 does not divide 8 heads, 8 does not divide 4 kv heads
+
+    @pytest.fixture
+    def planner(self):
+        return core.get_plugin_manager().planners().get("tp")
+
+
 # tests/test_cache_machine.py runs the state machine >= 200 examples per built-in backend;
 # here the kit's copy of it runs a few, to prove the kit wires it up
 class TestContiguousBackend(CacheBackendTests):

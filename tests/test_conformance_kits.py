@@ -2,8 +2,8 @@
 
 The int8 quantiser and the tensor x pipeline planner here are test plugins, written
 apart from the built-ins (the `int8` weight quantiser passes the kit in
-tests/test_weight_int8.py; no multi-device planner ships yet), so that the kits are
-proven on something that really splits and packs.
+tests/test_weight_int8.py, the `tp` planner in tests/test_conformance_builtin.py), so
+that the kits are proven on something that really splits and packs.
 """
 import attrs
 import pytest

@@ -1,0 +1,82 @@
+"""Run a function on N local processes forming a torch.distributed group (gloo, CPU), and
+an HF-parity worker for planners that split the model across them.
+
+    results = run_ranks(tp_parity, 2, config, ["tp"], prompts)   # one dict per rank
+
+Each rank is a fresh ``spawn``ed interpreter; ``fn`` must be importable (module level)
+and return JSON-able data. A rank that fails fails the call with its traceback; a hang
+is killed after ``timeout`` seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, out),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{world_size} ranks of {fn.__name__} ran over {timeout} s")
+        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world_size)]
+
+
+def _rank_main(rank, world_size, port, fn, args, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # N ranks share the machine's cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        Path(out, f"{rank}.json").write_text(json.dumps(fn(*args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_parity_cases(cases: list[dict]) -> list[dict]:
+    """``tp_parity(**case)`` for each case, in one set of ranks (one start-up)."""
+    return [tp_parity(**case) for case in cases]
+
+
+def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int = 12,
+              seed: int = 0, scale: float = 25.0, **build_options) -> dict:
+    """On one rank: build ``plugins`` around a seeded random HF model of ``config`` (the
+    same weights on every rank) and compare with HF's own forward and greedy generate,
+    which every rank runs whole. Returns the errors, our and HF's tokens, a sampled
+    continuation without a seed (ranks must agree on it) and the plan's sizes."""
+    from infergraft import core
+
+    from .models import random_model
+    from .parity import hf_greedy, hf_logits, relative_error
+
+    hf = random_model(config, seed=seed, scale=scale)
+    engine = core.build(hf, plugins=plugins, dtype="float32", device="cpu",
+                        max_batch_size=len(prompts), **build_options)
+    errors = [relative_error(engine.logits(ids), hf_logits(hf, ids)) for ids in prompts]
+    ours = [c.token_ids for c in engine.generate(prompts, max_new_tokens=new_tokens)]
+    sampled = engine.generate(prompts[0], max_new_tokens=new_tokens, temperature=1.0)
+    return {"errors": errors, "ours": ours,
+            "hf": [hf_greedy(hf, ids, new_tokens) for ids in prompts],
+            "sampled": sampled[0].token_ids, "tensor_parallel": engine.plan.parallel.tensor_parallel,
+            "weight_bytes": engine.plan.weight_bytes,
+            "kv_bytes_per_token": engine.plan.kv_bytes_per_token}

@@ -1,0 +1,54 @@
+"""The ``tp`` planner: Megatron-style tensor parallelism over every process of the
+torch.distributed world, one pipeline stage (``core/parallel.py`` runs the plan).
+
+    torchrun --nproc-per-node 2 my_script.py     # each rank: core.build(model, plugins=["tp"])
+
+Column-parallel (dim 0 cut inside each fused part, so q, k and v are each split by
+heads): qkv, gate_up, fc_in and their biases. Row-parallel (dim 1): o, down. Everything
+else (embeddings, norms, the LM head, o / down biases) is replicated.
+"""
+import torch
+
+from infergraft.core.errors import PlanError
+from infergraft.core.hookspecs import hookimpl
+from infergraft.core.model import slot_layout
+from infergraft.core.plan import ParallelPlan, Planner
+
+COLUMN = (".qkv.weight", ".qkv.bias", ".gate_up.weight", ".gate_up.bias", ".fc_in.weight",
+          ".fc_in.bias")
+ROW = (".o.weight", ".down.weight")
+
+
+class TensorParallelPlanner(Planner):
+    name = "tp"
+    spans_processes = True  # core.build passes the torch.distributed world size
+
+    def plan(self, spec, world_size=1, **options):
+        if world_size < 1:
+            raise PlanError(f"planner 'tp': world_size must be >= 1, got {world_size}")
+        for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                        ("intermediate_size", spec.intermediate_size)):
+            if n % world_size:
+                raise PlanError(f"planner 'tp': {world_size} ranks do not divide {what}={n}; "
+                                f"use a world size that divides {spec.num_heads} heads, "
+                                f"{spec.num_kv_heads} kv heads and {spec.intermediate_size}")
+        return ParallelPlan(world_size, world_size, ((0, spec.num_layers),))
+
+    def shard_style(self, spec, slot: str) -> str:
+        if slot.endswith(COLUMN):
+            return "column"
+        return "row" if slot.endswith(ROW) else "replicated"
+
+    def shard(self, spec, parallel, slot: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        tp, style = parallel.tensor_parallel, self.shard_style(spec, slot)
+        if style == "replicated" or tp == 1:
+            return tensor
+        if style == "row":  # [H, in] -> [H, in / tp]
+            return tensor.chunk(tp, dim=1)[rank]
+        parts = slot_layout(spec)[slot][1] or (tensor.shape[0],)  # q, kv, kv / gate, up
+        return torch.cat([p.chunk(tp)[rank] for p in torch.split(tensor, list(parts))])
+
+
+@hookimpl
+def infergraft_register_planners(register):
+    register(TensorParallelPlanner())

@@ -1,0 +1,98 @@
+"""Tensor parallelism (`plugins=["tp"]`): two CPU processes in a gloo group against HF's
+own forward and greedy generate on the same weights, and the errors around it."""
+import pytest
+import torch
+
+from infergraft import core
+from infergraft.core.errors import PlanError
+from infergraft.core.plan import ParallelPlan, Planner
+from infergraft.core.testing.distributed import run_ranks, tp_parity_cases
+from infergraft.core.testing.models import random_model, tiny_llama_config
+
+PROMPTS = [[1, 5, 9, 33, 7, 80, 12], [1, 200, 3], [1, 17, 17, 4, 99]]
+
+
+def _configs():
+    from transformers import GPT2Config, MistralConfig
+
+    gpt2 = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                      bos_token_id=1, eos_token_id=2)
+    gpt2.architectures = ["GPT2LMHeadModel"]
+    mistral = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=112,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256, sliding_window=4, bos_token_id=1,
+                            eos_token_id=2)
+    mistral.architectures = ["MistralForCausalLM"]
+    return {  # name -> case for tp_parity (int8: weights as in tests/test_weight_int8.py)
+        "llama-gqa-contiguous": dict(config=tiny_llama_config(), plugins=["tp"]),
+        "llama-paged-int8": dict(config=tiny_llama_config(), plugins=["tp", "paged", "int8"],
+                                 seed=3, scale=2.0),
+        "gpt2-biases": dict(config=gpt2, plugins=["tp"]),
+        "mistral-window-paged": dict(config=mistral, plugins=["tp", "paged"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every case on the same two ranks (one start-up): name -> [rank 0, rank 1] results."""
+    configs = _configs()
+    cases = [dict(case, prompts=PROMPTS) for case in configs.values()]
+    ranks = run_ranks(tp_parity_cases, 2, cases, timeout=600)
+    return {name: [r[i] for r in ranks] for i, name in enumerate(configs)}
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_two_ranks_match_hf(two_ranks, name):
+    r0, r1 = two_ranks[name]
+    assert r0["tensor_parallel"] == 2
+    assert r0["errors"] == r1["errors"]  # every rank computed the same logits
+    if "int8" in name:  # quantised (not the float weights), and close: as on one process
+        assert 0 < max(r0["errors"]) < 3e-2, r0["errors"]
+        assert [t[:4] for t in r0["ours"]] == [t[:4] for t in r0["hf"]]
+    else:
+        assert max(r0["errors"]) < 1e-4, r0["errors"]
+        assert r0["ours"] == r0["hf"]  # greedy tokens, whole continuations
+    assert r0["ours"] == r1["ours"] and r0["sampled"] == r1["sampled"]  # ranks agree
+
+
+def test_each_rank_holds_its_share(two_ranks):
+    from infergraft.core.memory import weight_bytes
+
+    r0 = two_ranks["llama-gqa-contiguous"][0]
+    spec = core.get_plugin_manager().policies().get("llama").describe(tiny_llama_config())
+    full = weight_bytes(spec, torch.float32)
+    # per layer: qkv, o, gate_up, down halved; embeddings, LM head and norms whole
+    h, i, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
+    halved = layers * (h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + 3 * h * i) * 4 // 2
+    assert r0["weight_bytes"] == full - halved
+    assert r0["kv_bytes_per_token"] == 2 * layers * (spec.num_kv_heads // 2) * spec.head_dim * 4
+
+
+def test_tp_without_a_process_group_says_how_to_launch(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(PlanError, match="torchrun --nproc-per-node"):
+        core.build(random_model(tiny_llama_config()), plugins=["tp"], device="cpu")
+
+
+def test_tp_refuses_a_world_that_does_not_divide_the_heads():
+    planner = core.get_plugin_manager().planners().get("tp")
+    spec = core.get_plugin_manager().policies().get("llama").describe(tiny_llama_config())
+    with pytest.raises(PlanError, match=r"3 ranks do not divide num_heads=4"):
+        planner.plan(spec, 3)
+
+
+class TwoStages(Planner):
+    name = "two-stages"
+
+    def plan(self, spec, world_size=1, **options):
+        return ParallelPlan(1, 1, ((0, 1), (1, spec.num_layers)))
+
+
+def test_a_pipeline_plan_is_refused_not_ignored():
+    class Plugin:
+        @core.hookimpl
+        def infergraft_register_planners(self, register):
+            register(TwoStages())
+
+    with pytest.raises(PlanError, match="pipeline parallelism is not run yet: the plan has 2"):
+        core.build(random_model(tiny_llama_config()), plugins=[Plugin()], device="cpu")
