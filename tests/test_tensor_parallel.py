@@ -96,3 +96,23 @@ def test_a_pipeline_plan_is_refused_not_ignored():
 
     with pytest.raises(PlanError, match="pipeline parallelism is not run yet: the plan has 2"):
         core.build(random_model(tiny_llama_config()), plugins=[Plugin()], device="cpu")
+
+
+def test_demo_model_under_torchrun_answers_once(tmp_path):
+    """The real model on three ranks (9 heads, 3 kv heads): the group comes from
+    torchrun's environment, only rank 0 prints, every rank exits cleanly."""
+    import os
+    import subprocess
+    import sys
+
+    from infergraft.core.demo import ensure_demo_model
+
+    ensure_demo_model("smollm2-135m")  # fetched once, outside the ranks
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "3", "-m", "infergraft.core.cli", "generate", "--plugin", "tp",
+           "--device", "cpu", "--max-new-tokens", "12", "What is the capital of France?"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("The capital of France is Paris.") == 1, done.stdout
