@@ -6,7 +6,8 @@
 from .build import build
 from .engine import Engine
 from .errors import (InfergraftError, InvalidRequestError, KernelUnavailableError, PlanError,
-                     PluginError, UnknownPluginError, UnsupportedModelError, WeightLoadError)
+                     PluginError, RequestFailedError, UnknownPluginError, UnsupportedModelError,
+                     WeightLoadError)
 from .hookspecs import CONTRACT_VERSION, hookimpl
 from .plugins import DEFAULT_PLUGINS, get_plugin_manager, reset_plugin_manager
 from .request import Completion, SamplingParams
@@ -16,5 +17,6 @@ __all__ = [
     "build", "Engine", "Completion", "SamplingParams", "ModelSpec", "RopeSpec", "hookimpl",
     "CONTRACT_VERSION", "DEFAULT_PLUGINS", "get_plugin_manager", "reset_plugin_manager",
     "InfergraftError", "InvalidRequestError", "KernelUnavailableError", "PlanError",
-    "PluginError", "UnknownPluginError", "UnsupportedModelError", "WeightLoadError",
+    "PluginError", "RequestFailedError", "UnknownPluginError", "UnsupportedModelError",
+    "WeightLoadError",
 ]

@@ -10,8 +10,9 @@ import torch
 from .cache import CacheFullError
 from .errors import InvalidRequestError
 from .pipeline import DecodePipeline
-from .request import Completion, SamplingParams, Sequence
+from .request import SEED_LIMIT, Completion, SamplingParams, Sequence
 from .sampler import sample
+from .streaming import raise_failed, stream_deltas
 from .scheduler import Scheduler, default_prefill_tokens, tokens_of
 
 Prompt = Union[str, list]
@@ -148,10 +149,25 @@ class Engine:
         return out
 
     def _sample(self, logits, seqs) -> list[int]:
-        new = sample(logits, seqs)
+        """One token per sequence; -1 where sampling failed (NaN logits, say): the step has
+        written every sequence's K/V, so the others must still get their tokens."""
+        try:
+            new = sample(logits, seqs)
+        except Exception:
+            new = [self._sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
         return new if self.tp is None else self.tp.agree(new, logits.device)
 
+    @staticmethod
+    def _sample_row(row, seq) -> int:
+        try:
+            return sample(row, [seq])[0]
+        except Exception as e:
+            seq.error = f"sampling failed: {type(e).__name__}: {e}"
+            return -1
+
     def _append(self, seq: Sequence, token: int, now: float) -> None:
+        if token < 0:  # this sequence's sampling failed (seq.error says why)
+            return self._finish(seq, "error", now)
         seq.output_ids.append(token)
         seq.metrics.on_token(now)
         p = seq.params
@@ -185,6 +201,7 @@ class Engine:
             for s in seqs:
                 self._forks.pop(s.id, None)
             raise
+        raise_failed(seqs)
 
     # -- public API --------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
@@ -197,6 +214,9 @@ class Engine:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
         params = self._params(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        if seed is not None and seed + n - 1 >= SEED_LIMIT:  # sample i takes seed + i
+            raise InvalidRequestError(f"seed + n - 1 must stay below 2**63 (sample i uses seed "
+                                      f"+ i), got seed={seed}, n={n}")
         batch = [self.encode(p) for p in self._as_batch(prompts)]
         for ids in batch:  # validate everything before queueing anything
             self._check(ids, params)
@@ -215,30 +235,14 @@ class Engine:
                top_k=None, top_p=None, seed=None, stop=None) -> Iterator:
         """Yield text deltas (or lists of new token ids when there is no tokenizer)."""
         params = self._params(max_new_tokens, temperature, top_k, top_p, seed, stop)
-        seq = self.add_request(prompt, params)
-        sent_tokens, sent_text = 0, ""
-        try:
-            while not seq.finished:
-                self.step()
-                if self.tokenizer is None:
-                    if len(seq.output_ids) > sent_tokens:
-                        yield seq.output_ids[sent_tokens:]
-                        sent_tokens = len(seq.output_ids)
-                    continue
-                text = seq.text if seq.finished or params.stop else self._decode(seq.output_ids)
-                if not seq.finished:
-                    text = _held_back(text, params.stop)
-                if len(text) > len(sent_text) and text.startswith(sent_text):
-                    yield text[len(sent_text):]
-                    sent_text = text
-        finally:  # the consumer stopped early (or failed): free this request only
-            if not seq.finished:
-                self.scheduler.abort([seq])
+        ids = self.encode(prompt)
+        self._check(ids, params)  # bad input raises here, not at the first next()
+        return stream_deltas(self, ids, params)
 
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:
         """Logits for every position of ``token_ids``: [len, vocab] float32."""
-        ids = self.encode(list(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids)
+        ids = self.encode(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)
         if len(ids) > self.plan.max_seq_len:
             raise InvalidRequestError(f"{len(ids)} tokens exceed max_seq_len={self.plan.max_seq_len}")
         seq_id = ("logits", id(ids))
@@ -284,13 +288,3 @@ class Engine:
         return Completion(prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
                           text=seq.text if self.tokenizer is not None else None,
                           finish_reason=seq.finish_reason, metrics=seq.metrics)
-
-
-def _held_back(text: str, stops) -> str:
-    """Hold back an incomplete UTF-8 character and any tail that may start a stop string."""
-    text = text.rstrip("\ufffd")
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                return text[:-k]
-    return text

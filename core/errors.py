@@ -25,6 +25,10 @@ class InvalidRequestError(InfergraftError, ValueError):
     """A generation request is malformed; the engine and other requests are unaffected."""
 
 
+class RequestFailedError(InfergraftError, RuntimeError):
+    """A request failed while running (e.g. its logits held NaN); the others ran on."""
+
+
 class PlanError(InfergraftError, ValueError):
     """The requested configuration cannot be built (does not fit, does not divide, ...)."""
 

@@ -13,19 +13,28 @@ from .errors import InvalidRequestError
 from .metrics import RequestMetrics
 
 
+#: temperatures below this sample greedily (as vLLM): logits / T would overflow float32
+GREEDY_BELOW = 1e-5
+SEED_LIMIT = 2 ** 63  # seeds are in [0, SEED_LIMIT): what torch.Generator.manual_seed takes
+
+
+def _number(x, kinds) -> bool:
+    return isinstance(x, kinds) and not isinstance(x, bool)  # True is not 1 token
+
+
 def _check_params(p: "SamplingParams") -> None:
-    if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
+    if not _number(p.max_new_tokens, int) or p.max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
-    if not isinstance(p.temperature, (int, float)) or not math.isfinite(p.temperature) \
+    if not _number(p.temperature, (int, float)) or not math.isfinite(p.temperature) \
             or p.temperature < 0:
         raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), "
                                   f"got {p.temperature!r}")
-    if p.top_k is not None and (not isinstance(p.top_k, int) or p.top_k < 1):
+    if p.top_k is not None and (not _number(p.top_k, int) or p.top_k < 1):
         raise InvalidRequestError(f"top_k must be None or an integer >= 1, got {p.top_k!r}")
-    if p.top_p is not None and (not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1):
+    if p.top_p is not None and (not _number(p.top_p, (int, float)) or not 0 < p.top_p <= 1):
         raise InvalidRequestError(f"top_p must be None or in (0, 1], got {p.top_p!r}")
-    if p.seed is not None and not isinstance(p.seed, int):
-        raise InvalidRequestError(f"seed must be None or an integer, got {p.seed!r}")
+    if p.seed is not None and (not _number(p.seed, int) or not 0 <= p.seed < SEED_LIMIT):
+        raise InvalidRequestError(f"seed must be None or an integer in [0, 2**63), got {p.seed!r}")
     if any(not isinstance(s, str) or not s for s in p.stop):
         raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {p.stop!r}")
 
@@ -33,7 +42,7 @@ def _check_params(p: "SamplingParams") -> None:
 def _as_stop(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
+    return tuple(stop) if isinstance(stop, (list, tuple)) else (stop,)  # else: checked above
 
 
 @attrs.frozen
@@ -51,7 +60,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 class Status(enum.Enum):
@@ -72,7 +81,8 @@ class Sequence:
         self.params = params
         self.output_ids: list[int] = []
         self.status = Status.WAITING
-        self.finish_reason: Optional[str] = None
+        self.finish_reason: Optional[str] = None  # stop, length, abort or error
+        self.error: Optional[str] = None  # why, when finish_reason is "error"
         self.text = ""  # detokenised output so far (stop strings trimmed)
         self.prefill_left = 0  # tokens of an admitted prompt not yet fed (chunked prefill)
         self.metrics = RequestMetrics()

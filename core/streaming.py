@@ -1,0 +1,56 @@
+"""``Engine.stream``'s deltas: what is new in one request's output since the last yield,
+whoever stepped the engine meanwhile (another stream, a ``generate`` call)."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from .errors import RequestFailedError
+
+
+def stream_deltas(engine, ids: list[int], params) -> Iterator:
+    """Queue the (validated) request on first ``next()``, step until it finishes, and
+    yield text deltas (token-id lists without a tokenizer). Stopping early frees it."""
+    seq = engine.add_request(ids, params)
+    sent_tokens, sent_text = 0, ""
+    try:
+        while True:
+            if not seq.finished:
+                engine.step()
+            done = seq.finished  # read before yielding: others may finish it meanwhile
+            if engine.tokenizer is None:
+                new = seq.output_ids[sent_tokens:]
+                sent_tokens += len(new)
+                if new:
+                    yield new
+            else:
+                text = seq.text if done or params.stop else engine._decode(seq.output_ids)
+                if not done:
+                    text = held_back(text, params.stop)
+                if len(text) > len(sent_text) and text.startswith(sent_text):
+                    delta, sent_text = text[len(sent_text):], text
+                    yield delta
+            if done:
+                break
+    finally:  # the consumer stopped early (or failed): free this request only
+        if not seq.finished:
+            engine.scheduler.abort([seq])
+    raise_failed([seq])
+
+
+def raise_failed(seqs) -> None:
+    """RequestFailedError if any of ``seqs`` finished with an error (seq.error says why)."""
+    failed = [s for s in seqs if s.finish_reason == "error"]
+    if failed:
+        raise RequestFailedError(f"{len(failed)} request(s) failed after "
+                                 f"{len(failed[0].output_ids)} token(s): {failed[0].error}; "
+                                 "other requests were unaffected")
+
+
+def held_back(text: str, stops) -> str:
+    """Hold back an incomplete UTF-8 character and any tail that may start a stop string."""
+    text = text.rstrip("\ufffd")
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                return text[:-k]
+    return text

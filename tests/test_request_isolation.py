@@ -1,0 +1,90 @@
+"""Requests that share an engine: interleaved streams, a request that fails mid-step, and
+request values that used to slip past validation."""
+import pytest
+
+from infergraft import core
+from infergraft.core import engine as engine_module
+from infergraft.core.errors import InvalidRequestError, RequestFailedError
+from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf = random_model(tiny_llama_config(), seed=7, scale=5.0)
+    return core.build(hf, plugins=["paged"], max_seq_len=64, max_batch_size=4)
+
+
+def _alone(engine, prompt, n=10):
+    return engine.generate(prompt, max_new_tokens=n)[0].token_ids
+
+
+def test_interleaved_streams_each_get_every_token(tiny):
+    a, b = random_prompt(4, 256, 1), random_prompt(3, 256, 2)
+    want_a, want_b = _alone(tiny, a), _alone(tiny, b)
+    s1, s2 = tiny.stream(a, max_new_tokens=10), tiny.stream(b, max_new_tokens=10)
+    got_a, got_b = [], []
+    for _ in range(12):  # each next() steps the engine for both requests
+        got_a += next(s1, [])
+        got_b += next(s2, [])
+    assert got_a == want_a and got_b == want_b
+
+
+def test_a_stream_finished_by_another_call_still_sends_everything(tiny):
+    a, b = random_prompt(4, 256, 3), random_prompt(5, 256, 4)
+    want = _alone(tiny, a)
+    stream = tiny.stream(a, max_new_tokens=10)
+    first = next(stream)
+    tiny.generate(b, max_new_tokens=12)  # runs the stream's request to its end too
+    assert first + [t for d in stream for t in d] == want
+
+
+def test_a_request_whose_sampling_fails_costs_the_others_nothing(tiny, monkeypatch):
+    good = random_prompt(7, 256, 5)
+    want = _alone(tiny, good)
+    real = engine_module.sample
+
+    def failing(logits, seqs):  # the request seeded 666 fails, like NaN logits would
+        if any(s.params.seed == 666 for s in seqs):
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, seqs)
+
+    monkeypatch.setattr(engine_module, "sample", failing)
+    seq = tiny.add_request(good, core.SamplingParams(max_new_tokens=10))
+    tiny.step()
+    tiny.step()
+    with pytest.raises(RequestFailedError, match="sampling failed.*nan.*other requests"):
+        tiny.generate(random_prompt(3, 256, 6), max_new_tokens=4, temperature=1.0, seed=666)
+    while tiny.has_unfinished():
+        tiny.step()
+    assert seq.output_ids == want  # no token lost, none repeated
+    assert tiny.cache.stats()["sequences"] == 0
+
+
+def test_a_vanishing_temperature_is_greedy(tiny):
+    p = random_prompt(6, 256, 7)
+    got = tiny.generate(p, max_new_tokens=10, temperature=1e-45, seed=0)[0].token_ids
+    assert got == _alone(tiny, p)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=True), "top_k"),
+    (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(temperature=True), "temperature"),
+    (dict(seed=2 ** 64 - 1), r"seed must be None or an integer in \[0, 2\*\*63\)"),
+    (dict(seed=-1), "seed"),
+    (dict(stop=5), "stop"),
+    (dict(seed=2 ** 63 - 1, n=2, temperature=1.0), r"seed \+ n - 1"),
+])
+def test_values_that_used_to_slip_through(tiny, kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        tiny.generate(random_prompt(3, 256, 8), **kwargs)
+    assert not tiny.has_unfinished()  # nothing of it was queued
+
+
+def test_stream_refuses_bad_input_at_the_call_and_logits_take_a_tensor(tiny):
+    import torch
+
+    with pytest.raises(InvalidRequestError, match="empty"):
+        tiny.stream([], max_new_tokens=3)  # before any next()
+    p = random_prompt(5, 256, 9)
+    assert torch.equal(tiny.logits(torch.tensor(p)), tiny.logits(p))
