@@ -47,8 +47,26 @@ def resolve_dtype(dtype, default: torch.dtype) -> torch.dtype:
     raise PlanError(f"unsupported dtype {dtype!r}; choose float32, bfloat16 or float16")
 
 
+def resolve_device(device) -> torch.device:
+    """``device`` (None: cuda if present, else cpu) as a torch.device this machine has."""
+    here = "cpu" + (f", cuda:0..{torch.cuda.device_count() - 1}" if torch.cuda.is_available() else "")
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError, ValueError):
+        raise PlanError(f"device {device!r} is not a device name; available here: {here}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise PlanError(f"device type {dev.type!r} is not supported; use cpu or cuda (here: {here})")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or
+                               (dev.index or 0) >= torch.cuda.device_count()):
+        raise PlanError(f"device {str(dev)!r} is not available here; available: {here}")
+    return dev
+
+
 def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
     """Resolve names and plugin objects; returns (manager, Selection)."""
+    if plugins is not None and not isinstance(plugins, (str, list, tuple)):
+        raise UnknownPluginError(f"plugins must be a list of names and plugin objects, got "
+                                 f"{type(plugins).__name__} {plugins!r}")
     plugins = [plugins] if isinstance(plugins, str) else list(plugins or [])
     objects = [p for p in plugins if not isinstance(p, str)]
     names = [p for p in plugins if isinstance(p, str)]
@@ -150,11 +168,15 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     feeds at most (default max(max_seq_len, 2048)); a longer prompt is prefilled in
     chunks, each step also carrying one decode token of every running sequence."""
     t0 = time.perf_counter()
+    for flag, value in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs),
+                        ("progress", progress)):
+        if value is not None and not isinstance(value, bool):
+            raise PlanError(f"{flag} must be True, False or None (the default), got {value!r}")
     pm, sel = select_plugins(get_plugin_manager(), plugins)
     source = resolve_source(model, tokenizer)
     policy = choose_policy(pm, source.config, sel.policy)
     spec = policy.describe(source.config)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     default_dtype = source.dtype if source.dtype in _DTYPES.values() else torch.float32
     dtype = resolve_dtype(dtype, default_dtype)
     backend = pm.cache_backends().get(sel.cache_backend or DEFAULT_CACHE_BACKEND)

@@ -71,7 +71,12 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
         """Validate and queue one request; a bad one raises and nothing else changes."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a core.SamplingParams (or None), got "
+                                      f"{type(params).__name__}: e.g. SamplingParams(**{params!r})"
+                                      if isinstance(params, dict) else
+                                      f"params must be a core.SamplingParams, got {params!r}")
         ids = self.encode(prompt)
         self._check(ids, params)
         seq = Sequence(ids, params)

@@ -18,7 +18,7 @@ import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from . import hookspecs
-from .errors import InfergraftError, PluginError
+from .errors import InfergraftError, PluginError, UnknownPluginError
 from .registry import Registry
 
 #: Built-ins, registered through the same path as third-party plugins.
@@ -248,10 +248,23 @@ class PluginManager:
         for name, info in self.info.items():
             new._pm.register(self._pm.get_plugin(name), name=name)
             new.info[name] = info
+        for p in extra:  # e.g. None, a number, or a CacheBackend passed without a hook
+            if not _implements_a_hook(p):
+                raise UnknownPluginError(
+                    f"plugins=[...] got {p!r}, which implements no infergraft hook: pass a "
+                    "registered name, or a module or object with @core.hookimpl functions "
+                    "(e.g. infergraft_register_cache_backends, whose register callback takes "
+                    "your backend object)")
         added = [new.register(p) for p in extra]
         new.check_pending()
         new.added = added
         return new
+
+
+def _implements_a_hook(plugin: Any) -> bool:
+    marker = f"{hookspecs.PROJECT}_impl"  # what @hookimpl sets on a function
+    return any(hasattr(getattr(plugin, n, None), marker)
+               for n in dir(plugin) if n.startswith("infergraft_"))
 
 
 def _default_name(plugin: Any) -> str:

@@ -33,6 +33,11 @@ class ModelSourceError(InfergraftError, ValueError):
 def resolve_source(model, tokenizer=None) -> ModelSource:
     from transformers import PreTrainedModel
 
+    if tokenizer is not None and not all(callable(getattr(tokenizer, m, None))
+                                         for m in ("encode", "decode")):
+        raise ModelSourceError(f"tokenizer must be a tokenizer object (with encode and decode, "
+                               f"e.g. AutoTokenizer.from_pretrained(dir)) or None, got {tokenizer!r}")
+
     if isinstance(model, PreTrainedModel):
         params = next(model.parameters(), None)
         return ModelSource(

@@ -14,7 +14,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MiB or 1e9")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

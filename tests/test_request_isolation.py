@@ -88,3 +88,26 @@ def test_stream_refuses_bad_input_at_the_call_and_logits_take_a_tensor(tiny):
         tiny.stream([], max_new_tokens=3)  # before any next()
     p = random_prompt(5, 256, 9)
     assert torch.equal(tiny.logits(torch.tensor(p)), tiny.logits(p))
+
+
+def test_build_and_request_arguments_of_the_wrong_kind(tiny):
+    from infergraft.core.errors import PlanError, UnknownPluginError
+    from infergraft.core.source import ModelSourceError
+    from infergraft.core.units import parse_bytes
+    from infergraft.plugins.paged import PagedBackend
+
+    hf = random_model(tiny_llama_config(), seed=1)
+    for plugins in ([None], [PagedBackend()], 5):  # nothing registered by them: said so
+        with pytest.raises(UnknownPluginError, match="plugin"):
+            core.build(hf, plugins=plugins)
+    for device in ("bogus", "mps", "cuda:7"):
+        with pytest.raises(PlanError, match="cpu"):  # what this machine has
+            core.build(hf, device=device)
+    with pytest.raises(PlanError, match="cuda_graphs must be True, False or None"):
+        core.build(hf, cuda_graphs="no")
+    with pytest.raises(ModelSourceError, match="tokenizer must be"):
+        core.build(hf, tokenizer="gpt2")
+    with pytest.raises(InvalidRequestError, match=r"SamplingParams\(\*\*"):
+        tiny.add_request([5, 6], {"max_new_tokens": 3})
+    assert parse_bytes("1e9") == 10 ** 9  # the form the error message suggests
+    assert not tiny.has_unfinished()
