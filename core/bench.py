@@ -16,10 +16,13 @@ import torch
 from .errors import PlanError
 from .request import SamplingParams
 
+SYSTEMS = ("infergraft", "hf-eager", "hf-static")
+WARMUP_STEPS = 2  # decode steps left out of a run's TPOT: the first run slow (allocation, compile)
+
 
 @attrs.define
 class Result:
-    system: str  # "infergraft", "hf-eager", "hf-static"
+    system: str  # one of SYSTEMS
     batch: int
     ttft_ms: float
     tpot_ms: float
@@ -92,7 +95,7 @@ def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
                     f"admit than the {new_tokens} new tokens last; give more new tokens "
                     f"(--new-tokens) or more prompt tokens a step (--max-prefill-tokens, "
                     f"build's max_prefill_tokens)")
-            itls += itl[min(2, len(itl) - 1):]
+            itls += itl[min(WARMUP_STEPS, len(itl) - 1):]
     return statistics.median(ttfts), statistics.median(itls)
 
 
@@ -140,8 +143,34 @@ def bench_hf(model, prompts, new_tokens: int, static: bool = False,
         if run >= warmup:
             t = clock.times
             ttfts.append(t[0] - start)
-            itls += [b - a for a, b in zip(t[2:], t[3:])]
+            itls += [b - a for a, b in zip(t[WARMUP_STEPS:], t[WARMUP_STEPS + 1:])]
     return statistics.median(ttfts), statistics.median(itls)
+
+
+def min_new_tokens(system: str) -> int:
+    """Fewest new tokens that leave ``system`` a decode step to time: the first token comes
+    from the prefill, then HF always leaves out WARMUP_STEPS steps; ours leaves them out
+    only while a step remains (a batch admitted over several steps needs more, PlanError)."""
+    return 2 if system == "infergraft" else WARMUP_STEPS + 2
+
+
+def check_systems(systems, new_tokens: int, device) -> None:
+    """PlanError, before anything is measured, for a system we cannot time here."""
+    for system in systems:
+        if system not in SYSTEMS:
+            raise PlanError(f"unknown system {system!r} in --systems; choose from "
+                            f"{', '.join(SYSTEMS)}")
+        if system == "hf-static" and torch.device(device).type != "cuda":
+            # transformers compiles the static cache on CUDA only: elsewhere the row would
+            # be an uncompiled static cache under the compiled baseline's name
+            raise PlanError(f"--systems hf-static needs a CUDA --device (transformers compiles "
+                            f"its static cache on CUDA only), not {device}")
+        need = min_new_tokens(system)
+        if new_tokens < need:
+            warmup = f", {WARMUP_STEPS} warm-up decode steps" if system != "infergraft" else ""
+            raise PlanError(f"--new-tokens {new_tokens} is too few for {system}: its timing needs "
+                            f"at least {need} (the prefill's token{warmup} and a decode step to "
+                            f"take the median of)")
 
 
 def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
@@ -150,6 +179,7 @@ def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
     """Measure every system at every batch size on the same weights; returns results and
     the measured copy bandwidth (bytes/s)."""
     device = engine.device
+    check_systems(systems, new_tokens, device)
     bw = bandwidth or copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 28)
     log(f"copy bandwidth: {bw / 1e9:.1f} GB/s on {device}")
     plan, spec = engine.plan, engine.spec

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -10,7 +11,11 @@ from pathlib import Path
 
 import torch
 
-from .bench import run_benchmark
+from .bench import SYSTEMS, check_systems, min_new_tokens, run_benchmark
+from .build import resolve_device, resolve_dtype, select_plugins
+from .errors import InfergraftError, PlanError
+from .plugins import get_plugin_manager
+from .source import ALIASES
 
 SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -43,12 +48,10 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
             hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     else:
         from .demo import ensure_demo_model
-        from .source import ALIASES
 
         path = ensure_demo_model(name) if name in ALIASES else name
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    base = ["paged"] if str(device).startswith("cuda") else []
-    return hf, build(hf, plugins=base + list(plugins) or None,
+    return hf, build(hf, plugins=engine_plugins(device, plugins) or None,
                      dtype=dtype, device=device, max_batch_size=max_batch_size,
                      max_seq_len=max_seq_len, max_prefill_tokens=max_prefill_tokens)
 
@@ -96,42 +99,140 @@ def plot(results, path: Path, title: str) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infergraft bench", description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        resolve(args)
+    except PlanError as e:  # a bad flag: usage and exit 2, as argparse's own errors
+        p.error(str(e))
+    return measure(args)
+
+
+# Flag types: argparse reports their ArgumentTypeError as "argument --flag: ..." and exits
+# 2, so a bad flag is refused before any model is built or anything measured.
+def _model(text: str) -> str:
+    if text in SHAPES or text in ALIASES or (Path(text).expanduser() / "config.json").is_file():
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown model {text!r}: not a local directory with config.json, nor one of "
+        f"{', '.join((*ALIASES, *SHAPES))}")
+
+
+def _device(text: str) -> str:
+    try:  # the device names build accepts, checked against this machine
+        return str(resolve_device(text))
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _dtype(text: str) -> torch.dtype:
+    try:
+        return resolve_dtype(text, None)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return n
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma list of distinct positive integers, e.g. 1,8,32")
+    return sizes
+
+
+def _systems(text: str) -> list[str]:
+    names = text.split(",")
+    if not set(names) <= set(SYSTEMS) or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma list of distinct systems from {', '.join(SYSTEMS)}")
+    return names
+
+
+def _names(text: str) -> list[str]:
+    return [n for n in text.split(",") if n]
+
+
+def _out(text: str) -> str:
+    path = Path(text).expanduser()
+    near = next(d for d in (path, *path.parents) if d.exists())  # what mkdir would start from
+    if not near.is_dir() or not os.access(near, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: {near} is not a writable directory")
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
+    p.add_argument("--model", type=_model, default="smollm2-135m",
                    help=f"alias, local dir, or a random shape: {', '.join(SHAPES)}")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--batches", default=None, help="comma list (default 1,8,32,64 GPU; 1,8 CPU)")
-    p.add_argument("--prompt-len", type=int, default=None, help="default 512 GPU, 64 CPU")
-    p.add_argument("--new-tokens", type=int, default=None, help="default 64 GPU, 32 CPU")
-    p.add_argument("--systems", default=None,
-                   help="comma list of infergraft,hf-eager,hf-static (static on CUDA only)")
-    p.add_argument("--max-prefill-tokens", type=int, default=None,
+    p.add_argument("--device", type=_device,
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", type=_dtype, default=None,
+                   help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--batches", type=_batches, default=None,
+                   help="comma list (default 1,8,32,64 GPU; 1,8 CPU)")
+    p.add_argument("--prompt-len", type=_positive, default=None, help="default 512 GPU, 64 CPU")
+    p.add_argument("--new-tokens", type=_positive, default=None,
+                   help=f"default 64 GPU, 32 CPU; at least {min_new_tokens('hf-eager')} with an "
+                        f"HF system, {min_new_tokens('infergraft')} without")
+    p.add_argument("--systems", type=_systems, default=None,
+                   help=f"comma list of {','.join(SYSTEMS)} (static on CUDA only)")
+    p.add_argument("--max-prefill-tokens", type=_positive, default=None,
                    help="prompt tokens our engine admits a step (default: the engine's, "
                         "max(prompt + new tokens, 2048)); a batch is timed only once all of "
                         "it decodes, so a large batch needs its prompts admitted in time")
-    p.add_argument("--out", default=".bench", help="folder for results.json and tpot.png")
-    p.add_argument("--plugins", default="",
+    p.add_argument("--out", type=_out, default=".bench",
+                   help="folder for results.json and tpot.png")
+    p.add_argument("--plugins", type=_names, default="",
                    help="comma list of plugins for our engine, e.g. int8 (weights; the "
                         "roofline then counts the packed bytes)")
 
 
-def run(args) -> int:
+def resolve(args):
+    """``args`` with the device's defaults filled in; PlanError for flags that do not go
+    together (the types above check each flag alone)."""
     gpu = args.device.startswith("cuda")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
-        args.dtype or ("bfloat16" if gpu else "float32")]
-    batches = [int(b) for b in (args.batches or ("1,8,32,64" if gpu else "1,8")).split(",")]
-    prompt_len = args.prompt_len or (512 if gpu else 64)
-    new_tokens = args.new_tokens or (64 if gpu else 32)
-    systems = (args.systems or ("infergraft,hf-eager,hf-static" if gpu else "infergraft,hf-eager")).split(",")
-    plugins = [p for p in args.plugins.split(",") if p]
+    args.dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
+    args.batches = args.batches or ([1, 8, 32, 64] if gpu else [1, 8])
+    args.prompt_len = args.prompt_len or (512 if gpu else 64)
+    args.new_tokens = args.new_tokens or (64 if gpu else 32)
+    args.systems = args.systems or (list(SYSTEMS) if gpu else ["infergraft", "hf-eager"])
+    check_systems(args.systems, args.new_tokens, args.device)
+    try:  # the names build will be given, resolved as it resolves them
+        select_plugins(get_plugin_manager(), engine_plugins(args.device, args.plugins))
+    except InfergraftError as e:
+        raise PlanError(f"--plugins {','.join(args.plugins)}: {e}") from None
+    return args
+
+
+def engine_plugins(device, plugins) -> list[str]:
+    """Our engine's plugins: the paged cache on CUDA, then ``plugins``."""
+    return (["paged"] if str(device).startswith("cuda") else []) + list(plugins)
+
+
+def run(args) -> int:
+    """``infergraft bench``: a bad flag raises PlanError before any model is built."""
+    return measure(resolve(args))
+
+
+def measure(args) -> int:
+    gpu, dtype, batches = args.device.startswith("cuda"), args.dtype, args.batches
+    prompt_len, new_tokens = args.prompt_len, args.new_tokens
     hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,
-                             plugins, args.max_prefill_tokens)
+                             args.plugins, args.max_prefill_tokens)
     print(engine.plan, file=sys.stderr)
-    results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, systems,
+    results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, args.systems,
                                 log=lambda m: print(m, file=sys.stderr))
     device_name = torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine()
     title = f"{args.model} {str(dtype)[6:]} on {device_name}"

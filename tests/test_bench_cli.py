@@ -53,6 +53,51 @@ def test_bench_with_int8_weights_counts_the_packed_bytes(tmp_path, capsys):
     assert step_bytes[1] < 0.7 * step_bytes[0]  # int8 projections, the rest as before
 
 
+BAD_FLAGS = [  # (flags over a good tiny run, what the message must say)
+    (["--dtype", "foo"], "float32, bfloat16 or float16"),
+    (["--batches", "a,b"], "positive integers"),
+    (["--batches", "0"], "positive integers"),
+    (["--batches", "8,-1"], "positive integers"),
+    (["--batches", "1,1"], "distinct"),
+    (["--new-tokens", "3", "--systems", "infergraft,hf-eager"], "at least 4"),
+    (["--new-tokens", "2", "--systems", "hf-eager"], "at least 4"),
+    (["--new-tokens", "1"], "at least 2"),  # infergraft alone
+    (["--new-tokens", "-2"], "positive integer"),
+    (["--prompt-len", "0"], "positive integer"),
+    (["--max-prefill-tokens", "0"], "positive integer"),
+    (["--device", "bogus"], "not a device name"),
+    (["--device", "cuda:99"], "not available here"),
+    (["--out", "/dev/null/x"], "not a writable directory"),
+    (["--model", "nonexist"], "tiny"),  # the names it accepts
+    (["--systems", "infergraft,foo"], "hf-eager"),
+    (["--systems", "hf-static"], "CUDA"),  # the device is the CPU
+    (["--plugins", "foo"], "unknown plugin"),
+]
+
+
+@pytest.mark.parametrize("entry", ["bench_cli", "infergraft"])
+@pytest.mark.parametrize("flags, says", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bench_refuses_a_bad_flag_before_building_a_model(flags, says, entry, tmp_path,
+                                                          capsys, monkeypatch):
+    import infergraft.core.bench_cli as bench_cli
+
+    def never(*args, **kw):
+        pytest.fail("a model was built or timed for a bad flag")
+    monkeypatch.setattr(bench_cli, "load_models", never)
+    monkeypatch.setattr(bench_cli, "run_benchmark", never)
+    argv = ["--model", "tiny", "--device", "cpu", "--batches", "1", "--prompt-len", "8",
+            "--new-tokens", "6", "--systems", "infergraft", "--out", str(tmp_path / "o")] + flags
+    call = main if entry == "bench_cli" else lambda a: cli_main(["bench"] + a)
+    try:
+        rc = call(argv)
+    except SystemExit as e:  # argparse's usage error
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # one line says what and what works
+    assert flags[0] in err and says in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_tpot_counts_only_steps_of_the_whole_batch():
     from infergraft.core.bench import full_batch_steps
     from infergraft.core.metrics import RequestMetrics
