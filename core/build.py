@@ -161,12 +161,13 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
     a ``max_prefill_tokens`` step must fit in (default: the free memory of a CUDA device;
-    unchecked on the CPU). ``cuda_graphs``: decode under CUDA graphs (default: on CUDA
-    when the cache supports it); ``prefill_graphs``: a single fresh prompt's prefill too,
-    per length bucket (default: with ``cuda_graphs`` when the cache supports it).
-    ``max_prefill_tokens``: prompt tokens one prefill step
-    feeds at most (default max(max_seq_len, 2048)); a longer prompt is prefilled in
-    chunks, each step also carrying one decode token of every running sequence."""
+    on the CPU the host's physical memory). ``cuda_graphs``: decode under CUDA graphs
+    (default: on CUDA when the cache supports it); ``prefill_graphs``: a single fresh
+    prompt's prefill too, per length bucket (default: with ``cuda_graphs`` when the cache
+    supports it). ``max_prefill_tokens``: prompt tokens one prefill step feeds at most
+    (default max(max_seq_len, 2048)); a longer prompt is prefilled in chunks, each step
+    also carrying one decode token of every running sequence. ``plugins=["tp"]`` under
+    torchrun: tensor parallel over the ranks (core/parallel.py)."""
     t0 = time.perf_counter()
     for flag, value in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs),
                         ("progress", progress)):
@@ -190,9 +191,6 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     tp = group_for(parallel)  # None unless tensor parallel
     device, run_spec = rank_device(device, parallel), local_spec(spec, parallel.tensor_parallel)
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
-    if spec.position == "learned" and max_seq_len > spec.max_position:
-        raise PlanError(f"max_seq_len={max_seq_len} exceeds the model's {spec.max_position} "
-                        "learned positions")
     prefill_tokens = prefill_step_tokens(max_prefill_tokens, max_seq_len)
     from infergraft.kernels import get_ops  # here, not at import: it imports triton
 

@@ -56,10 +56,13 @@ def resolve_sizes(spec, max_seq_len, max_batch_size) -> tuple[int, int]:
     """``max_seq_len`` and ``max_batch_size`` as ``core.build`` and the planner take them:
     None for the defaults, else integers >= 1 (PlanError otherwise)."""
     hint = " (or None for the default)"
-    return (positive_int("max_seq_len", min(spec.max_position, DEFAULT_MAX_SEQ_LEN)
-                         if max_seq_len is None else max_seq_len, hint),
-            positive_int("max_batch_size", DEFAULT_MAX_BATCH_SIZE if max_batch_size is None
-                         else max_batch_size, hint))
+    seq = positive_int("max_seq_len", min(spec.max_position, DEFAULT_MAX_SEQ_LEN)
+                       if max_seq_len is None else max_seq_len, hint)
+    if spec.position == "learned" and seq > spec.max_position:
+        raise PlanError(f"max_seq_len={seq} exceeds the model's {spec.max_position} "
+                        "learned positions")
+    return seq, positive_int("max_batch_size", DEFAULT_MAX_BATCH_SIZE if max_batch_size is None
+                             else max_batch_size, hint)
 
 
 def prefill_step_tokens(max_prefill_tokens, max_seq_len: int) -> int:
@@ -114,15 +117,17 @@ def as_bytes(size) -> int:
 
 
 def device_budget(device, device_memory=None) -> tuple[Optional[int], str]:
-    """(bytes, where they come from): the explicit budget, else free CUDA memory, else
-    None on the CPU (host memory is not checked unless a budget is given)."""
+    """(bytes, where they come from): the explicit budget, else free CUDA memory, else on
+    the CPU the host's physical memory (a plan over it would die in the allocator or the
+    OOM killer); None where that cannot be read."""
     if device_memory is not None:
         return as_bytes(device_memory), "device_memory"
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free), f"free memory on {dev}"
-    return None, "unchecked"
+    host = host_memory() if dev.type == "cpu" else None
+    return (host, "the host's physical memory") if host else (None, "unchecked")
 
 
 def host_memory() -> Optional[int]:

@@ -274,3 +274,14 @@ def test_a_prepare_plan_hook_that_shrinks_the_step_shrinks_the_activations():
     engine = core.build(hf, plugins=[SmallSteps()], max_seq_len=512, max_batch_size=2,
                         device_memory=weights + kv + act // 2)
     assert engine.plan.activation_bytes == small and engine.scheduler.max_prefill_tokens == 64
+
+
+def test_plan_refuses_what_build_refuses_past_learned_positions():
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    spec = core.get_plugin_manager().policies().get("gpt2").describe(cfg)
+    assert plan_memory(spec, max_seq_len=64).max_seq_len == 64
+    with pytest.raises(PlanError, match="max_seq_len=1000 exceeds the model's 64 learned"):
+        plan_memory(spec, max_seq_len=1000)
