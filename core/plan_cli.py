@@ -12,6 +12,7 @@ import torch
 from .build import _DTYPES, resolve_dtype
 from .errors import PlanError
 from .memory import as_bytes, device_budget, host_memory, plan_memory, spec_of
+from .parallel import local_spec
 from .plugins import get_plugin_manager
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
@@ -33,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: max(max_seq_len, 2048))")
     p.add_argument("--device-memory", default=None,
                    help="budget, e.g. 80GiB (default: free CUDA memory, else host RAM)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="ranks of the tp planner (plugins=['tp'] under torchrun): the plan "
+                        "is one rank's, each device holding its share")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -58,6 +62,10 @@ def weight_quantizer_for(name: str):
 
 def run(args) -> int:
     name, spec, config = spec_of(args.model)
+    if args.tensor_parallel != 1:  # the tp planner refuses sizes that do not divide
+        get_plugin_manager().planners().get("tp").plan(spec, args.tensor_parallel)
+        name = f"{name}, one of {args.tensor_parallel} ranks"
+        spec = local_spec(spec, args.tensor_parallel)
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
     dtype = resolve_dtype(args.dtype, stored if stored in _DTYPES.values() else torch.float32)

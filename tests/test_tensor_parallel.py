@@ -116,3 +116,19 @@ def test_demo_model_under_torchrun_answers_once(tmp_path):
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("The capital of France is Paris.") == 1, done.stdout
+
+
+def test_plan_cli_prints_one_rank_and_refuses_what_does_not_divide(capsys):
+    import json
+
+    from infergraft.core.cli import main
+
+    assert main(["plan", "smollm2-135m", "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(["plan", "smollm2-135m", "--tensor-parallel", "3", "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)
+    assert rank["kv_bytes_per_token"] * 3 == whole["kv_bytes_per_token"]  # 3 kv heads, 1 each
+    # the embeddings and the LM head are whole on every rank
+    assert whole["weight_bytes"] / 3 < rank["weight_bytes"] < whole["weight_bytes"]
+    assert main(["plan", "smollm2-135m", "--tensor-parallel", "2"]) == 2
+    assert "2 ranks do not divide num_heads=9" in capsys.readouterr().err
