@@ -72,9 +72,12 @@ def _leave_group() -> None:
 
 
 def rank_device(device: torch.device, parallel) -> torch.device:
-    """On CUDA without an index, each rank takes its own GPU (torchrun's LOCAL_RANK)."""
-    if parallel.world_size > 1 and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    """On CUDA without an index, each rank takes its own GPU (torchrun's LOCAL_RANK), and
+    makes it current: Triton launches and NCCL use the current device."""
+    if parallel.world_size > 1 and device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     return device
 
 
