@@ -60,7 +60,18 @@ def resolve_source(model, tokenizer=None) -> ModelSource:
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelSourceError(f"{index} is not a safetensors index (a JSON object with a "
+                                   f"'weight_map' of key -> shard file): {e!r}") from None
+        bad = [s for s in shards if not str(s).endswith(".safetensors")]
+        missing = [s for s in shards if not (path / s).is_file()]
+        if bad:
+            raise ModelSourceError(f"{index} names shards that are not safetensors (pickle "
+                                   f"checkpoints are refused; convert them): {', '.join(bad)}")
+        if missing:
+            raise ModelSourceError(f"{index} names missing shards: {', '.join(missing)}")
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -77,16 +88,23 @@ def _from_directory(path: Path, tokenizer=None, name: str | None = None) -> Mode
     path = Path(path)
     if not (path / "config.json").exists():
         raise ModelSourceError(f"{path} has no config.json; it is not an HF model directory")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"{path / 'config.json'} cannot be read as an HF config: "
+                               f"{e}") from None
     files = safetensors_files(path)
 
     def tensors():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as st:
-                for key in st.keys():
-                    yield key, st.get_tensor(key)
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as st:
+                    for key in st.keys():
+                        yield key, st.get_tensor(key)
+            except SafetensorError as e:  # truncated or not safetensors at all
+                raise ModelSourceError(f"{f} is not a readable safetensors file: {e}") from None
 
     if tokenizer is None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer

@@ -36,3 +36,25 @@ def test_sharded_directory(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert torch.allclose(engine.logits(ids), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_broken_directories_say_which_file_and_why(tmp_path):
+    import pytest
+
+    from infergraft.core.source import ModelSourceError
+
+    hf = random_model(tiny_llama_config())
+    hf.config.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelSourceError, match="model.safetensors is not a readable safetensors"):
+        core.build(str(tmp_path))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "pytorch_model.bin"}}))
+    with pytest.raises(ModelSourceError, match="not safetensors.*pickle.*pytorch_model.bin"):
+        core.build(str(tmp_path))
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002.safetensors"}}))
+    with pytest.raises(ModelSourceError, match="missing shards: model-00002.safetensors"):
+        core.build(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelSourceError, match="config.json cannot be read"):
+        core.build(str(tmp_path))
