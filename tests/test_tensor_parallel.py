@@ -132,3 +132,13 @@ def test_plan_cli_prints_one_rank_and_refuses_what_does_not_divide(capsys):
     assert whole["weight_bytes"] / 3 < rank["weight_bytes"] < whole["weight_bytes"]
     assert main(["plan", "smollm2-135m", "--tensor-parallel", "2"]) == 2
     assert "2 ranks do not divide num_heads=9" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_match_hf():
+    """The same check on two GPUs over NCCL (the Triton kernels of the plain layer)."""
+    cases = [dict(config=tiny_llama_config(), plugins=["tp", "paged"], prompts=PROMPTS,
+                  device="cuda")]
+    (r0,), (r1,) = run_ranks(tp_parity_cases, 2, cases, backend="nccl", timeout=600)
+    assert max(r0["errors"]) < 1e-4 and r0["ours"] == r0["hf"], r0
+    assert r0["ours"] == r1["ours"] and r0["sampled"] == r1["sampled"]

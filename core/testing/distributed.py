@@ -25,11 +25,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
+    """``fn(*args)`` on each rank of a fresh group (``backend="nccl"``: one GPU a rank)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, out),
+        ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, out,
+                                                   backend),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
@@ -40,13 +42,15 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world_size)]
 
 
-def _rank_main(rank, world_size, port, fn, args, out):
+def _rank_main(rank, world_size, port, fn, args, out, backend):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # N ranks share the machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         Path(out, f"{rank}.json").write_text(json.dumps(fn(*args)))
     finally:
@@ -59,7 +63,8 @@ def tp_parity_cases(cases: list[dict]) -> list[dict]:
 
 
 def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int = 12,
-              seed: int = 0, scale: float = 25.0, **build_options) -> dict:
+              seed: int = 0, scale: float = 25.0, device: str = "cpu",
+              **build_options) -> dict:
     """On one rank: build ``plugins`` around a seeded random HF model of ``config`` (the
     same weights on every rank) and compare with HF's own forward and greedy generate,
     which every rank runs whole. Returns the errors, our and HF's tokens, a sampled
@@ -69,14 +74,17 @@ def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int =
     from .models import random_model
     from .parity import hf_greedy, hf_logits, relative_error
 
-    hf = random_model(config, seed=seed, scale=scale)
-    engine = core.build(hf, plugins=plugins, dtype="float32", device="cpu",
+    hf = random_model(config, seed=seed, scale=scale)  # on the CPU: the same on every rank
+    if device == "cuda":
+        hf = hf.to(torch.device("cuda", torch.cuda.current_device()))
+    engine = core.build(hf, plugins=plugins, dtype="float32", device=device,
                         max_batch_size=len(prompts), **build_options)
     errors = [relative_error(engine.logits(ids), hf_logits(hf, ids)) for ids in prompts]
     ours = [c.token_ids for c in engine.generate(prompts, max_new_tokens=new_tokens)]
     sampled = engine.generate(prompts[0], max_new_tokens=new_tokens, temperature=1.0)
     return {"errors": errors, "ours": ours,
             "hf": [hf_greedy(hf, ids, new_tokens) for ids in prompts],
-            "sampled": sampled[0].token_ids, "tensor_parallel": engine.plan.parallel.tensor_parallel,
+            "sampled": sampled[0].token_ids,
+            "tensor_parallel": engine.plan.parallel.tensor_parallel,
             "weight_bytes": engine.plan.weight_bytes,
             "kv_bytes_per_token": engine.plan.kv_bytes_per_token}
