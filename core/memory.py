@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from typing import Optional
 
 import attrs
@@ -61,6 +62,10 @@ def resolve_sizes(spec, max_seq_len, max_batch_size) -> tuple[int, int]:
     if spec.position == "learned" and seq > spec.max_position:
         raise PlanError(f"max_seq_len={seq} exceeds the model's {spec.max_position} "
                         "learned positions")
+    if seq > spec.max_position:  # RoPE runs on, but the model never saw those positions
+        warnings.warn(f"max_seq_len={seq} exceeds the model's max_position_embeddings="
+                      f"{spec.max_position}: output past that position may degrade",
+                      stacklevel=3)
     return seq, positive_int("max_batch_size", DEFAULT_MAX_BATCH_SIZE if max_batch_size is None
                              else max_batch_size, hint)
 

@@ -285,3 +285,9 @@ def test_plan_refuses_what_build_refuses_past_learned_positions():
     assert plan_memory(spec, max_seq_len=64).max_seq_len == 64
     with pytest.raises(PlanError, match="max_seq_len=1000 exceeds the model's 64 learned"):
         plan_memory(spec, max_seq_len=1000)
+
+
+def test_rope_past_the_trained_positions_warns():
+    spec = core.get_plugin_manager().policies().get("llama").describe(tiny_llama_config())
+    with pytest.warns(UserWarning, match="max_seq_len=1024 exceeds the model's max_position"):
+        assert plan_memory(spec, max_seq_len=1024).max_seq_len == 1024  # allowed, with a word
