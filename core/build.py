@@ -13,7 +13,7 @@ from .errors import PlanError, UnknownPluginError, UnsupportedModelError
 from .memory import (activation_bytes, check_fits, device_budget, prefill_step_tokens,
                      resolve_sizes, weight_bytes)
 from .model import DecoderModel
-from .parallel import group_for, local_spec, rank_device, shard_fn, world_size_for
+from .parallel import rank_device, rank_setup, world_size_for
 from .plan import Plan
 from .quant import SlotPacker
 from .plugins import PluginManager, get_plugin_manager
@@ -188,8 +188,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     weight_quant = _weight_quantizer(quantizers)
 
     parallel = planner.plan(spec, world_size_for(planner, device), **opts[1])
-    tp = group_for(parallel)  # None unless tensor parallel
-    device, run_spec = rank_device(device, parallel), local_spec(spec, parallel.tensor_parallel)
+    rank = rank_setup(planner, spec, parallel)  # what this process runs of the plan
+    device, run_spec = rank_device(device, parallel), rank.spec
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     prefill_tokens = prefill_step_tokens(max_prefill_tokens, max_seq_len)
     from infergraft.kernels import get_ops  # here, not at import: it imports triton
@@ -213,7 +213,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
     check_fits(plan, kv_device, budget, budget_source)  # before any weight is loaded
 
-    net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=tp)
+    net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage)
     tensors = source.tensors()
     if progress:
         from tqdm import tqdm
@@ -221,7 +221,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     pack = None if weight_quant is None else SlotPacker(weight_quant, ops, net, net.will_fuse(dtype))
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
                  device=device, dtype=dtype, on_slot_ready=pack,  # packed as they stream in
-                 shard=shard_fn(planner, spec, parallel, tp))  # this rank's pieces
+                 place=rank.place)  # this rank's pieces
     if pack is not None:
         pack.finish()
     net.fold_norm_weights()  # where the fused decode layer runs (Triton ops, RMSNorm + SwiGLU)
@@ -229,7 +229,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_prefill_tokens)
-    engine.tp = tp
+    engine.ranks = rank.ranks
     engine.graph_runner = _graph_runner(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = _prefill_graphs(net, cache, plan, engine.graph_runner,
                                             prefill_graphs)
@@ -253,12 +253,12 @@ def _graph_runner(net, cache, plan, device, wanted):
 
     if wanted is None:
         wanted = device.type == "cuda" and CudaGraphRunner.supported(cache) \
-            and plan.parallel.tensor_parallel == 1
+            and plan.parallel.world_size == 1
     if not wanted:
         return None
-    if plan.parallel.tensor_parallel > 1:
-        raise PlanError("cuda_graphs=True is not supported with tensor parallelism yet "
-                        f"(tensor_parallel={plan.parallel.tensor_parallel}): decode runs eagerly")
+    if plan.parallel.world_size > 1:
+        raise PlanError("cuda_graphs=True is not supported across processes yet (world size "
+                        f"{plan.parallel.world_size}): decode runs eagerly")
     if device.type != "cuda" or not CudaGraphRunner.supported(cache):
         raise PlanError(f"cuda_graphs=True needs a CUDA device and a cache backend that "
                         f"supports them (contiguous, paged); got {device} / {plan.cache_backend}")

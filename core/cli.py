@@ -56,7 +56,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     engine = _build(args)
     tok = engine.tokenizer
-    if engine.tp is not None:
+    if engine.ranks is not None:
         print("chat reads the terminal in one process; under torchrun use generate",
               file=sys.stderr)
         return 2

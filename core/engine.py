@@ -34,7 +34,9 @@ class Engine:
         self.graph_runner = None  # core.cuda_graph.CudaGraphRunner, set by build() on CUDA
         self.prefill_graphs = None  # core.prefill_graph.PrefillGraphRunner, likewise
         self.pipeline = DecodePipeline(self)  # greedy graph decode, one step ahead
-        self.tp = None  # core.parallel.TensorParallelGroup: every rank takes rank 0's samples
+        # core.parallel.TensorParallelGroup or core.stages.PipelineStage: every rank takes
+        # the tokens sampled where the logits are
+        self.ranks = None
 
     @property
     def prefill_graphs(self):
@@ -126,7 +128,8 @@ class Engine:
                 s.prefill_left -= min(n, s.prefill_left)  # riders (decoding) stay at 0
             ready = [i for i, s in enumerate(seqs) if not s.prefill_left]  # whole prompt fed
             if len(ready) < len(seqs):  # a chunk: no token yet
-                seqs, logits = [seqs[i] for i in ready], logits[ready]
+                seqs = [seqs[i] for i in ready]
+                logits = None if logits is None else logits[ready]
         new = self._sample(logits, seqs) if seqs else []
         forked = self._fork_samples(seqs, logits) if self._forks and step.kind == "prefill" else []
         now = time.perf_counter()
@@ -150,17 +153,21 @@ class Engine:
                     self.scheduler.add(child)  # prefilled later, like any request
                     continue
                 self.scheduler.adopt(child)
-                out.append((child, self._sample(logits[row:row + 1], [child])[0]))
+                row_logits = None if logits is None else logits[row:row + 1]
+                out.append((child, self._sample(row_logits, [child])[0]))
         return out
 
     def _sample(self, logits, seqs) -> list[int]:
         """One token per sequence; -1 where sampling failed (NaN logits, say): the step has
         written every sequence's K/V, so the others must still get their tokens."""
-        try:
-            new = sample(logits, seqs)
-        except Exception:
-            new = [self._sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
-        return new if self.tp is None else self.tp.agree(new, logits.device)
+        if logits is None:  # a pipeline stage before the last: the last one samples
+            new = [-1] * len(seqs)
+        else:
+            try:
+                new = sample(logits, seqs)
+            except Exception:
+                new = [self._sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
+        return new if self.ranks is None else self.ranks.agree(new, self.device)
 
     @staticmethod
     def _sample_row(row, seq) -> int:
@@ -249,13 +256,17 @@ class Engine:
         """Logits for every position of ``token_ids``: [len, vocab] float32."""
         ids = self.encode(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)
         if len(ids) > self.plan.max_seq_len:
-            raise InvalidRequestError(f"{len(ids)} tokens exceed max_seq_len={self.plan.max_seq_len}")
+            raise InvalidRequestError(f"{len(ids)} tokens exceed "
+                                      f"max_seq_len={self.plan.max_seq_len}")
         seq_id = ("logits", id(ids))
         self.cache.allocate(seq_id, len(ids))
         try:
             meta = self.cache.prepare([seq_id], [len(ids)])
             tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-            return self.model(tokens, self.cache, meta, None).cpu()
+            out = self.model(tokens, self.cache, meta, None)  # [len, V]; None before the last stage
+            if self.ranks is not None:
+                out = self.ranks.share(out, (len(ids), self.spec.vocab_size), self.device)
+            return out.cpu()
         finally:
             self.cache.free(seq_id)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .rope import rope_cos_sin
+from .slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
 from .spec import ModelSpec, split_qkv
 
 
@@ -183,11 +184,12 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, ops, device, max_position: int | None = None,
-                 tp=None):
-        """``spec``: what this process runs (one rank's share under ``tp``, a
-        ``core.parallel.TensorParallelGroup``)."""
+                 tp=None, stage=None):
+        """``spec``: what this process runs: one rank's share under ``tp`` (a
+        ``core.parallel.TensorParallelGroup``), one stage's layers under ``stage`` (a
+        ``core.stages.PipelineStage``: the stream comes from and goes to its neighbours)."""
         super().__init__()
-        self.spec, self.ops, self.tp = spec, ops, tp
+        self.spec, self.ops, self.tp, self.stage = spec, ops, tp, stage
         from infergraft.kernels.paged_plan import CounterPool  # not at import: it imports triton
 
         self.counters = CounterPool()  # this engine's own: engines on other streams share none
@@ -217,19 +219,24 @@ class DecoderModel(nn.Module):
         (float32 GEMMs stay on cuBLAS: the plain layer is the fast one)."""
         s = self.spec  # (the fused layer adds the residual inside o / down: no all-reduce)
         return s.norm == "rms" and s.gated_mlp and bool(getattr(self.ops, "fuse_max_rows", 0)) \
-            and dtype in (torch.float16, torch.bfloat16) and self.tp is None
+            and dtype in (torch.float16, torch.bfloat16) and self.tp is None and self.stage is None
 
     def fold_norm_weights(self) -> bool:
         """Move each layer's norm weights into its GEMMs (after the weights are loaded)
         where the ops fuse and every layer can: the fused decode layer then runs. Returns
         whether it did."""
-        if self.norms_folded or not self.will_fuse(self.embed.weight.dtype) or not all(
+        if self.norms_folded or not self.will_fuse(self.dtype) or not all(
                 layer.fusable() for layer in self.layers):
             return self.norms_folded
         for layer in self.layers:
             layer.fold_norm_weights()
         self.norms_folded = True
         return True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (every stage holds a layer; not every one the embeddings)."""
+        return self.layers[0].attn_norm.weight.dtype
 
     @property
     def lm_head_weight(self):
@@ -241,14 +248,17 @@ class DecoderModel(nn.Module):
         written in the same kernel that widens the logits)."""
         positions = meta.positions
         fused = self._fused(tokens.shape[0])
-        if fused and self.spec.position != "learned":  # one kernel: rows and their statistic
+        residual, stage = None, self.stage
+        if stage is not None and not stage.first:  # the previous stage's stream: [T, H] x 2
+            h, residual = stage.recv(tokens.shape[0], self.spec.hidden_size, self.dtype,
+                                     tokens.device)
+        elif fused and self.spec.position != "learned":  # one kernel: rows and their statistic
             h, sum_sq = self.ops.embed_sum_sq(tokens, self.embed.weight)  # [T, H], [1, T]
         else:
             h = F.embedding(tokens, self.embed.weight)  # [T, H]
             if self.spec.position == "learned":
                 h = h + F.embedding(positions, self.pos_embed.weight)
             sum_sq = h.float().square().sum(-1)[None] if fused else None
-        residual = None
         if fused:  # h is the residual stream throughout; sum_sq: the next norm's statistic
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
@@ -257,6 +267,9 @@ class DecoderModel(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
+        if stage is not None and not stage.last:
+            stage.send(h, residual)
+            return None  # the last stage has the logits
         if logits_index is not None:  # only the rows we sample from
             h = h[..., logits_index, :]
             residual = None if residual is None else residual[logits_index]
@@ -266,48 +279,3 @@ class DecoderModel(nn.Module):
             return y.float()
         # float32 [n, V]; argmax -> greedy_out (split rows merge on this model's counters)
         return self.ops.logits_argmax(y, greedy_out, counters=self.counters)
-
-
-def folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-    """W g: a norm weight g [K] moved into the columns of W [N, K]. A new tensor, never in
-    place (loaded weights may share the caller's storage); a 16-bit product rounds once,
-    like the float32 one cast back (no float32 copy)."""
-    return weight * norm_weight.to(weight.dtype)[None, :]
-
-
-def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
-    """slot -> (shape, sizes of its fused parts along dim 0, or None if unfused)."""
-    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
-    layer_norm = spec.norm == "layer"
-    out = {"embed.weight": ((spec.vocab_size, h), None)}
-    if spec.position == "learned":
-        out["pos_embed.weight"] = ((spec.max_position, h), None)
-    for n in range(spec.num_layers):
-        p = f"layers.{n}."
-        for norm in ("attn_norm", "mlp_norm"):
-            out[p + norm + ".weight"] = ((h,), None)
-            if layer_norm:
-                out[p + norm + ".bias"] = ((h,), None)
-        out[p + "qkv.weight"] = ((q + 2 * kv, h), (q, kv, kv))
-        if spec.qkv_bias:
-            out[p + "qkv.bias"] = ((q + 2 * kv,), (q, kv, kv))
-        out[p + "o.weight"] = ((h, q), None)
-        if spec.o_bias:
-            out[p + "o.bias"] = ((h,), None)
-        if spec.gated_mlp:
-            out[p + "gate_up.weight"] = ((2 * i, h), (i, i))
-            if spec.mlp_bias:
-                out[p + "gate_up.bias"] = ((2 * i,), (i, i))
-        else:
-            out[p + "fc_in.weight"] = ((i, h), None)
-            if spec.mlp_bias:
-                out[p + "fc_in.bias"] = ((i,), None)
-        out[p + "down.weight"] = ((h, i), None)
-        if spec.mlp_bias:
-            out[p + "down.bias"] = ((h,), None)
-    out["final_norm.weight"] = ((h,), None)
-    if layer_norm:
-        out["final_norm.bias"] = ((h,), None)
-    if not spec.tie_embeddings:
-        out["lm_head.weight"] = ((spec.vocab_size, h), None)
-    return out

@@ -32,6 +32,9 @@ class TensorParallelGroup:
         torch.distributed.all_reduce(x, group=self.group)
         return x
 
+    def share(self, logits, shape, device):
+        return logits  # every rank computed them whole
+
     def agree(self, tokens: list[int], device) -> list[int]:
         """Rank 0's sampled tokens, on every rank."""
         if not tokens:
@@ -81,19 +84,45 @@ def rank_device(device: torch.device, parallel) -> torch.device:
     return device
 
 
-def group_for(parallel) -> TensorParallelGroup | None:
-    """This rank's group (the whole world: one pipeline stage), or None at tp 1."""
-    if len(parallel.stages) > 1:
-        raise PlanError(f"pipeline parallelism is not run yet: the plan has "
-                        f"{len(parallel.stages)} stages {parallel.stages}; plan one stage")
-    if parallel.tensor_parallel == 1:
-        return None
+@attrs.frozen
+class RankSetup:
+    """What this process runs of a ParallelPlan."""
+
+    spec: object  # its ModelSpec: its heads and MLP rows, or its stage's layers
+    ranks: object = None  # TensorParallelGroup or PipelineStage; None in one process
+    place: object = None  # slot, tensor -> (slot, piece) or None (core.weights.load_weights)
+
+    @property
+    def tp(self):
+        return self.ranks if isinstance(self.ranks, TensorParallelGroup) else None
+
+    @property
+    def stage(self):
+        return None if isinstance(self.ranks, TensorParallelGroup) else self.ranks
+
+
+def rank_setup(planner, spec, parallel) -> RankSetup:
+    """This rank's spec, group and weight placement: tensor parallel over the whole world,
+    or one pipeline stage per rank (not both at once)."""
+    stages, tp = len(parallel.stages), parallel.tensor_parallel
+    if stages == 1 and tp == 1:
+        return RankSetup(spec)
+    if stages > 1 and tp > 1:
+        raise PlanError(f"tensor x pipeline plans are not run yet: tensor_parallel={tp} with "
+                        f"{stages} stages; plan one or the other")
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world != parallel.tensor_parallel:
-        raise PlanError(f"the plan has tensor_parallel={parallel.tensor_parallel}, but the "
+    if world != tp * stages:
+        raise PlanError(f"the plan has tensor_parallel={tp} x {stages} stage(s), but the "
                         f"process group has {world} rank(s)")
-    return TensorParallelGroup(parallel.tensor_parallel, dist.get_rank())
+    rank = dist.get_rank()
+    if tp > 1:
+        group = TensorParallelGroup(tp, rank)
+        return RankSetup(local_spec(spec, tp), group, shard_fn(planner, spec, parallel, group))
+    from .stages import PipelineStage, stage_placement, stage_spec
+
+    stage = PipelineStage(rank, stages, parallel.stages[rank])
+    return RankSetup(stage_spec(spec, stage), stage, stage_placement(spec, stage))
 
 
 def local_spec(spec, tp: int):
@@ -105,15 +134,13 @@ def local_spec(spec, tp: int):
                         intermediate_size=spec.intermediate_size // tp)
 
 
-def shard_fn(planner, spec, parallel, tp: TensorParallelGroup | None):
-    """slot, full tensor -> the piece this rank holds (None: every rank holds all)."""
-    if tp is None:
-        return None
+def shard_fn(planner, spec, parallel, tp: TensorParallelGroup):
+    """slot, full tensor -> (slot, the piece this rank holds)."""
 
-    def shard(slot: str, tensor: torch.Tensor) -> torch.Tensor:
+    def shard(slot: str, tensor: torch.Tensor):
         piece = planner.shard(spec, parallel, slot, tensor, tp.rank)
         if tp.rank and slot.endswith(ROW_BIASES):  # summed once by the all-reduce
             piece = torch.zeros_like(piece)
-        return piece.contiguous()
+        return slot, piece.contiguous()
 
     return shard

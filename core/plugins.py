@@ -33,6 +33,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.weight_int8",
     "infergraft.plugins.single_device",
     "infergraft.plugins.tensor_parallel",
+    "infergraft.plugins.pipeline_parallel",
 )
 ENTRY_POINT_GROUP = "infergraft"
 

@@ -47,9 +47,10 @@ def check_weight_map(policy_name: str, spec: ModelSpec, wmap: WeightMap) -> dict
 def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
                  tensors: Iterable[tuple[str, torch.Tensor]], *, policy_name: str, device,
                  dtype: torch.dtype, on_slot_ready: Optional[Callable] = None,
-                 shard: Optional[Callable] = None) -> None:
-    """``spec`` is the whole model's; ``shard(slot, tensor)``, when given, cuts each whole
-    slot to this rank's piece (core/parallel.py) before it is installed."""
+                 place: Optional[Callable] = None) -> None:
+    """``spec`` is the whole model's; ``place(slot, tensor)``, when given, maps each whole
+    slot to (this rank's slot, its piece), or None where the rank holds none
+    (core/parallel.py)."""
     rules = check_weight_map(policy_name, spec, wmap)
     layout = slot_layout(spec)
     ignore = [re.compile(p) for p in wmap.ignore]
@@ -82,7 +83,7 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
                                   f"{policy_name!r} expects {tuple(want)} for {rule.slot!r}")
         if whole:
             _install(model, rule.slot, t.to(device=device, dtype=dtype).contiguous(), on_slot_ready,
-                     shard)
+                     place)
             continue
         buf = buffers.get(rule.slot)
         if buf is None:
@@ -92,7 +93,7 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
         buf[start:start + parts[rule.part]].copy_(t)
         pending[rule.slot].discard(rule.part)
         if not pending[rule.slot]:
-            _install(model, rule.slot, buffers.pop(rule.slot), on_slot_ready, shard)
+            _install(model, rule.slot, buffers.pop(rule.slot), on_slot_ready, place)
     if unexpected:
         raise WeightLoadError(f"policy {policy_name!r} left {len(unexpected)} weight(s) "
                               f"unconsumed: {', '.join(unexpected[:5])}"
@@ -105,9 +106,12 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
 
 
 def _install(model: nn.Module, slot: str, tensor: torch.Tensor, on_slot_ready,
-             shard=None) -> None:
-    if shard is not None:
-        tensor = shard(slot, tensor)
+             place=None) -> None:
+    if place is not None:
+        placed = place(slot, tensor)
+        if placed is None:  # another rank's
+            return
+        slot, tensor = placed
     path, attr = slot.rsplit(".", 1)
     module = model.get_submodule(path)
     if on_slot_ready is not None:

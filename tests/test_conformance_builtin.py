@@ -44,6 +44,15 @@ class TestTensorParallelPlanner(PlannerTests):
         return core.get_plugin_manager().planners().get("tp")
 
 
+class TestPipelineParallelPlanner(PlannerTests):
+    world_sizes = (1, 2, 3, 4)  # 4 layers: 3 stages take 2 + 1 + 1
+    bad_world_sizes = (5, 0)
+
+    @pytest.fixture
+    def planner(self):
+        return core.get_plugin_manager().planners().get("pp")
+
+
 # tests/test_cache_machine.py runs the state machine >= 200 examples per built-in backend;
 # here the kit's copy of it runs a few, to prove the kit wires it up
 class TestContiguousBackend(CacheBackendTests):

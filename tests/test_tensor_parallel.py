@@ -1,5 +1,6 @@
-"""Tensor parallelism (`plugins=["tp"]`): two CPU processes in a gloo group against HF's
-own forward and greedy generate on the same weights, and the errors around it."""
+"""Tensor and pipeline parallelism (`plugins=["tp"]`, `["pp"]`): two CPU processes in a
+gloo group against HF's own forward and greedy generate on the same weights, and the
+errors around them."""
 import pytest
 import torch
 
@@ -23,13 +24,15 @@ def _configs():
                             max_position_embeddings=256, sliding_window=4, bos_token_id=1,
                             eos_token_id=2)
     mistral.architectures = ["MistralForCausalLM"]
-    return {  # name -> case for tp_parity (int8: weights as in tests/test_weight_int8.py)
-        "llama-gqa-contiguous": dict(config=tiny_llama_config(), plugins=["tp"]),
-        "llama-paged-int8": dict(config=tiny_llama_config(), plugins=["tp", "paged", "int8"],
+    cases = {  # name -> case for tp_parity (int8: weights as in tests/test_weight_int8.py)
+        "llama-gqa-contiguous": dict(config=tiny_llama_config(), plugins=[]),
+        "llama-paged-int8": dict(config=tiny_llama_config(), plugins=["paged", "int8"],
                                  seed=3, scale=2.0),
-        "gpt2-biases": dict(config=gpt2, plugins=["tp"]),
-        "mistral-window-paged": dict(config=mistral, plugins=["tp", "paged"]),
+        "gpt2-biases": dict(config=gpt2, plugins=[]),  # tied head, learned positions
+        "mistral-window-paged": dict(config=mistral, plugins=["paged"]),
     }
+    return {f"{planner}-{name}": dict(case, plugins=[planner, *case["plugins"]])
+            for planner in ("tp", "pp") for name, case in cases.items()}
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +47,22 @@ def two_ranks():
 @pytest.mark.parametrize("name", list(_configs()))
 def test_two_ranks_match_hf(two_ranks, name):
     r0, r1 = two_ranks[name]
-    assert r0["tensor_parallel"] == 2
+    assert (r0["tensor_parallel"], r0["stages"]) == ((2, 1) if name.startswith("tp") else (1, 2))
     assert r0["errors"] == r1["errors"]  # every rank computed the same logits
     if "int8" in name:  # quantised (not the float weights), and close: as on one process
         assert 0 < max(r0["errors"]) < 3e-2, r0["errors"]
-        assert [t[:4] for t in r0["ours"]] == [t[:4] for t in r0["hf"]]
+        if name.startswith("pp"):  # the same int8 rows as one process packs: same tokens
+            assert r0["ours"] == r0["alone"]
     else:
         assert max(r0["errors"]) < 1e-4, r0["errors"]
-        assert r0["ours"] == r0["hf"]  # greedy tokens, whole continuations
+        assert r0["ours"] == r0["hf"] == r0["alone"]  # greedy tokens, whole continuations
     assert r0["ours"] == r1["ours"] and r0["sampled"] == r1["sampled"]  # ranks agree
 
 
 def test_each_rank_holds_its_share(two_ranks):
     from infergraft.core.memory import weight_bytes
 
-    r0 = two_ranks["llama-gqa-contiguous"][0]
+    r0 = two_ranks["tp-llama-gqa-contiguous"][0]
     spec = core.get_plugin_manager().policies().get("llama").describe(tiny_llama_config())
     full = weight_bytes(spec, torch.float32)
     # per layer: qkv, o, gate_up, down halved; embeddings, LM head and norms whole
@@ -88,19 +92,21 @@ class TwoStages(Planner):
         return ParallelPlan(1, 1, ((0, 1), (1, spec.num_layers)))
 
 
-def test_a_pipeline_plan_is_refused_not_ignored():
+def test_a_plan_for_more_ranks_than_there_are_is_refused_not_ignored():
     class Plugin:
         @core.hookimpl
         def infergraft_register_planners(self, register):
             register(TwoStages())
 
-    with pytest.raises(PlanError, match="pipeline parallelism is not run yet: the plan has 2"):
+    with pytest.raises(PlanError, match=r"tensor_parallel=1 x 2 stage\(s\), but the process "
+                                        r"group has 1 rank"):
         core.build(random_model(tiny_llama_config()), plugins=[Plugin()], device="cpu")
 
 
-def test_demo_model_under_torchrun_answers_once(tmp_path):
-    """The real model on three ranks (9 heads, 3 kv heads): the group comes from
-    torchrun's environment, only rank 0 prints, every rank exits cleanly."""
+@pytest.mark.parametrize("planner, ranks", [("tp", 3), ("pp", 2)])
+def test_demo_model_under_torchrun_answers_once(tmp_path, planner, ranks):
+    """The real model (9 heads, 3 kv heads, 30 layers) on tp 3 / pp 2: the group comes
+    from torchrun's environment, only rank 0 prints, every rank exits cleanly."""
     import os
     import subprocess
     import sys
@@ -109,7 +115,8 @@ def test_demo_model_under_torchrun_answers_once(tmp_path):
 
     ensure_demo_model("smollm2-135m")  # fetched once, outside the ranks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "3", "-m", "infergraft.core.cli", "generate", "--plugin", "tp",
+           "--nproc-per-node", str(ranks), "-m", "infergraft.core.cli", "generate",
+           "--plugin", planner,
            "--device", "cpu", "--max-new-tokens", "12", "What is the capital of France?"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,

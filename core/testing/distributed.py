@@ -67,8 +67,9 @@ def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int =
               **build_options) -> dict:
     """On one rank: build ``plugins`` around a seeded random HF model of ``config`` (the
     same weights on every rank) and compare with HF's own forward and greedy generate,
-    which every rank runs whole. Returns the errors, our and HF's tokens, a sampled
-    continuation without a seed (ranks must agree on it) and the plan's sizes."""
+    which every rank runs whole, and with the same plugins in one process. Returns the
+    errors, our, HF's and the lone engine's tokens, a sampled continuation without a
+    seed (ranks must agree on it) and the plan's sizes."""
     from infergraft import core
 
     from .models import random_model
@@ -81,10 +82,15 @@ def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int =
                         max_batch_size=len(prompts), **build_options)
     errors = [relative_error(engine.logits(ids), hf_logits(hf, ids)) for ids in prompts]
     ours = [c.token_ids for c in engine.generate(prompts, max_new_tokens=new_tokens)]
+    planners = set(core.get_plugin_manager().planners().names())
+    alone = core.build(hf, plugins=[p for p in plugins if p not in planners], dtype="float32",
+                       device=device, max_batch_size=len(prompts), **build_options)
     sampled = engine.generate(prompts[0], max_new_tokens=new_tokens, temperature=1.0)
-    return {"errors": errors, "ours": ours,
+    return {"errors": errors, "ours": ours,  # alone: the same plugins in this process only
+            "alone": [c.token_ids for c in alone.generate(prompts, max_new_tokens=new_tokens)],
             "hf": [hf_greedy(hf, ids, new_tokens) for ids in prompts],
             "sampled": sampled[0].token_ids,
             "tensor_parallel": engine.plan.parallel.tensor_parallel,
+            "stages": len(engine.plan.parallel.stages),
             "weight_bytes": engine.plan.weight_bytes,
             "kv_bytes_per_token": engine.plan.kv_bytes_per_token}
