@@ -10,8 +10,8 @@ import torch
 
 from .engine import Engine
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
-from .memory import (activation_bytes, check_fits, device_budget, prefill_step_tokens,
-                     resolve_sizes, weight_bytes)
+from .memory import (activation_bytes, check_fits, device_budget, element_bytes,
+                     prefill_step_tokens, resolve_sizes, weight_bytes)
 from .model import DecoderModel
 from .parallel import rank_device, rank_setup, world_size_for
 from .plan import Plan
@@ -202,7 +202,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         kv_dtype=kv_quant.kv_dtype if kv_quant else str(dtype).replace("torch.", ""),
         quantizers=tuple(sel.quantizers),
         planner=planner.name, parallel=parallel,
-        weight_bytes=weight_bytes(run_spec, dtype, weight_quant),  # this rank's
+        weight_bytes=weight_bytes(run_spec, dtype, weight_quant)  # this rank's
+        - rank.unheld * element_bytes(dtype),
         kv_bytes_per_token=backend.bytes_per_token(run_spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(run_spec, dtype),
         options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window,

@@ -91,6 +91,7 @@ class RankSetup:
     spec: object  # its ModelSpec: its heads and MLP rows, or its stage's layers
     ranks: object = None  # TensorParallelGroup or PipelineStage; None in one process
     place: object = None  # slot, tensor -> (slot, piece) or None (core.weights.load_weights)
+    unheld: int = 0  # elements of spec's non-layer slots this rank does not hold
 
     @property
     def tp(self):
@@ -119,10 +120,11 @@ def rank_setup(planner, spec, parallel) -> RankSetup:
     if tp > 1:
         group = TensorParallelGroup(tp, rank)
         return RankSetup(local_spec(spec, tp), group, shard_fn(planner, spec, parallel, group))
-    from .stages import PipelineStage, stage_placement, stage_spec
+    from .stages import PipelineStage, stage_placement, stage_spec, unheld_elements
 
     stage = PipelineStage(rank, stages, parallel.stages[rank])
-    return RankSetup(stage_spec(spec, stage), stage, stage_placement(spec, stage))
+    return RankSetup(stage_spec(spec, stage), stage, stage_placement(spec, stage),
+                     unheld_elements(spec, stage))
 
 
 def local_spec(spec, tp: int):

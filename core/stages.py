@@ -63,12 +63,27 @@ def stage_spec(spec, stage: PipelineStage):
     return attrs.evolve(spec, num_layers=stage.layers[1] - stage.layers[0])
 
 
-def stage_placement(spec, stage: PipelineStage):
-    """slot, tensor -> (this stage's slot name, tensor), or None where it holds none."""
-    first, end = stage.layers
+def _kept_outside_layers(spec, stage: PipelineStage) -> set[str]:
     keep = set(_FIRST if stage.first else ()) | set(_LAST if stage.last else ())
     if stage.last and spec.tie_embeddings:
         keep.add("embed.weight")  # the LM head reads it
+    return keep
+
+
+def unheld_elements(spec, stage: PipelineStage) -> int:
+    """Elements of the non-layer slots (embeddings, final norm, head) this stage lacks:
+    ``weight_bytes`` of its spec counts them all."""
+    from .slots import slot_layout
+
+    keep = _kept_outside_layers(spec, stage)
+    return sum(torch.Size(shape).numel() for slot, (shape, _) in slot_layout(spec).items()
+               if not _LAYER.fullmatch(slot) and slot not in keep)
+
+
+def stage_placement(spec, stage: PipelineStage):
+    """slot, tensor -> (this stage's slot name, tensor), or None where it holds none."""
+    first, end = stage.layers
+    keep = _kept_outside_layers(spec, stage)
 
     def place(slot: str, tensor: torch.Tensor):
         m = _LAYER.fullmatch(slot)

@@ -149,3 +149,17 @@ def test_two_gpus_match_hf():
     (r0,), (r1,) = run_ranks(tp_parity_cases, 2, cases, backend="nccl", timeout=600)
     assert max(r0["errors"]) < 1e-4 and r0["ours"] == r0["hf"], r0
     assert r0["ours"] == r1["ours"] and r0["sampled"] == r1["sampled"]
+
+
+def test_each_stage_counts_what_it_holds(two_ranks):
+    from infergraft.core.memory import weight_bytes
+
+    first, last = two_ranks["pp-gpt2-biases"]  # tied head: both stages hold the embeddings
+    config = _configs()["pp-gpt2-biases"]["config"]
+    spec = core.get_plugin_manager().policies().get("gpt2").describe(config)
+    whole = weight_bytes(spec, torch.float32)
+    h, v, p = spec.hidden_size, spec.vocab_size, spec.max_position
+    # one layer each; the first adds the positions, the last the final LayerNorm (w + b)
+    layer = (whole - (v * h + p * h + 2 * h) * 4) // 2
+    assert first["weight_bytes"] == layer + (v * h + p * h) * 4
+    assert last["weight_bytes"] == layer + (v * h + 2 * h) * 4
