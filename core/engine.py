@@ -259,7 +259,12 @@ class Engine:
             raise InvalidRequestError(f"{len(ids)} tokens exceed "
                                       f"max_seq_len={self.plan.max_seq_len}")
         seq_id = ("logits", id(ids))
-        self.cache.allocate(seq_id, len(ids))
+        try:
+            self.cache.allocate(seq_id, len(ids))
+        except CacheFullError as e:  # the running requests hold every row / block
+            raise CacheFullError(f"engine.logits needs room for {len(ids)} tokens beside the "
+                                 f"running requests: {e}; call it when fewer run, or build "
+                                 "with a larger max_batch_size") from None
         try:
             meta = self.cache.prepare([seq_id], [len(ids)])
             tokens = torch.tensor(ids, dtype=torch.long, device=self.device)

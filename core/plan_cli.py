@@ -11,8 +11,9 @@ import torch
 
 from .build import _DTYPES, resolve_dtype
 from .errors import PlanError
-from .memory import as_bytes, device_budget, host_memory, plan_memory, spec_of
+from .memory import as_bytes, device_budget, element_bytes, host_memory, plan_memory, spec_of
 from .parallel import local_spec
+from .stages import stage_spec, unheld_elements
 from .plugins import get_plugin_manager
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
@@ -37,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="ranks of the tp planner (plugins=['tp'] under torchrun): the plan "
                         "is one rank's, each device holding its share")
+    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+                   help="stages of the pp planner (plugins=['pp'] under torchrun): the plan "
+                        "is the largest stage's (the first: most layers and the embeddings)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -60,8 +64,23 @@ def weight_quantizer_for(name: str):
                                  f"weight quantizer named {name!r}")
 
 
+def first_stage(spec, stages: int):
+    from .stages import PipelineStage
+
+    plan = get_plugin_manager().planners().get("pp").plan(spec, stages)  # refuses too many
+    return PipelineStage(0, stages, plan.stages[0])
+
+
 def run(args) -> int:
     name, spec, config = spec_of(args.model)
+    if args.tensor_parallel != 1 and args.pipeline_parallel != 1:
+        raise PlanError("tensor x pipeline plans are not run yet: give --tensor-parallel or "
+                        "--pipeline-parallel, not both")
+    unheld = 0  # elements of the embeddings / head a stage does not hold
+    if args.pipeline_parallel != 1:  # the first stage: the most layers, the embeddings
+        stage = first_stage(spec, args.pipeline_parallel)
+        name = f"{name}, stage 1 of {stage.count} (layers {stage.layers[0]}-{stage.layers[1] - 1})"
+        spec, unheld = stage_spec(spec, stage), unheld_elements(spec, stage)
     if args.tensor_parallel != 1:  # the tp planner refuses sizes that do not divide
         get_plugin_manager().planners().get("tp").plan(spec, args.tensor_parallel)
         name = f"{name}, one of {args.tensor_parallel} ranks"
@@ -86,6 +105,7 @@ def run(args) -> int:
                       max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                       max_prefill_tokens=args.max_prefill_tokens,
                       budget=budget, budget_source=source)
+    mem = attrs.evolve(mem, weight_bytes=mem.weight_bytes - unheld * element_bytes(dtype))
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights
         kv = plan_memory(spec, dtype=kv_dtype, max_seq_len=mem.max_seq_len)
         mem = attrs.evolve(mem, kv_dtype=kv.kv_dtype, kv_bytes_per_token=kv.kv_bytes_per_token)

@@ -111,3 +111,18 @@ def test_build_and_request_arguments_of_the_wrong_kind(tiny):
         tiny.add_request([5, 6], {"max_new_tokens": 3})
     assert parse_bytes("1e9") == 10 ** 9  # the form the error message suggests
     assert not tiny.has_unfinished()
+
+
+def test_logits_beside_a_full_batch_says_what_to_do():
+    from infergraft.core.cache import CacheFullError
+
+    engine = core.build(random_model(tiny_llama_config(), seed=2), max_seq_len=64,
+                        max_batch_size=2)  # contiguous: one row per sequence
+    for seed in (1, 2):
+        engine.add_request(random_prompt(3, 256, seed), core.SamplingParams(max_new_tokens=4))
+    engine.step()
+    with pytest.raises(CacheFullError, match="engine.logits needs room for 3 tokens.*fewer run"):
+        engine.logits([1, 2, 3])
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.logits([1, 2, 3]).shape == (3, 256)

@@ -163,3 +163,19 @@ def test_each_stage_counts_what_it_holds(two_ranks):
     layer = (whole - (v * h + p * h + 2 * h) * 4) // 2
     assert first["weight_bytes"] == layer + (v * h + p * h) * 4
     assert last["weight_bytes"] == layer + (v * h + 2 * h) * 4
+
+
+def test_plan_cli_prints_the_first_stage(capsys):
+    import json
+
+    from infergraft.core.cli import main
+
+    assert main(["plan", "smollm2-135m", "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(["plan", "smollm2-135m", "--pipeline-parallel", "4", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)  # 30 layers: 8 + 8 + 7 + 7
+    assert first["kv_bytes_per_token"] * 30 == whole["kv_bytes_per_token"] * 8
+    assert "stage 1 of 4 (layers 0-7)" in first["model"]
+    assert main(["plan", "smollm2-135m", "--pipeline-parallel", "31"]) == 2
+    assert "31 stages for 30 layers" in capsys.readouterr().err
+    assert main(["plan", "smollm2-135m", "--pipeline-parallel", "2", "--tensor-parallel", "3"]) == 2
