@@ -10,8 +10,8 @@ import torch
 from .cache import CacheFullError
 from .errors import InvalidRequestError
 from .pipeline import DecodePipeline
-from .request import SEED_LIMIT, Completion, SamplingParams, Sequence
-from .sampler import sample
+from .request import SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch
+from .sampler import sample_each
 from .streaming import raise_failed, stream_deltas
 from .scheduler import Scheduler, default_prefill_tokens, tokens_of
 
@@ -112,17 +112,13 @@ class Engine:
         graphed = step.kind == "decode" and runner is not None and runner.bucket(len(seqs))
         if graphed and self.pipeline.eligible(seqs):
             return self.pipeline.run(seqs, tokens)
-        prefill_graphs = self.prefill_graphs
-        if graphed:
-            logits = runner.decode([s.id for s in seqs], tokens)  # [B, V], graph replay
-        elif step.kind == "prefill" and prefill_graphs and prefill_graphs.bucket(seqs, counts):
-            logits = prefill_graphs.prefill(seqs[0].id, tokens)  # [1, V], graph replay
-        else:
-            meta = self.cache.prepare([s.id for s in seqs], counts)
-            last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
-            token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            logits = self.model(token_t, self.cache, meta,
-                                None if step.kind == "decode" else last.to(self.device))
+        try:
+            logits = self._forward(step, seqs, counts, tokens, graphed)
+        except BaseException:  # K/V half written: recompute every sequence of the step later
+            for s in seqs:
+                if s in self.scheduler.running:
+                    self.scheduler.preempt(s)
+            raise
         if step.kind == "prefill":
             for s, n in zip(seqs, counts):
                 s.prefill_left -= min(n, s.prefill_left)  # riders (decoding) stay at 0
@@ -138,6 +134,19 @@ class Engine:
         for seq, tok in forked:
             self._append(seq, tok, now)
         return seqs + [s for s, _ in forked]
+
+    def _forward(self, step, seqs, counts, tokens, graphed):
+        """The step's logits [rows we sample from, V] (None before a pipeline's last stage)."""
+        prefill_graphs = self.prefill_graphs
+        if graphed:
+            return self.graph_runner.decode([s.id for s in seqs], tokens)  # [B, V], replay
+        if step.kind == "prefill" and prefill_graphs and prefill_graphs.bucket(seqs, counts):
+            return prefill_graphs.prefill(seqs[0].id, tokens)  # [1, V], graph replay
+        meta = self.cache.prepare([s.id for s in seqs], counts)
+        last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
+        token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.model(token_t, self.cache, meta,
+                          None if step.kind == "decode" else last.to(self.device))
 
     def _fork_samples(self, seqs, logits) -> list[tuple[Sequence, int]]:
         """Samples 2..n of a just-prefilled prompt share its K/V (cache.fork) and take
@@ -160,22 +169,9 @@ class Engine:
     def _sample(self, logits, seqs) -> list[int]:
         """One token per sequence; -1 where sampling failed (NaN logits, say): the step has
         written every sequence's K/V, so the others must still get their tokens."""
-        if logits is None:  # a pipeline stage before the last: the last one samples
-            new = [-1] * len(seqs)
-        else:
-            try:
-                new = sample(logits, seqs)
-            except Exception:
-                new = [self._sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
+        # (logits None: a pipeline stage before the last; the last one samples)
+        new = [-1] * len(seqs) if logits is None else sample_each(logits, seqs)
         return new if self.ranks is None else self.ranks.agree(new, self.device)
-
-    @staticmethod
-    def _sample_row(row, seq) -> int:
-        try:
-            return sample(row, [seq])[0]
-        except Exception as e:
-            seq.error = f"sampling failed: {type(e).__name__}: {e}"
-            return -1
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         if token < 0:  # this sequence's sampling failed (seq.error says why)
@@ -229,7 +225,7 @@ class Engine:
         if seed is not None and seed + n - 1 >= SEED_LIMIT:  # sample i takes seed + i
             raise InvalidRequestError(f"seed + n - 1 must stay below 2**63 (sample i uses seed "
                                       f"+ i), got seed={seed}, n={n}")
-        batch = [self.encode(p) for p in self._as_batch(prompts)]
+        batch = [self.encode(p) for p in as_batch(prompts)]
         for ids in batch:  # validate everything before queueing anything
             self._check(ids, params)
         seqs = []
@@ -280,16 +276,6 @@ class Engine:
     def _params(max_new_tokens, temperature, top_k, top_p, seed, stop) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, stop=stop)
-
-    @staticmethod
-    def _as_batch(prompts) -> list:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts:
-            return list(prompts)
-        raise InvalidRequestError("prompts must be a string, a list of token ids, or a "
-                                  "non-empty list of those")
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         if len(ids) + params.max_new_tokens > self.plan.max_seq_len:

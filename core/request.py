@@ -110,3 +110,14 @@ class Completion:
     text: Optional[str]
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     metrics: RequestMetrics
+
+
+def as_batch(prompts) -> list:
+    """One prompt (a string or a list of token ids) or a non-empty list of them -> a list."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return list(prompts)
+    raise InvalidRequestError("prompts must be a string, a list of token ids, or a "
+                              "non-empty list of those")

@@ -19,6 +19,23 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k, top_p) -> tor
     return logits
 
 
+def sample_each(logits: torch.Tensor, seqs) -> list[int]:
+    """``sample``, but a row that fails (NaN logits, say) gets -1 and its sequence's
+    ``error`` says why, instead of costing the other rows their tokens."""
+    try:
+        return sample(logits, seqs)
+    except Exception:
+        return [_sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
+
+
+def _sample_row(row: torch.Tensor, seq) -> int:
+    try:
+        return sample(row, [seq])[0]
+    except Exception as e:
+        seq.error = f"sampling failed: {type(e).__name__}: {e}"
+        return -1
+
+
 def sample(logits: torch.Tensor, seqs) -> list[int]:
     """logits: [B, V] float32, one row per sequence -> one token id per sequence."""
     greedy = logits.argmax(-1).tolist()

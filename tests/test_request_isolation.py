@@ -3,7 +3,7 @@ request values that used to slip past validation."""
 import pytest
 
 from infergraft import core
-from infergraft.core import engine as engine_module
+from infergraft.core import sampler as sampler_module
 from infergraft.core.errors import InvalidRequestError, RequestFailedError
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
 
@@ -41,14 +41,14 @@ def test_a_stream_finished_by_another_call_still_sends_everything(tiny):
 def test_a_request_whose_sampling_fails_costs_the_others_nothing(tiny, monkeypatch):
     good = random_prompt(7, 256, 5)
     want = _alone(tiny, good)
-    real = engine_module.sample
+    real = sampler_module.sample
 
     def failing(logits, seqs):  # the request seeded 666 fails, like NaN logits would
         if any(s.params.seed == 666 for s in seqs):
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return real(logits, seqs)
 
-    monkeypatch.setattr(engine_module, "sample", failing)
+    monkeypatch.setattr(sampler_module, "sample", failing)
     seq = tiny.add_request(good, core.SamplingParams(max_new_tokens=10))
     tiny.step()
     tiny.step()
@@ -126,3 +126,27 @@ def test_logits_beside_a_full_batch_says_what_to_do():
     while engine.has_unfinished():
         engine.step()
     assert engine.logits([1, 2, 3]).shape == (3, 256)
+
+
+def test_a_step_that_fails_in_the_model_is_recomputed_for_the_others(tiny, monkeypatch):
+    good = random_prompt(6, 256, 10)
+    want = _alone(tiny, good)
+    seq = tiny.add_request(good, core.SamplingParams(max_new_tokens=10))
+    tiny.step()
+    tiny.step()  # two tokens in, K/V of 8 positions written
+    real, calls = tiny.model.forward, []
+
+    def failing(*args, **kwargs):  # one step dies mid-forward (an OOM, a Ctrl-C)
+        calls.append(1)
+        if len(calls) == 1:
+            real(*args, **kwargs)  # its K/V writes land, then it fails
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.model, "forward", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        tiny.generate(random_prompt(4, 256, 11), max_new_tokens=5)
+    while tiny.has_unfinished():
+        tiny.step()
+    assert seq.output_ids == want  # recomputed from its tokens so far: nothing lost or repeated
+    assert tiny.cache.stats()["sequences"] == 0
