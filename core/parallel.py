@@ -88,42 +88,51 @@ def rank_device(device: torch.device, parallel) -> torch.device:
 class RankSetup:
     """What this process runs of a ParallelPlan."""
 
-    spec: object  # its ModelSpec: its heads and MLP rows, or its stage's layers
-    ranks: object = None  # TensorParallelGroup or PipelineStage; None in one process
+    spec: object  # its ModelSpec: its heads and MLP rows of its stage's layers
+    tp: object = None  # TensorParallelGroup: the all-reduce after o and down
+    stage: object = None  # core.stages.PipelineStage: the stream in and out
     place: object = None  # slot, tensor -> (slot, piece) or None (core.weights.load_weights)
     unheld: int = 0  # elements of spec's non-layer slots this rank does not hold
 
     @property
-    def tp(self):
-        return self.ranks if isinstance(self.ranks, TensorParallelGroup) else None
-
-    @property
-    def stage(self):
-        return None if isinstance(self.ranks, TensorParallelGroup) else self.ranks
+    def ranks(self):
+        """Whom the engine asks for the sampled tokens: the stage, or the tp group."""
+        return self.stage if self.stage is not None else self.tp
 
 
 def rank_setup(planner, spec, parallel) -> RankSetup:
-    """This rank's spec, group and weight placement: tensor parallel over the whole world,
-    or one pipeline stage per rank (not both at once)."""
+    """This rank's spec, groups and weight placement. Ranks s*T .. s*T+T-1 run stage s,
+    each holding 1/T of its layers (T = tensor_parallel)."""
     stages, tp = len(parallel.stages), parallel.tensor_parallel
     if stages == 1 and tp == 1:
         return RankSetup(spec)
-    if stages > 1 and tp > 1:
-        raise PlanError(f"tensor x pipeline plans are not run yet: tensor_parallel={tp} with "
-                        f"{stages} stages; plan one or the other")
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world != tp * stages:
         raise PlanError(f"the plan has tensor_parallel={tp} x {stages} stage(s), but the "
                         f"process group has {world} rank(s)")
-    rank = dist.get_rank()
+    index, tp_rank = divmod(dist.get_rank(), tp)
+    group = None
     if tp > 1:
-        group = TensorParallelGroup(tp, rank)
-        return RankSetup(local_spec(spec, tp), group, shard_fn(planner, spec, parallel, group))
-    from .stages import PipelineStage, stage_placement, stage_spec, unheld_elements
+        # every rank creates every stage's group, in the same order (new_group's contract)
+        subgroups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) if stages > 1 else None
+                     for s in range(stages)]
+        group = TensorParallelGroup(tp, tp_rank, subgroups[index])
+    if stages == 1:
+        return RankSetup(local_spec(spec, tp), tp=group,
+                         place=shard_fn(planner, spec, parallel, group))
+    from .stages import PipelineStage, stage_slot, stage_spec, unheld_elements
 
-    stage = PipelineStage(rank, stages, parallel.stages[rank])
-    return RankSetup(stage_spec(spec, stage), stage, stage_placement(spec, stage),
+    stage = PipelineStage(index, stages, parallel.stages[index], tp=tp, tp_rank=tp_rank)
+    shard = None if group is None else shard_fn(planner, spec, parallel, group)
+
+    def place(slot, tensor):  # another stage's slot: dropped; ours: cut (by the whole
+        name = stage_slot(spec, stage, slot)  # model's name), then renamed
+        if name is None:
+            return None
+        return name, tensor if shard is None else shard(slot, tensor)[1]
+
+    return RankSetup(local_spec(stage_spec(spec, stage), tp), group, stage, place,
                      unheld_elements(spec, stage))
 
 

@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "is one rank's, each device holding its share")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
                    help="stages of the pp planner (plugins=['pp'] under torchrun): the plan "
-                        "is the largest stage's (the first: most layers and the embeddings)")
+                        "is the largest stage's (the first: most layers and the embeddings); "
+                        "with --tensor-parallel T, one of its T ranks (pp's tensor_parallel=T)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -64,27 +65,29 @@ def weight_quantizer_for(name: str):
                                  f"weight quantizer named {name!r}")
 
 
-def first_stage(spec, stages: int):
+def one_rank(name: str, spec, stages: int, tp: int):
+    """(label, spec, unheld elements) of the largest rank's share: the first stage (the
+    most layers, the embeddings), 1/tp of its layers. The planners refuse what does not
+    divide."""
     from .stages import PipelineStage
 
-    plan = get_plugin_manager().planners().get("pp").plan(spec, stages)  # refuses too many
-    return PipelineStage(0, stages, plan.stages[0])
+    planners = get_plugin_manager().planners()
+    if stages == 1:
+        planners.get("tp").plan(spec, tp)
+        return f"{name}, one of {tp} ranks", local_spec(spec, tp), 0
+    plan = planners.get("pp").plan(spec, stages * tp, tensor_parallel=tp)
+    stage = PipelineStage(0, stages, plan.stages[0])
+    label = f"{name}, stage 1 of {stages} (layers {stage.layers[0]}-{stage.layers[1] - 1})"
+    if tp > 1:
+        label += f", one of its {tp} ranks"
+    return label, local_spec(stage_spec(spec, stage), tp), unheld_elements(spec, stage)
 
 
 def run(args) -> int:
     name, spec, config = spec_of(args.model)
-    if args.tensor_parallel != 1 and args.pipeline_parallel != 1:
-        raise PlanError("tensor x pipeline plans are not run yet: give --tensor-parallel or "
-                        "--pipeline-parallel, not both")
     unheld = 0  # elements of the embeddings / head a stage does not hold
-    if args.pipeline_parallel != 1:  # the first stage: the most layers, the embeddings
-        stage = first_stage(spec, args.pipeline_parallel)
-        name = f"{name}, stage 1 of {stage.count} (layers {stage.layers[0]}-{stage.layers[1] - 1})"
-        spec, unheld = stage_spec(spec, stage), unheld_elements(spec, stage)
-    if args.tensor_parallel != 1:  # the tp planner refuses sizes that do not divide
-        get_plugin_manager().planners().get("tp").plan(spec, args.tensor_parallel)
-        name = f"{name}, one of {args.tensor_parallel} ranks"
-        spec = local_spec(spec, args.tensor_parallel)
+    if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
+        name, spec, unheld = one_rank(name, spec, args.pipeline_parallel, args.tensor_parallel)
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
     dtype = resolve_dtype(args.dtype, stored if stored in _DTYPES.values() else torch.float32)

@@ -22,9 +22,14 @@ _LAST = ("final_norm.weight", "final_norm.bias", "lm_head.weight")
 class PipelineStage:
     """This rank's stage and the point-to-point hand-over between stages."""
 
-    def __init__(self, index: int, count: int, layers: tuple[int, int]):
+    def __init__(self, index: int, count: int, layers: tuple[int, int], tp: int = 1,
+                 tp_rank: int = 0):
         self.index, self.count, self.layers = index, count, layers
         self.first, self.last = index == 0, index == count - 1
+        # global ranks (stage s, tp rank r = s * tp + r): the same tp rank of the
+        # neighbouring stages, and the last stage's rank 0, which samples for all
+        self.prev, self.next = (index - 1) * tp + tp_rank, (index + 1) * tp + tp_rank
+        self.sampler = (count - 1) * tp
 
     def send(self, h: torch.Tensor, residual: torch.Tensor) -> None:
         # h: the last layer's output [T, H] (split-K partials [S, T, H] summed first),
@@ -34,13 +39,13 @@ class PipelineStage:
 
             h = sum_partials(h, residual.dtype)
         for t in (h, residual):
-            torch.distributed.send(t.contiguous(), dst=self.index + 1)
+            torch.distributed.send(t.contiguous(), dst=self.next)
 
     def recv(self, rows: int, hidden: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.empty((rows, hidden), dtype=dtype, device=device)
         residual = torch.empty_like(h)
         for t in (h, residual):
-            torch.distributed.recv(t, src=self.index - 1)
+            torch.distributed.recv(t, src=self.prev)
         return h, residual
 
     def agree(self, tokens: list[int], device) -> list[int]:
@@ -48,14 +53,14 @@ class PipelineStage:
         if not tokens:
             return tokens
         t = torch.tensor(tokens, dtype=torch.int64, device=device)
-        torch.distributed.broadcast(t, src=self.count - 1)
+        torch.distributed.broadcast(t, src=self.sampler)
         return t.tolist()
 
     def share(self, logits: torch.Tensor | None, shape, device) -> torch.Tensor:
         """The last stage's logits [rows, V] float32, on every rank."""
         if logits is None:
             logits = torch.empty(shape, dtype=torch.float32, device=device)
-        torch.distributed.broadcast(logits, src=self.count - 1)
+        torch.distributed.broadcast(logits, src=self.sampler)
         return logits
 
 
@@ -80,16 +85,11 @@ def unheld_elements(spec, stage: PipelineStage) -> int:
                if not _LAYER.fullmatch(slot) and slot not in keep)
 
 
-def stage_placement(spec, stage: PipelineStage):
-    """slot, tensor -> (this stage's slot name, tensor), or None where it holds none."""
-    first, end = stage.layers
-    keep = _kept_outside_layers(spec, stage)
-
-    def place(slot: str, tensor: torch.Tensor):
-        m = _LAYER.fullmatch(slot)
-        if m is None:
-            return (slot, tensor) if slot in keep else None
-        i = int(m.group(1))
-        return (f"layers.{i - first}.{m.group(2)}", tensor) if first <= i < end else None
-
-    return place
+def stage_slot(spec, stage: PipelineStage, slot: str) -> str | None:
+    """This stage's name for a whole-model slot (layer i -> i - first), or None where it
+    holds none."""
+    m = _LAYER.fullmatch(slot)
+    if m is None:
+        return slot if slot in _kept_outside_layers(spec, stage) else None
+    i, (first, end) = int(m.group(1)), stage.layers
+    return f"layers.{i - first}.{m.group(2)}" if first <= i < end else None

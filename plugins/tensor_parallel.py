@@ -19,6 +19,16 @@ COLUMN = (".qkv.weight", ".qkv.bias", ".gate_up.weight", ".gate_up.bias", ".fc_i
 ROW = (".o.weight", ".down.weight")
 
 
+def check_divides(planner: str, spec, tp: int) -> None:
+    """PlanError unless ``tp`` ranks split the heads, the kv heads and the MLP evenly."""
+    for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                    ("intermediate_size", spec.intermediate_size)):
+        if n % tp:
+            raise PlanError(f"planner {planner!r}: {tp} ranks do not divide {what}={n}; use a "
+                            f"tensor-parallel size that divides {spec.num_heads} heads, "
+                            f"{spec.num_kv_heads} kv heads and {spec.intermediate_size}")
+
+
 class TensorParallelPlanner(Planner):
     name = "tp"
     spans_processes = True  # core.build passes the torch.distributed world size
@@ -26,12 +36,7 @@ class TensorParallelPlanner(Planner):
     def plan(self, spec, world_size=1, **options):
         if world_size < 1:
             raise PlanError(f"planner 'tp': world_size must be >= 1, got {world_size}")
-        for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
-                        ("intermediate_size", spec.intermediate_size)):
-            if n % world_size:
-                raise PlanError(f"planner 'tp': {world_size} ranks do not divide {what}={n}; "
-                                f"use a world size that divides {spec.num_heads} heads, "
-                                f"{spec.num_kv_heads} kv heads and {spec.intermediate_size}")
+        check_divides(self.name, spec, world_size)
         return ParallelPlan(world_size, world_size, ((0, spec.num_layers),))
 
     def shard_style(self, spec, slot: str) -> str:

@@ -53,6 +53,12 @@ class TestPipelineParallelPlanner(PlannerTests):
         return core.get_plugin_manager().planners().get("pp")
 
 
+class TestPipelineTensorPlanner(TestPipelineParallelPlanner):
+    plan_options = {"tensor_parallel": 2}
+    world_sizes = (2, 4, 8)  # 1, 2 and 4 stages of 2 ranks over 4 layers
+    bad_world_sizes = (3, 10)  # not a multiple of 2; 5 stages for 4 layers
+
+
 # tests/test_cache_machine.py runs the state machine >= 200 examples per built-in backend;
 # here the kit's copy of it runs a few, to prove the kit wires it up
 class TestContiguousBackend(CacheBackendTests):

@@ -178,4 +178,23 @@ def test_plan_cli_prints_the_first_stage(capsys):
     assert "stage 1 of 4 (layers 0-7)" in first["model"]
     assert main(["plan", "smollm2-135m", "--pipeline-parallel", "31"]) == 2
     assert "31 stages for 30 layers" in capsys.readouterr().err
-    assert main(["plan", "smollm2-135m", "--pipeline-parallel", "2", "--tensor-parallel", "3"]) == 2
+    assert main(["plan", "smollm2-135m", "--pipeline-parallel", "2", "--tensor-parallel", "3",
+                 "--json"]) == 0  # 15 layers, a third of each
+    both = json.loads(capsys.readouterr().out)
+    assert both["kv_bytes_per_token"] * 30 * 3 == whole["kv_bytes_per_token"] * 15
+    assert main(["plan", "smollm2-135m", "--pipeline-parallel", "2", "--tensor-parallel", "2"]) == 2
+
+
+def test_four_ranks_two_stages_of_two_tensor_parallel_ranks():
+    """plugins=["pp"], tensor_parallel=2 on 4 ranks: each stage's layers split in two."""
+    cases = [dict(config=_configs()[name]["config"], plugins=["pp"], prompts=PROMPTS,
+                  planner_options={"tensor_parallel": 2})
+             for name in ("pp-llama-gqa-contiguous", "pp-gpt2-biases")]
+    ranks = run_ranks(tp_parity_cases, 4, cases, timeout=600)
+    for case in range(len(cases)):
+        r = [ranks[k][case] for k in range(4)]
+        assert (r[0]["tensor_parallel"], r[0]["stages"]) == (2, 2)
+        assert max(r[3]["errors"]) < 1e-4, r[3]["errors"]
+        assert r[0]["ours"] == r[0]["hf"] == r[0]["alone"]
+        assert all(x["ours"] == r[0]["ours"] and x["sampled"] == r[0]["sampled"] for x in r)
+        assert all(x["weight_bytes"] < 0.75 * x["alone_weight_bytes"] for x in r)

@@ -64,7 +64,7 @@ def tp_parity_cases(cases: list[dict]) -> list[dict]:
 
 def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int = 12,
               seed: int = 0, scale: float = 25.0, device: str = "cpu",
-              **build_options) -> dict:
+              planner_options: dict | None = None, **build_options) -> dict:
     """On one rank: build ``plugins`` around a seeded random HF model of ``config`` (the
     same weights on every rank) and compare with HF's own forward and greedy generate,
     which every rank runs whole, and with the same plugins in one process. Returns the
@@ -79,7 +79,7 @@ def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int =
     if device == "cuda":
         hf = hf.to(torch.device("cuda", torch.cuda.current_device()))
     engine = core.build(hf, plugins=plugins, dtype="float32", device=device,
-                        max_batch_size=len(prompts), **build_options)
+                        max_batch_size=len(prompts), **build_options, **(planner_options or {}))
     errors = [relative_error(engine.logits(ids), hf_logits(hf, ids)) for ids in prompts]
     ours = [c.token_ids for c in engine.generate(prompts, max_new_tokens=new_tokens)]
     planners = set(core.get_plugin_manager().planners().names())
@@ -93,4 +93,5 @@ def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int =
             "tensor_parallel": engine.plan.parallel.tensor_parallel,
             "stages": len(engine.plan.parallel.stages),
             "weight_bytes": engine.plan.weight_bytes,
+            "alone_weight_bytes": alone.plan.weight_bytes,
             "kv_bytes_per_token": engine.plan.kv_bytes_per_token}
