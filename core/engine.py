@@ -31,6 +31,7 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._forks: dict[int, list[Sequence]] = {}  # parent id -> samples forked at its prefill
+        self._stepping: list[Sequence] = []  # the running step's sequences
         self.graph_runner = None  # core.cuda_graph.CudaGraphRunner, set by build() on CUDA
         self.prefill_graphs = None  # core.prefill_graph.PrefillGraphRunner, likewise
         self.pipeline = DecodePipeline(self)  # greedy graph decode, one step ahead
@@ -112,13 +113,17 @@ class Engine:
         graphed = step.kind == "decode" and runner is not None and runner.bucket(len(seqs))
         if graphed and self.pipeline.eligible(seqs):
             return self.pipeline.run(seqs, tokens)
+        self._stepping = list(seqs)  # (+ samples forked in this step)
         try:
-            logits = self._forward(step, seqs, counts, tokens, graphed)
-        except BaseException:  # K/V half written: recompute every sequence of the step later
-            for s in seqs:
+            return self._step_body(step, seqs, counts, tokens, graphed)
+        except BaseException:  # K/V written, tokens not all appended (an OOM, Ctrl-C, a
+            for s in self._stepping:  # sampler error): recompute these from their tokens
                 if s in self.scheduler.running:
                     self.scheduler.preempt(s)
             raise
+
+    def _step_body(self, step, seqs, counts, tokens, graphed) -> list[Sequence]:
+        logits = self._forward(step, seqs, counts, tokens, graphed)
         if step.kind == "prefill":
             for s, n in zip(seqs, counts):
                 s.prefill_left -= min(n, s.prefill_left)  # riders (decoding) stay at 0
@@ -162,6 +167,7 @@ class Engine:
                     self.scheduler.add(child)  # prefilled later, like any request
                     continue
                 self.scheduler.adopt(child)
+                self._stepping.append(child)
                 row_logits = None if logits is None else logits[row:row + 1]
                 out.append((child, self._sample(row_logits, [child])[0]))
         return out

@@ -16,9 +16,19 @@ import os
 import attrs
 import torch
 
-from .errors import PlanError
+from .errors import PlanError, WeightLoadError
+from .slots import slot_layout
 
 ROW_BIASES = (".o.bias", ".down.bias")  # added once, after the all-reduce (rank 0 keeps them)
+# the splits the model runs (all-reduce after o and down): a planner must shard so
+COLUMN = (".qkv.weight", ".qkv.bias", ".gate_up.weight", ".gate_up.bias", ".fc_in.weight",
+          ".fc_in.bias")
+ROW = (".o.weight", ".down.weight")
+
+
+def runtime_style(slot: str) -> str:
+    """How the tensor-parallel runtime splits ``slot``: column, row or replicated."""
+    return "column" if slot.endswith(COLUMN) else "row" if slot.endswith(ROW) else "replicated"
 
 
 class TensorParallelGroup:
@@ -118,22 +128,46 @@ def rank_setup(planner, spec, parallel) -> RankSetup:
         subgroups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) if stages > 1 else None
                      for s in range(stages)]
         group = TensorParallelGroup(tp, tp_rank, subgroups[index])
-    if stages == 1:
-        return RankSetup(local_spec(spec, tp), tp=group,
-                         place=shard_fn(planner, spec, parallel, group))
-    from .stages import PipelineStage, stage_slot, stage_spec, unheld_elements
-
-    stage = PipelineStage(index, stages, parallel.stages[index], tp=tp, tp_rank=tp_rank)
+        check_styles(planner, spec)
     shard = None if group is None else shard_fn(planner, spec, parallel, group)
+    stage = None
+    if stages > 1:
+        from .stages import PipelineStage
 
-    def place(slot, tensor):  # another stage's slot: dropped; ours: cut (by the whole
-        name = stage_slot(spec, stage, slot)  # model's name), then renamed
+        stage = PipelineStage(index, stages, parallel.stages[index], tp=tp, tp_rank=tp_rank)
+    return _placed(spec, group, stage, shard)
+
+
+def check_styles(planner, spec) -> None:
+    for slot in slot_layout(spec):
+        style = planner.shard_style(spec, slot)
+        if style != runtime_style(slot):
+            raise PlanError(f"planner {planner.name!r} shards {slot!r} {style}, but the "
+                            f"tensor-parallel runtime runs it {runtime_style(slot)} (column: "
+                            "qkv, gate_up, fc_in; row: o, down; the rest replicated)")
+
+
+def _placed(spec, tp, stage, shard) -> RankSetup:
+    """The rank's setup; its ``place`` drops another stage's slots, cuts ours (by the whole
+    model's names), renames them to the stage's and checks each piece's shape."""
+    from .stages import stage_slot, stage_spec, unheld_elements
+
+    run_spec = local_spec(spec if stage is None else stage_spec(spec, stage),
+                          1 if tp is None else tp.size)
+    layout = slot_layout(run_spec)
+
+    def place(slot, tensor):
+        name = slot if stage is None else stage_slot(spec, stage, slot)
         if name is None:
             return None
-        return name, tensor if shard is None else shard(slot, tensor)[1]
+        piece = tensor if shard is None else shard(slot, tensor)
+        if tuple(piece.shape) != tuple(layout[name][0]):
+            raise WeightLoadError(f"this rank's piece of {slot!r} has shape "
+                                  f"{tuple(piece.shape)}; its model expects {layout[name][0]}")
+        return name, piece
 
-    return RankSetup(local_spec(stage_spec(spec, stage), tp), group, stage, place,
-                     unheld_elements(spec, stage))
+    unheld = 0 if stage is None else unheld_elements(spec, stage)
+    return RankSetup(run_spec, tp, stage, place, unheld)
 
 
 def local_spec(spec, tp: int):
@@ -146,12 +180,12 @@ def local_spec(spec, tp: int):
 
 
 def shard_fn(planner, spec, parallel, tp: TensorParallelGroup):
-    """slot, full tensor -> (slot, the piece this rank holds)."""
+    """slot, full tensor -> the piece this rank holds."""
 
-    def shard(slot: str, tensor: torch.Tensor):
+    def shard(slot: str, tensor: torch.Tensor) -> torch.Tensor:
         piece = planner.shard(spec, parallel, slot, tensor, tp.rank)
         if tp.rank and slot.endswith(ROW_BIASES):  # summed once by the all-reduce
             piece = torch.zeros_like(piece)
-        return slot, piece.contiguous()
+        return piece.contiguous()
 
     return shard

@@ -22,9 +22,13 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k, top_p) -> tor
 def sample_each(logits: torch.Tensor, seqs) -> list[int]:
     """``sample``, but a row that fails (NaN logits, say) gets -1 and its sequence's
     ``error`` says why, instead of costing the other rows their tokens."""
+    states = [None if s.generator is None else s.generator.get_state() for s in seqs]
     try:
         return sample(logits, seqs)
-    except Exception:
+    except Exception:  # rows before the failing one drew already: draw again from there
+        for s, state in zip(seqs, states):
+            if state is not None:
+                s.generator.set_state(state)
         return [_sample_row(logits[i:i + 1], s) for i, s in enumerate(seqs)]
 
 
@@ -37,7 +41,11 @@ def _sample_row(row: torch.Tensor, seq) -> int:
 
 
 def sample(logits: torch.Tensor, seqs) -> list[int]:
-    """logits: [B, V] float32, one row per sequence -> one token id per sequence."""
+    """logits: [B, V] float32, one row per sequence -> one token id per sequence. A row
+    holding NaN raises (argmax would return the NaN's index as a token)."""
+    nan_rows = torch.isnan(logits).any(-1).nonzero().flatten().tolist()
+    if nan_rows:
+        raise ValueError(f"NaN logits in row(s) {nan_rows}: the model's output overflowed")
     greedy = logits.argmax(-1).tolist()
     out = []
     for row, seq in enumerate(seqs):

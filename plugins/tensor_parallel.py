@@ -12,11 +12,9 @@ import torch
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.core.model import slot_layout
+from infergraft.core.parallel import runtime_style
 from infergraft.core.plan import ParallelPlan, Planner
 
-COLUMN = (".qkv.weight", ".qkv.bias", ".gate_up.weight", ".gate_up.bias", ".fc_in.weight",
-          ".fc_in.bias")
-ROW = (".o.weight", ".down.weight")
 
 
 def check_divides(planner: str, spec, tp: int) -> None:
@@ -40,9 +38,7 @@ class TensorParallelPlanner(Planner):
         return ParallelPlan(world_size, world_size, ((0, spec.num_layers),))
 
     def shard_style(self, spec, slot: str) -> str:
-        if slot.endswith(COLUMN):
-            return "column"
-        return "row" if slot.endswith(ROW) else "replicated"
+        return runtime_style(slot)  # Megatron's splits, the ones the runtime runs
 
     def shard(self, spec, parallel, slot: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         tp, style = parallel.tensor_parallel, self.shard_style(spec, slot)

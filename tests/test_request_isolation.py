@@ -150,3 +150,48 @@ def test_a_step_that_fails_in_the_model_is_recomputed_for_the_others(tiny, monke
         tiny.step()
     assert seq.output_ids == want  # recomputed from its tokens so far: nothing lost or repeated
     assert tiny.cache.stats()["sequences"] == 0
+
+
+def test_a_nan_row_fails_alone_and_seeded_neighbours_draw_as_if_alone():
+    import torch
+
+    from infergraft.core.request import Sequence
+    from infergraft.core.sampler import sample, sample_each
+
+    def seqs():
+        return [Sequence([1], core.SamplingParams(temperature=1.0, seed=1)),
+                Sequence([1], core.SamplingParams()),  # greedy: argmax would pick the NaN
+                Sequence([1], core.SamplingParams(temperature=1.0, seed=2))]
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    sick = logits.clone()
+    sick[1, 7] = float("nan")
+    alone, mixed = seqs(), seqs()
+    want = [sample(logits[[0, 2]], [alone[0], alone[2]]) for _ in range(4)]
+    got = [sample_each(sick, mixed) for _ in range(4)]
+    assert [g[1] for g in got] == [-1] * 4 and "NaN logits" in mixed[1].error
+    assert [[g[0], g[2]] for g in got] == want  # no draw lost to the failing row
+
+
+def test_an_interrupt_while_sampling_is_recomputed_for_the_others(tiny, monkeypatch):
+    from infergraft.core import engine as engine_module
+
+    good = random_prompt(6, 256, 12)
+    want = _alone(tiny, good)
+    seq = tiny.add_request(good, core.SamplingParams(max_new_tokens=10))
+    tiny.step()
+    tiny.step()
+    real, calls = engine_module.sample_each, []
+
+    def interrupted(logits, seqs):  # Ctrl-C lands after the step's K/V are written
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(logits, seqs)
+
+    monkeypatch.setattr(engine_module, "sample_each", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.generate(random_prompt(4, 256, 13), max_new_tokens=5)
+    while tiny.has_unfinished():
+        tiny.step()
+    assert seq.output_ids == want

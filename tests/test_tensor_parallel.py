@@ -198,3 +198,22 @@ def test_four_ranks_two_stages_of_two_tensor_parallel_ranks():
         assert r[0]["ours"] == r[0]["hf"] == r[0]["alone"]
         assert all(x["ours"] == r[0]["ours"] and x["sampled"] == r[0]["sampled"] for x in r)
         assert all(x["weight_bytes"] < 0.75 * x["alone_weight_bytes"] for x in r)
+
+
+def test_a_planner_whose_splits_the_runtime_does_not_run_is_refused():
+    from infergraft.core.parallel import check_styles
+    from infergraft.plugins.tensor_parallel import TensorParallelPlanner
+
+    class ReplicatedMLP(TensorParallelPlanner):  # would pass the kit, then run wrong
+        name = "replicated-mlp"
+
+        def shard_style(self, spec, slot):
+            return "replicated" if ".gate_up." in slot or ".down." in slot \
+                else super().shard_style(spec, slot)
+
+    spec = core.get_plugin_manager().policies().get("llama").describe(tiny_llama_config())
+    check_styles(TensorParallelPlanner(), spec)
+    with pytest.raises(PlanError, match="'replicated-mlp' shards 'layers.0.gate_up.weight' "
+                                        "replicated, but the tensor-parallel runtime runs it "
+                                        "column"):
+        check_styles(ReplicatedMLP(), spec)
