@@ -64,7 +64,8 @@ def resolve_device(device) -> torch.device:
 
 def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
     """Resolve names and plugin objects; returns (manager, Selection)."""
-    if plugins is not None and not isinstance(plugins, (str, list, tuple)):
+    if plugins is not None and (isinstance(plugins, (bytes, dict))
+                                or not isinstance(plugins, (str, Iterable))):
         raise UnknownPluginError(f"plugins must be a list of names and plugin objects, got "
                                  f"{type(plugins).__name__} {plugins!r}")
     plugins = [plugins] if isinstance(plugins, str) else list(plugins or [])
@@ -212,6 +213,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     plan = _with_activations(pm.prepare_plan(plan, spec), plan, run_spec, dtype)
     budget, budget_source = device_budget(device, device_memory)
     kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
+    if device.type == "cpu":  # an offloading cache's host pool is this memory too
+        kv_device = max(kv_device, plan.kv_bytes_total)
     check_fits(plan, kv_device, budget, budget_source)  # before any weight is loaded
 
     net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage)

@@ -135,7 +135,11 @@ class PluginManager:
     def load_defaults(self) -> None:
         blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
         for modname in DEFAULT_PLUGINS:
-            short, module = modname.rsplit(".", 1)[1], importlib.import_module(modname)
+            short = modname.rsplit(".", 1)[1]
+            if short in blocked:  # not even imported: the escape hatch for a broken one
+                self._loadable.add(short)
+                continue
+            module = importlib.import_module(modname)
             names = {short} | _component_names(module)
             self._loadable |= names
             if not blocked & names:  # "int8" blocks weight_int8
@@ -263,9 +267,14 @@ class PluginManager:
 
 
 def _implements_a_hook(plugin: Any) -> bool:
-    marker = f"{hookspecs.PROJECT}_impl"  # what @hookimpl sets on a function
-    return any(hasattr(getattr(plugin, n, None), marker)
-               for n in dir(plugin) if n.startswith("infergraft_"))
+    marker = f"{hookspecs.PROJECT}_impl"  # what @hookimpl sets (also with specname=...)
+    for name in dir(plugin):
+        try:
+            if hasattr(getattr(plugin, name), marker):
+                return True
+        except Exception:  # a property that raises is no hook
+            continue
+    return False
 
 
 def _default_name(plugin: Any) -> str:

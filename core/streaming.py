@@ -41,8 +41,9 @@ def raise_failed(seqs) -> None:
     """RequestFailedError if any of ``seqs`` finished with an error (seq.error says why)."""
     failed = [s for s in seqs if s.finish_reason == "error"]
     if failed:
+        why = failed[0].error or "sampling failed on the rank that samples"  # pipelines
         raise RequestFailedError(f"{len(failed)} request(s) failed after "
-                                 f"{len(failed[0].output_ids)} token(s): {failed[0].error}; "
+                                 f"{len(failed[0].output_ids)} token(s): {why}; "
                                  "other requests were unaffected")
 
 
