@@ -94,7 +94,8 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one scheduler step; returns the sequences that got a token."""
         if self.pipeline.inflight is not None:  # a greedy decode step already launched
-            return self.pipeline.advance()
+            self._stepping = list(self.pipeline.inflight[0])
+            return self._guarded(self.pipeline.advance)
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -111,14 +112,18 @@ class Engine:
             tokens = [s.output_ids[-1] for s in seqs]
         runner = self.graph_runner
         graphed = step.kind == "decode" and runner is not None and runner.bucket(len(seqs))
-        if graphed and self.pipeline.eligible(seqs):
-            return self.pipeline.run(seqs, tokens)
         self._stepping = list(seqs)  # (+ samples forked in this step)
+        if graphed and self.pipeline.eligible(seqs):
+            return self._guarded(lambda: self.pipeline.run(seqs, tokens))
+        return self._guarded(lambda: self._step_body(step, seqs, counts, tokens, graphed))
+
+    def _guarded(self, run_step):
         try:
-            return self._step_body(step, seqs, counts, tokens, graphed)
+            return run_step()
         except BaseException:  # K/V written, tokens not all appended (an OOM, Ctrl-C, a
-            for s in self._stepping:  # sampler error): recompute these from their tokens
-                if s in self.scheduler.running:
+            self.pipeline.inflight = None  # sampler error): recompute the step's sequences
+            for s in self._stepping:  # from their tokens so far (a step launched ahead
+                if s in self.scheduler.running:  # writes only slots freed here, in order)
                     self.scheduler.preempt(s)
             raise
 

@@ -122,3 +122,38 @@ def test_no_gc_during_capture_restores_the_collector():
             assert not gc.isenabled()
             raise RuntimeError("capture failed")
     assert gc.isenabled()  # re-enabled even when the capture raised
+
+
+def test_an_interrupt_while_reading_a_step_in_flight_loses_nothing(hf):
+    engine, _ = pipelined(hf, "paged")
+    prompt = random_prompt(5, CFG.vocab_size, 21)
+    want = alone(hf, prompt, 12)
+    seq = engine.add_request(prompt, SamplingParams(max_new_tokens=12))
+    for _ in range(3):
+        engine.step()  # prefill, then pipelined decode steps (one in flight)
+    assert engine.pipeline.inflight is not None
+    runner, launch, calls = engine.graph_runner, engine.graph_runner.launch, []
+
+    def launch_then_interrupt(ids, tokens):  # the next read of a step dies (Ctrl-C)
+        pending = launch(ids, tokens)
+        if not calls:
+            calls.append(1)
+
+            def get():
+                raise KeyboardInterrupt
+            pending.get = get
+        return pending
+
+    runner.launch = launch_then_interrupt
+    for _ in range(3):  # the step in flight is read fine; the one launched next is not
+        try:
+            engine.step()
+        except KeyboardInterrupt:
+            break
+    else:
+        raise AssertionError("the interrupt never came")
+    assert engine.pipeline.inflight is None and seq.status.value == "waiting"
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_ids == want
+    assert engine.cache.stats()["sequences"] == 0
