@@ -213,8 +213,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     plan = _with_activations(pm.prepare_plan(plan, spec), plan, run_spec, dtype)
     budget, budget_source = device_budget(device, device_memory)
     kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
-    if device.type == "cpu":  # an offloading cache's host pool is this memory too
-        kv_device = max(kv_device, plan.kv_bytes_total)
+    if device.type == "cpu":  # a cache's host pool (offload's slow blocks) is this memory too
+        kv_device += getattr(backend, "host_bytes", lambda p, **o: 0)(plan, **opts[0])
     check_fits(plan, kv_device, budget, budget_source)  # before any weight is loaded
 
     net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage)

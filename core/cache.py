@@ -41,6 +41,10 @@ class CacheBackend:
         """K/V bytes the cache will hold on the device for ``plan`` (memory check input)."""
         return plan.kv_bytes_total
 
+    def host_bytes(self, plan, **options) -> int:
+        """K/V bytes it holds in host memory besides (counted when the device is the CPU)."""
+        return 0
+
 
 class KVCache:
     """Runtime cache. ``seq_id`` is any hashable the engine chooses.

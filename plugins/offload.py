@@ -225,6 +225,11 @@ class OffloadBackend(PagedBackend):
         bs, _, fast = self._sizes(plan, block_size, num_blocks, fast_blocks)
         return fast * bs * plan.kv_bytes_per_token
 
+    def host_bytes(self, plan, block_size=16, num_blocks=None, fast_blocks=None, **_):
+        """The slow pool: room for every block, in host memory."""
+        bs, nb, _ = self._sizes(plan, block_size, num_blocks, fast_blocks)
+        return nb * bs * plan.kv_bytes_per_token
+
 
 @hookimpl
 def infergraft_register_cache_backends(register):

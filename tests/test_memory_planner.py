@@ -291,3 +291,15 @@ def test_rope_past_the_trained_positions_warns():
     spec = core.get_plugin_manager().policies().get("llama").describe(tiny_llama_config())
     with pytest.warns(UserWarning, match="max_seq_len=1024 exceeds the model's max_position"):
         assert plan_memory(spec, max_seq_len=1024).max_seq_len == 1024  # allowed, with a word
+
+
+def test_on_the_cpu_the_offload_host_pool_counts_too():
+    hf = random_model(tiny_llama_config())
+    kw = dict(plugins=["offload"], max_seq_len=64, max_batch_size=4, block_size=16,
+              num_blocks=16, fast_blocks=8)
+    plan = core.build(hf, **kw).plan
+    pools = (8 + 16) * 16 * plan.kv_bytes_per_token  # fast blocks + the slow pool's room
+    needed = plan.weight_bytes + plan.activation_bytes + pools
+    core.build(hf, device_memory=needed, **kw)
+    with pytest.raises(PlanError, match="does not fit"):
+        core.build(hf, device_memory=needed - 1, **kw)
