@@ -47,16 +47,17 @@ class TensorParallelGroup:
 
     def agree(self, tokens: list[int], device) -> list[int]:
         """Rank 0's sampled tokens, on every rank."""
-        if not tokens:
-            return tokens
-        t = torch.tensor(tokens, dtype=torch.int64, device=device)
-        torch.distributed.broadcast(t, src=self._global(0), group=self.group)
-        return t.tolist()
+        src = 0 if self.group is None else torch.distributed.get_global_rank(self.group, 0)
+        return broadcast_tokens(tokens, device, src, self.group)
 
-    def _global(self, rank: int) -> int:
-        if self.group is None:
-            return rank
-        return torch.distributed.get_global_rank(self.group, rank)
+
+def broadcast_tokens(tokens: list[int], device, src: int, group=None) -> list[int]:
+    """Global rank ``src``'s token ids, on every rank of ``group``."""
+    if not tokens:
+        return tokens
+    t = torch.tensor(tokens, dtype=torch.int64, device=device)
+    torch.distributed.broadcast(t, src=src, group=group)
+    return t.tolist()
 
 
 def world_size_for(planner, device: torch.device) -> int:
@@ -150,10 +151,9 @@ def check_styles(planner, spec) -> None:
 def _placed(spec, tp, stage, shard) -> RankSetup:
     """The rank's setup; its ``place`` drops another stage's slots, cuts ours (by the whole
     model's names), renames them to the stage's and checks each piece's shape."""
-    from .stages import stage_slot, stage_spec, unheld_elements
+    from .stages import stage_slot
 
-    run_spec = local_spec(spec if stage is None else stage_spec(spec, stage),
-                          1 if tp is None else tp.size)
+    run_spec, unheld = rank_spec(spec, stage, 1 if tp is None else tp.size)
     layout = slot_layout(run_spec)
 
     def place(slot, tensor):
@@ -166,8 +166,17 @@ def _placed(spec, tp, stage, shard) -> RankSetup:
                                   f"{tuple(piece.shape)}; its model expects {layout[name][0]}")
         return name, piece
 
-    unheld = 0 if stage is None else unheld_elements(spec, stage)
     return RankSetup(run_spec, tp, stage, place, unheld)
+
+
+def rank_spec(spec, stage, tp: int):
+    """(what one rank runs: 1/tp of its stage's layers, elements of the embeddings and head
+    that rank does not hold though ``weight_bytes`` of that spec counts them)."""
+    from .stages import stage_spec, unheld_elements
+
+    if stage is None:
+        return local_spec(spec, tp), 0
+    return local_spec(stage_spec(spec, stage), tp), unheld_elements(spec, stage)
 
 
 def local_spec(spec, tp: int):

@@ -12,8 +12,7 @@ import torch
 from .build import _DTYPES, resolve_dtype
 from .errors import PlanError
 from .memory import as_bytes, device_budget, element_bytes, host_memory, plan_memory, spec_of
-from .parallel import local_spec
-from .stages import stage_spec, unheld_elements
+from .parallel import rank_spec
 from .plugins import get_plugin_manager
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
@@ -74,13 +73,13 @@ def one_rank(name: str, spec, stages: int, tp: int):
     planners = get_plugin_manager().planners()
     if stages == 1:
         planners.get("tp").plan(spec, tp)
-        return f"{name}, one of {tp} ranks", local_spec(spec, tp), 0
+        return (f"{name}, one of {tp} ranks", *rank_spec(spec, None, tp))
     plan = planners.get("pp").plan(spec, stages * tp, tensor_parallel=tp)
     stage = PipelineStage(0, stages, plan.stages[0])
     label = f"{name}, stage 1 of {stages} (layers {stage.layers[0]}-{stage.layers[1] - 1})"
     if tp > 1:
         label += f", one of its {tp} ranks"
-    return label, local_spec(stage_spec(spec, stage), tp), unheld_elements(spec, stage)
+    return (label, *rank_spec(spec, stage, tp))
 
 
 def run(args) -> int:

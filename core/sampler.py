@@ -43,10 +43,11 @@ def _sample_row(row: torch.Tensor, seq) -> int:
 def sample(logits: torch.Tensor, seqs) -> list[int]:
     """logits: [B, V] float32, one row per sequence -> one token id per sequence. A row
     holding NaN raises (argmax would return the NaN's index as a token)."""
-    nan_rows = torch.isnan(logits).any(-1).nonzero().flatten().tolist()
+    # [2, B] -> host in one copy (one sync a step, as before the NaN check)
+    greedy, nan = torch.stack([logits.argmax(-1), torch.isnan(logits).any(-1).long()]).tolist()
+    nan_rows = [row for row, bad in enumerate(nan) if bad]
     if nan_rows:
         raise ValueError(f"NaN logits in row(s) {nan_rows}: the model's output overflowed")
-    greedy = logits.argmax(-1).tolist()
     out = []
     for row, seq in enumerate(seqs):
         p = seq.params

@@ -50,11 +50,9 @@ class PipelineStage:
 
     def agree(self, tokens: list[int], device) -> list[int]:
         """The last stage's sampled tokens, on every rank."""
-        if not tokens:
-            return tokens
-        t = torch.tensor(tokens, dtype=torch.int64, device=device)
-        torch.distributed.broadcast(t, src=self.sampler)
-        return t.tolist()
+        from .parallel import broadcast_tokens
+
+        return broadcast_tokens(tokens, device, self.sampler)
 
     def share(self, logits: torch.Tensor | None, shape, device) -> torch.Tensor:
         """The last stage's logits [rows, V] float32, on every rank."""
