@@ -3,13 +3,17 @@
     from infergraft import core
     engine = core.build(model, plugins=["paged", "int8"], dtype="bfloat16")
 """
-from .build import build
+from . import _moved
+
+_moved.install()  # old paths of moved modules (infergraft.core.cuda_graph, ...) still import
+
+from .build import build  # noqa: E402
 from .engine import Engine
 from .errors import (InfergraftError, InvalidRequestError, KernelUnavailableError, PlanError,
                      PluginError, RequestFailedError, UnknownPluginError, UnsupportedModelError,
                      WeightLoadError)
 from .hookspecs import CONTRACT_VERSION, hookimpl
-from .plugins import DEFAULT_PLUGINS, get_plugin_manager, reset_plugin_manager
+from .plugin_manager import DEFAULT_PLUGINS, get_plugin_manager, reset_plugin_manager
 from .request import Completion, SamplingParams
 from .spec import ModelSpec, RopeSpec
 

@@ -12,6 +12,7 @@ from typing import Any, Hashable
 import torch
 
 from .errors import InfergraftError
+from .units import kv_bytes_per_token
 
 
 class CacheFullError(InfergraftError, RuntimeError):
@@ -33,8 +34,6 @@ class CacheBackend:
 
     def bytes_per_token(self, spec, dtype: torch.dtype, kv_quantizer=None) -> int:
         """K and V bytes one token occupies across all layers (planner input)."""
-        from .memory import kv_bytes_per_token
-
         return kv_bytes_per_token(spec, dtype, kv_quantizer)
 
     def device_bytes(self, plan, **options) -> int:

@@ -6,9 +6,9 @@ import json
 import os
 import sys
 
-from . import build
+from .build import build
 from .errors import InfergraftError
-from .plugins import get_plugin_manager
+from .plugin_manager import get_plugin_manager
 from .request import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -151,11 +151,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
     b = sub.add_parser("bench", help="decode/prefill benchmark beside HF transformers")
-    from .bench_cli import add_arguments, run as run_bench
+    from .tools.bench_cli import add_arguments, run as run_bench
     add_arguments(b)
     b.set_defaults(func=run_bench)
     m = sub.add_parser("plan", help="memory plan of a model (no weights loaded)")
-    from .plan_cli import add_arguments as plan_arguments, run as run_plan
+    from .tools.plan_cli import add_arguments as plan_arguments, run as run_plan
     plan_arguments(m)
     m.set_defaults(func=run_plan)
     return parser

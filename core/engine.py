@@ -1,4 +1,7 @@
-"""Engine: requests in, completions out, over the runner (model + cache) and scheduler."""
+"""Engine: requests in, completions out. The scheduler says what a step runs, the model
+runner runs it (eager or a graph replay), the sampler picks tokens, and ``_append``
+applies stop conditions; ``step()`` is one such round (docs/architecture.md: "How a
+request flows")."""
 from __future__ import annotations
 
 import time
@@ -9,11 +12,12 @@ import torch
 
 from .cache import CacheFullError
 from .errors import InvalidRequestError
-from .pipeline import DecodePipeline
 from .request import SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch
-from .sampler import sample_each
+from .runner.lookahead import DecodeLookahead
+from .runner.model_runner import ModelRunner
+from .runner.sampler import sample_each
+from .scheduler import Scheduler, default_prefill_tokens, step_tokens
 from .streaming import raise_failed, stream_deltas
-from .scheduler import Scheduler, default_prefill_tokens, tokens_of
 
 Prompt = Union[str, list]
 
@@ -32,23 +36,32 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._forks: dict[int, list[Sequence]] = {}  # parent id -> samples forked at its prefill
         self._stepping: list[Sequence] = []  # the running step's sequences
-        self.graph_runner = None  # core.cuda_graph.CudaGraphRunner, set by build() on CUDA
-        self.prefill_graphs = None  # core.prefill_graph.PrefillGraphRunner, likewise
-        self.pipeline = DecodePipeline(self)  # greedy graph decode, one step ahead
-        # core.parallel.TensorParallelGroup or core.stages.PipelineStage: every rank takes
-        # the tokens sampled where the logits are
+        self.runner = ModelRunner(model, cache, self.device)
+        self.lookahead = DecodeLookahead(self)  # greedy graph decode, one step ahead
+        # distributed.collectives.TensorParallelGroup or distributed.stages.PipelineStage:
+        # every rank takes the tokens sampled where the logits are
         self.ranks = None
 
     @property
+    def decode_graphs(self):
+        """runner.cuda_graph.CudaGraphRunner (set by build() on CUDA) or None."""
+        return self.runner.decode_graphs
+
+    @decode_graphs.setter
+    def decode_graphs(self, graphs):
+        self.runner.decode_graphs = graphs
+
+    @property
     def prefill_graphs(self):
-        return self._prefill_graphs
+        """runner.prefill_graph.PrefillGraphRunner (set by build() on CUDA) or None."""
+        return self.runner.prefill_graphs
 
     @prefill_graphs.setter
-    def prefill_graphs(self, runner):
-        # a prompt the runner can replay is admitted alone: decode riders would stop it
-        self._prefill_graphs = runner
-        self.scheduler.solo_prefill = None if runner is None else \
-            (lambda seqs, counts: runner.bucket(seqs, counts) is not None)
+    def prefill_graphs(self, graphs):
+        # a prompt the graphs can replay is admitted alone: decode riders would stop it
+        self.runner.prefill_graphs = graphs
+        self.scheduler.prefill_alone = None if graphs is None else \
+            (lambda seqs, counts: graphs.bucket(seqs, counts) is not None)
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -93,46 +106,39 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one scheduler step; returns the sequences that got a token."""
-        if self.pipeline.inflight is not None:  # a greedy decode step already launched
-            self._stepping = list(self.pipeline.inflight[0])
-            return self._guarded(self.pipeline.advance)
+        if self.lookahead.inflight is not None:  # a greedy decode step already launched
+            self._stepping = list(self.lookahead.inflight[0])
+            return self._guarded(self.lookahead.advance)
         step = self.scheduler.schedule()
         if step is None:
             return []
-        seqs, counts = step.seqs, step.counts
-        if step.kind == "prefill":  # after a preemption: prompt + output so far
-            tokens = []
-            for s, n in zip(seqs, counts):  # this step's chunk of what is not fed yet
-                if not s.prefill_left:  # a decoding sequence riding along a chunk
-                    tokens.append(s.output_ids[-1])
-                    continue
-                done = s.num_tokens - s.prefill_left
-                tokens += tokens_of(s)[done:done + n]
-        else:
-            tokens = [s.output_ids[-1] for s in seqs]
-        runner = self.graph_runner
-        graphed = step.kind == "decode" and runner is not None and runner.bucket(len(seqs))
-        self._stepping = list(seqs)  # (+ samples forked in this step)
-        if graphed and self.pipeline.eligible(seqs):
-            return self._guarded(lambda: self.pipeline.run(seqs, tokens))
-        return self._guarded(lambda: self._step_body(step, seqs, counts, tokens, graphed))
+        tokens = step_tokens(step)
+        replay = self.runner.replays_decode(step)
+        self._stepping = list(step.seqs)  # (+ samples forked in this step)
+        if replay and self.lookahead.eligible(step.seqs):
+            return self._guarded(lambda: self.lookahead.run(step.seqs, tokens))
+        return self._guarded(lambda: self._step_body(step, tokens, replay))
 
     def _guarded(self, run_step):
         try:
             return run_step()
-        except BaseException:  # K/V written, tokens not all appended (an OOM, Ctrl-C, a
-            self.pipeline.inflight = None  # sampler error): recompute the step's sequences
-            for s in self._stepping:  # from their tokens so far (a step launched ahead
-                if s in self.scheduler.running:  # writes only slots freed here, in order)
+        # The step wrote K/V but did not append every token (an OOM, Ctrl-C, a sampler
+        # error): its sequences are recomputed from their tokens so far. A step launched
+        # ahead writes only slots freed here, in stream order.
+        except BaseException:
+            self.lookahead.inflight = None
+            for s in self._stepping:
+                if s in self.scheduler.running:
                     self.scheduler.preempt(s)
             raise
 
-    def _step_body(self, step, seqs, counts, tokens, graphed) -> list[Sequence]:
-        logits = self._forward(step, seqs, counts, tokens, graphed)
+    def _step_body(self, step, tokens, replay) -> list[Sequence]:
+        seqs = step.seqs
+        logits = self.runner.forward(step, tokens, replay)
+        for s, n in zip(seqs, step.counts):
+            s.num_computed_tokens += n
         if step.kind == "prefill":
-            for s, n in zip(seqs, counts):
-                s.prefill_left -= min(n, s.prefill_left)  # riders (decoding) stay at 0
-            ready = [i for i, s in enumerate(seqs) if not s.prefill_left]  # whole prompt fed
+            ready = [i for i, s in enumerate(seqs) if not s.prefilling]  # whole prompt fed
             if len(ready) < len(seqs):  # a chunk: no token yet
                 seqs = [seqs[i] for i in ready]
                 logits = None if logits is None else logits[ready]
@@ -144,19 +150,6 @@ class Engine:
         for seq, tok in forked:
             self._append(seq, tok, now)
         return seqs + [s for s, _ in forked]
-
-    def _forward(self, step, seqs, counts, tokens, graphed):
-        """The step's logits [rows we sample from, V] (None before a pipeline's last stage)."""
-        prefill_graphs = self.prefill_graphs
-        if graphed:
-            return self.graph_runner.decode([s.id for s in seqs], tokens)  # [B, V], replay
-        if step.kind == "prefill" and prefill_graphs and prefill_graphs.bucket(seqs, counts):
-            return prefill_graphs.prefill(seqs[0].id, tokens)  # [1, V], graph replay
-        meta = self.cache.prepare([s.id for s in seqs], counts)
-        last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
-        token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(token_t, self.cache, meta,
-                          None if step.kind == "decode" else last.to(self.device))
 
     def _fork_samples(self, seqs, logits) -> list[tuple[Sequence, int]]:
         """Samples 2..n of a just-prefilled prompt share its K/V (cache.fork) and take
@@ -171,6 +164,8 @@ class Engine:
                 except (CacheFullError, NotImplementedError):
                     self.scheduler.add(child)  # prefilled later, like any request
                     continue
+                child.num_prefill_tokens = parent.num_prefill_tokens
+                child.num_computed_tokens = parent.num_computed_tokens
                 self.scheduler.adopt(child)
                 self._stepping.append(child)
                 row_logits = None if logits is None else logits[row:row + 1]
@@ -182,7 +177,7 @@ class Engine:
         written every sequence's K/V, so the others must still get their tokens."""
         # (logits None: a pipeline stage before the last; the last one samples)
         new = [-1] * len(seqs) if logits is None else sample_each(logits, seqs)
-        return new if self.ranks is None else self.ranks.agree(new, self.device)
+        return new if self.ranks is None else self.ranks.broadcast_sampled(new, self.device)
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
         if token < 0:  # this sequence's sampling failed (seq.error says why)
@@ -273,11 +268,10 @@ class Engine:
                                  f"running requests: {e}; call it when fewer run, or build "
                                  "with a larger max_batch_size") from None
         try:
-            meta = self.cache.prepare([seq_id], [len(ids)])
-            tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-            out = self.model(tokens, self.cache, meta, None)  # [len, V]; None before the last stage
+            out = self.runner.every_row(seq_id, ids)  # [len, V]; None before the last stage
             if self.ranks is not None:
-                out = self.ranks.share(out, (len(ids), self.spec.vocab_size), self.device)
+                out = self.ranks.broadcast_logits(out, (len(ids), self.spec.vocab_size),
+                                                  self.device)
             return out.cpu()
         finally:
             self.cache.free(seq_id)

@@ -17,21 +17,11 @@ from typing import Optional
 import attrs
 import torch
 
+from ._moved import moved_names
 from .errors import PlanError
 from .scheduler import default_prefill_tokens
-from .units import KVSizes
-from .units import activations_label, fmt_bytes, parse_bytes
-
-
-def element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def kv_bytes_per_token(spec, dtype: torch.dtype, kv_quantizer=None) -> int:
-    """K and V bytes of one token across all layers (scales included when quantised)."""
-    if kv_quantizer is not None:
-        return kv_quantizer.kv_bytes_per_token(spec)
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element_bytes(dtype)
+from .units import (KVSizes, activations_label, element_bytes, fmt_bytes,  # noqa: F401
+                    kv_bytes_per_token, parse_bytes)
 
 
 def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
@@ -294,26 +284,4 @@ def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -
         raise PlanError(msg)
 
 
-def spec_of(model, policy: Optional[str] = None):
-    """(name, ModelSpec, HF config) from a local model directory or a demo alias,
-    reading only its config.json (no weights)."""
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from .build import choose_policy
-    from .plugins import get_plugin_manager
-    from .source import ALIASES, ModelSourceError
-
-    name = str(model)
-    if name in ALIASES:
-        from .demo import ensure_demo_model
-
-        path = ensure_demo_model(name)
-    else:
-        path = Path(name).expanduser()
-        if not (path / "config.json").exists():
-            raise ModelSourceError(f"cannot plan {name!r}: give a local model directory with a "
-                                   f"config.json, or one of the aliases {', '.join(ALIASES)}")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    return name, choose_policy(get_plugin_manager(), config, policy).describe(config), config
+__getattr__ = moved_names(__name__)  # names that moved out, for one release

@@ -7,7 +7,7 @@ A quantiser says what it applies to:
   ``unpack``, ``matmul``, ``packed_bytes``). While ``core.build`` streams the checkpoint,
   each weight slot it ``quantizes`` is packed as soon as it fills (one tensor at a time:
   no full-precision copy of the model is ever held) and its ``Linear`` becomes a
-  ``core.model.QuantizedLinear`` calling ``matmul(x, packed)`` (with ``ops=``, the
+  ``core.runner.model.QuantizedLinear`` calling ``matmul(x, packed)`` (with ``ops=``, the
   engine's kernels, when the method takes that keyword). ``packed_bytes_of`` sizes the
   memory plan before any weight loads. At most one per engine.
 * ``applies_to = "kv"``: it changes how the KV cache stores K and V. It does no work of
@@ -20,6 +20,9 @@ from __future__ import annotations
 import math
 import re
 from typing import Any
+
+from ._moved import moved_names
+from .slots import slot_layout
 
 QUANTIZER_TARGETS = ("weights", "kv")
 _PROJECTION = re.compile(r"^layers\.\d+\.(qkv|o|gate_up|fc_in|down)\.weight$")
@@ -63,8 +66,6 @@ class Quantizer:
 
     def weight_bytes(self, spec, element_bytes: int) -> int:
         """Bytes of all the model's weights with the slots it ``quantizes`` packed."""
-        from .model import slot_layout
-
         dense = packed = 0
         for slot, (shape, _) in slot_layout(spec).items():
             if self.quantizes(slot):
@@ -73,57 +74,4 @@ class Quantizer:
         return packed + (spec.param_count - dense) * element_bytes
 
 
-_LAYER_SLOT = re.compile(r"^layers\.(\d+)\.(\w+)\.weight$")
-
-
-class SlotPacker:
-    """``load_weights``' slot callback: a slot the quantiser packs becomes a
-    ``QuantizedLinear``. With ``fold_norms`` (the fused decode layer will run) an RMSNorm
-    weight that feeds a packed projection is folded into it first (``model.folded``),
-    whichever of the two arrives first: a projection waits, unpacked, for its norm (layer
-    by layer in a checkpoint that goes so); ``finish`` sets those norms to ones."""
-
-    def __init__(self, quantizer, ops, net, fold_norms: bool):
-        from .model import DecoderLayer
-
-        self.quantizer, self.ops, self.net, self.fold_norms = quantizer, ops, net, fold_norms
-        self.feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds
-        self.fed_by = {p: n for n, p in self.feeds.items()}
-        self.norms, self.waiting = {}, set()  # (layer, norm) -> weight; (layer, projection)
-        self.folded = set()  # (layer, norm) whose weight lives in its packed projection
-
-    def _packed(self, weight, bias):
-        from .model import QuantizedLinear
-
-        return QuantizedLinear(self.quantizer, self.quantizer.pack(weight), bias, self.ops)
-
-    def __call__(self, slot, module, weight):
-        from .model import Linear, folded
-
-        m = _LAYER_SLOT.match(slot) if self.fold_norms else None
-        name = m and m[2]  # a norm, its projection, or another slot
-        proj = self.feeds.get(name, name if name in self.fed_by else None)
-        if proj is None or not self.quantizer.quantizes(f"layers.{m[1]}.{proj}.weight"):
-            quantized = self.quantizer.quantizes(slot) and type(module) is Linear
-            return self._packed(weight, module.bias) if quantized else None
-        i = int(m[1])
-        if name in self.feeds:  # a norm (installed as loaded until ``finish``)
-            self.norms[(i, name)] = weight
-            if (i, proj) in self.waiting:  # its projection came first: pack it now
-                self.waiting.discard((i, proj))
-                lin = getattr(self.net.layers[i], proj)
-                setattr(self.net.layers[i], proj, self._packed(folded(lin.weight, weight), lin.bias))
-                self.folded.add((i, name))
-            return None
-        norm = self.fed_by[name]
-        if (i, norm) not in self.norms:
-            self.waiting.add((i, name))
-            return None  # installed unpacked until the norm arrives
-        self.folded.add((i, norm))
-        return self._packed(folded(weight, self.norms[(i, norm)]), module.bias)
-
-    def finish(self) -> None:
-        """After loading: norms folded into packed projections become ones."""
-        assert not self.waiting, f"projections never met their norms: {sorted(self.waiting)}"
-        for i, name in self.folded:
-            self.net.layers[i].mark_norm_folded(name)
+__getattr__ = moved_names(__name__)  # names that moved out, for one release

@@ -84,7 +84,11 @@ class Sequence:
         self.finish_reason: Optional[str] = None  # stop, length, abort or error
         self.error: Optional[str] = None  # why, when finish_reason is "error"
         self.text = ""  # detokenised output so far (stop strings trimmed)
-        self.prefill_left = 0  # tokens of an admitted prompt not yet fed (chunked prefill)
+        # K/V the cache holds, counted up by each step (prefill chunks, then one a decode
+        # step), and how many of them the current prefill feeds: set at admission to the
+        # prompt (plus the output so far after a preemption), 0 while waiting
+        self.num_computed_tokens = 0
+        self.num_prefill_tokens = 0
         self.metrics = RequestMetrics()
         self.generator = None
         if not params.greedy:
@@ -99,6 +103,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefilling(self) -> bool:
+        """Admitted, with prompt tokens not fed yet (a chunked prefill in progress)."""
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
@@ -108,7 +117,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: Optional[str]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "error" or "abort"
     metrics: RequestMetrics
 
 

@@ -4,7 +4,7 @@ Each step is either a prefill of newly admitted sequences or one decode token fo
 running sequences; finished sequences leave (and free their cache) between steps, so
 new requests join a running batch without waiting for it to drain; the running sequences'
 decode tokens ride in the admission step too (one each), unless the admitted prompt
-could replay a captured prefill graph (``solo_prefill``), which takes it alone. A prompt
+could replay a captured prefill graph (``prefill_alone``), which takes it alone. A prompt
 longer than ``max_prefill_tokens`` is prefilled in chunks of that size (its cache
 reserved whole at admission), one chunk per step, and the decode tokens ride in each, so
 the running sequences' tokens keep coming every step; where the cache cannot take both,
@@ -45,13 +45,26 @@ class Step:
     kind: str  # "prefill" | "decode"
     seqs: list
     # tokens each sequence feeds (decode: 1 each; prefill: a chunk or all, and 1 for each
-    # decoding sequence riding along a chunk: its prefill_left is 0)
+    # decoding sequence riding along: one that is not ``prefilling``)
     counts: list
 
 
 def tokens_of(seq: Sequence) -> list[int]:
     """What a prefill of ``seq`` feeds: its prompt, plus its output after a preemption."""
     return seq.prompt_ids + seq.output_ids
+
+
+def step_tokens(step: Step) -> list[int]:
+    """The token ids ``step`` feeds, sequence after sequence: a prefilling sequence's next
+    ``count`` tokens, a decoding one's last sampled token."""
+    tokens = []
+    for s, n in zip(step.seqs, step.counts):
+        if s.prefilling:
+            done = s.num_computed_tokens
+            tokens += tokens_of(s)[done:done + n]
+        else:
+            tokens.append(s.output_ids[-1])
+    return tokens
 
 
 class Scheduler:
@@ -65,7 +78,7 @@ class Scheduler:
         self.num_paused = 0  # sequence-steps sat out because the cache was short
         self._last_kind = None  # chunks alternate with decode steps when short of room
         # (admitted, counts) -> True where the step should run alone (set by the engine)
-        self.solo_prefill = None
+        self.prefill_alone = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -87,11 +100,11 @@ class Scheduler:
         return step
 
     def _schedule(self) -> Step | None:
-        chunked = [s for s in self.running if s.prefill_left]  # mid-prefill, oldest first
-        decoding = [s for s in self.running if not s.prefill_left]
+        chunked = [s for s in self.running if s.prefilling]  # oldest first
+        decoding = [s for s in self.running if not s.prefilling]
         if chunked:
             seq = chunked[0]  # its next chunk (the cache was reserved at admission)
-            n = min(seq.prefill_left, self.max_prefill_tokens)
+            n = min(seq.num_prefill_tokens - seq.num_computed_tokens, self.max_prefill_tokens)
             riders = self._riders(decoding, [seq], [n])  # decode tokens ride along
             if riders or ((not decoding or self._last_kind != "prefill")  # short of room:
                           and self.cache.can_append([seq.id], [n])):  # alternate
@@ -125,8 +138,8 @@ class Scheduler:
         """The decoding sequences that feed their token in this prefill step (admitted
         prompts, or a chunk): all of them where the cache takes them too and the step
         need not run alone, else none. A later chunk never replays a prefill graph (those
-        take fresh prompts only), so ``solo_prefill`` keeps only admission steps alone."""
-        solo = self.solo_prefill
+        take fresh prompts only), so ``prefill_alone`` keeps only admission steps alone."""
+        solo = self.prefill_alone
         if not decoding or (solo is not None and solo(prefilling, counts)):
             return []
         ids = [s.id for s in decoding + prefilling]
@@ -153,7 +166,8 @@ class Scheduler:
                 self.cache.free(seq.id)  # the step as a whole would not fit
                 break
             self.waiting.popleft()
-            seq.status, seq.prefill_left = Status.RUNNING, n
+            seq.status = Status.RUNNING
+            seq.num_prefill_tokens, seq.num_computed_tokens = n, 0
             admitted.append(seq)
             counts.append(take)
         if whole_only:
@@ -189,7 +203,8 @@ class Scheduler:
         """Recompute preemption: free the cache, requeue first, keep the tokens so far."""
         self.running.remove(seq)
         self.cache.free(seq.id)
-        seq.status, seq.prefill_left = Status.WAITING, 0
+        seq.status = Status.WAITING
+        seq.num_prefill_tokens = seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

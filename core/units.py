@@ -1,4 +1,5 @@
-"""Byte sizes for humans and from humans (``80GiB``, ``512MiB``)."""
+"""Byte sizes: for humans and from humans (``80GiB``, ``512MiB``), and the few sizes every
+layer shares (an element, one token's K/V), so that contracts need not import the planner."""
 import re
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -36,3 +37,16 @@ class KVSizes:
 def activations_label(step_tokens: int | None) -> str:
     """The name both plans print for the activations' row: which step they were sized for."""
     return f"activations (a {step_tokens}-token step)" if step_tokens else "activations"
+
+
+def element_bytes(dtype) -> int:
+    """Bytes of one element of a torch dtype."""
+    return dtype.itemsize
+
+
+def kv_bytes_per_token(spec, dtype, kv_quantizer=None) -> int:
+    """K and V bytes of one token across all layers (scales included when quantised):
+    2 x layers x kv_heads x head_dim x element bytes."""
+    if kv_quantizer is not None:
+        return kv_quantizer.kv_bytes_per_token(spec)
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element_bytes(dtype)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from infergraft.core.cuda_graph import PinnedStaging
-from infergraft.core.prefill_graph import check_fresh_prompt
+from infergraft.core.runner.cuda_graph import PinnedStaging
+from infergraft.core.runner.prefill_graph import check_fresh_prompt
 
 from .block_allocator import blocks_for
 

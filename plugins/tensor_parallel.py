@@ -9,11 +9,11 @@ else (embeddings, norms, the LM head, o / down biases) is replicated.
 """
 import torch
 
+from infergraft.core.distributed.ranks import runtime_style
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
-from infergraft.core.model import slot_layout
-from infergraft.core.parallel import runtime_style
 from infergraft.core.plan import ParallelPlan, Planner
+from infergraft.core.slots import slot_layout
 
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from infergraft.core.bench_cli import main
+from infergraft.core.tools.bench_cli import main
 from infergraft.core.cli import main as cli_main
 from infergraft.core.errors import PlanError
 
@@ -79,7 +79,7 @@ BAD_FLAGS = [  # (flags over a good tiny run, what the message must say)
 @pytest.mark.parametrize("flags, says", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bench_refuses_a_bad_flag_before_building_a_model(flags, says, entry, tmp_path,
                                                           capsys, monkeypatch):
-    import infergraft.core.bench_cli as bench_cli
+    import infergraft.core.tools.bench_cli as bench_cli
 
     def never(*args, **kw):
         pytest.fail("a model was built or timed for a bad flag")
@@ -99,7 +99,7 @@ def test_bench_refuses_a_bad_flag_before_building_a_model(flags, says, entry, tm
 
 
 def test_tpot_counts_only_steps_of_the_whole_batch():
-    from infergraft.core.bench import full_batch_steps
+    from infergraft.core.tools.bench import full_batch_steps
     from infergraft.core.metrics import RequestMetrics
 
     # three sequences admitted over steps at t=1, 2, 3 (one step a second, then 10 ms
@@ -117,7 +117,7 @@ def test_tpot_of_a_batch_admitted_over_several_steps():
     import torch
 
     from infergraft import core
-    from infergraft.core.bench import bench_ours, full_batch_steps, random_prompts
+    from infergraft.core.tools.bench import bench_ours, full_batch_steps, random_prompts
     from infergraft.core.request import SamplingParams
     from infergraft.core.testing.models import random_model, tiny_llama_config
 
@@ -141,7 +141,7 @@ def test_tpot_of_a_batch_admitted_over_several_steps():
 def test_random_shapes_read_as_their_config_says():
     from transformers import LlamaConfig
 
-    from infergraft.core.bench_cli import SHAPES
+    from infergraft.core.tools.bench_cli import SHAPES
     from infergraft.core.rope import rope_from_config
 
     for name, shape in SHAPES.items():

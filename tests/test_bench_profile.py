@@ -4,7 +4,7 @@ import types
 
 import torch
 
-from infergraft.core import bench_profile
+from infergraft.core.tools import bench_profile
 
 
 class _Event:

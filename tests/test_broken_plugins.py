@@ -9,7 +9,7 @@ import pytest
 from infergraft import core
 from infergraft.core.errors import PluginError, UnsupportedModelError, WeightLoadError
 from infergraft.core.hookspecs import CONTRACT_VERSION, hookimpl
-from infergraft.core.plugins import PluginManager
+from infergraft.core.plugin_manager import PluginManager
 from infergraft.core.testing.models import random_model, tiny_llama_config, tiny_qwen2_config
 from infergraft.core.testing.policy_kit import check_weights_consumed
 from infergraft.policies.llama import LlamaPolicy, llama_like_spec, llama_like_weight_map

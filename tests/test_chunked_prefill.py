@@ -36,7 +36,7 @@ def test_chunks_give_the_tokens_of_whole_prompts(case):
 
     def record():  # prefill steps that carry decode tokens (riders: nothing left to prefill)
         step = schedule()
-        if step and step.kind == "prefill" and any(not s.prefill_left for s in step.seqs):
+        if step and step.kind == "prefill" and any(not s.prefilling for s in step.seqs):
             mixed.append(step.counts)
         return step
     chunked.scheduler.schedule = record
@@ -58,9 +58,9 @@ def test_running_sequences_keep_decoding_while_a_long_prompt_chunks():
     long = engine.add_request(random_prompt(50, 256, 2), params)
     steps = []  # (chunk tokens fed, short got a token) per step
     while not long.output_ids:
-        before, left = len(short.output_ids), long.prefill_left or 50
+        before, fed = len(short.output_ids), long.num_computed_tokens
         engine.step()
-        steps.append((left - long.prefill_left, len(short.output_ids) > before))
+        steps.append((long.num_computed_tokens - fed, len(short.output_ids) > before))
     # 50 tokens in chunks of 8: 7 steps, each carrying short's decode token (the
     # admission step too, unless it replays a prefill graph, alone: CUDA), never a step
     # without a chunk
@@ -110,7 +110,7 @@ def test_bad_prefill_budget_is_refused(bad):
 
 def test_an_admission_step_runs_alone_where_a_prefill_graph_would_take_it():
     """On CUDA a single fresh prompt replays a captured prefill graph, which takes no
-    decode tokens: the engine's ``solo_prefill`` (the graph runner's bucket test) keeps
+    decode tokens: the engine's ``prefill_alone`` (the graph runner's bucket test) keeps
     such an admission step alone; the running sequence decodes in the next step."""
     hf = random_model(tiny_llama_config(), seed=6)
     engine = core.build(hf, **KW)
@@ -118,10 +118,10 @@ def test_an_admission_step_runs_alone_where_a_prefill_graph_would_take_it():
     short = engine.add_request(random_prompt(4, 256, 1), params)
     engine.step()
     asked = []
-    engine.scheduler.solo_prefill = lambda seqs, counts: asked.append(counts) or True
+    engine.scheduler.prefill_alone = lambda seqs, counts: asked.append(counts) or True
     new = engine.add_request(random_prompt(6, 256, 2), params)
     assert engine.step() == [new] and len(short.output_ids) == 1 and asked == [[6]]
-    engine.scheduler.solo_prefill = None  # two prompts together: short rides along
+    engine.scheduler.prefill_alone = None  # two prompts together: short rides along
     a, b = (engine.add_request(random_prompt(n, 256, n), params) for n in (3, 5))
     assert set(engine.step()) == {short, new, a, b} and len(short.output_ids) == 2
 

@@ -3,7 +3,7 @@ import json
 
 from infergraft.core.cli import main
 from infergraft.core.hookspecs import CONTRACT_VERSION, hookimpl
-from infergraft.core.plugins import _own_version
+from infergraft.core.plugin_manager import _own_version
 
 KEYS = {"kind", "name", "plugin", "version", "contract", "origin", "module", "hooks"}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infergraft.core.errors import PlanError
-from infergraft.core.model import slot_layout
+from infergraft.core.runner.model import slot_layout
 from infergraft.core.plan import ParallelPlan, Planner
 from infergraft.core.quant import Quantizer
 from infergraft.core.testing import planner_kit, quant_kit

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infergraft import core
-from infergraft.core.cuda_graph import CudaGraphRunner
+from infergraft.core.runner.cuda_graph import CudaGraphRunner
 from infergraft.core.request import SamplingParams
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
 
@@ -25,7 +25,7 @@ def pipelined(hf, backend, batch=4):
     engine.cache.device_decode = True  # contiguous: tensor-only decode metadata
     runner = CudaGraphRunner(engine.model, engine.cache, batch, buckets=(2,), use_graphs=False)
     runner.capture()
-    engine.graph_runner = runner
+    engine.decode_graphs = runner
     launches = []
     launch = runner.launch
     runner.launch = lambda ids, tokens: launches.append(tokens is None) or launch(ids, tokens)
@@ -52,7 +52,7 @@ def test_pipelined_greedy_equals_plain_with_eos_and_limits(hf, backend):
         assert seq.output_ids == alone(hf, p, n, eos={eos})
     assert seqs[0].finish_reason == "stop" and seqs[1].finish_reason == "length"
     assert any(launches), "no step was launched ahead from device tokens"
-    assert engine.pipeline.inflight is None
+    assert engine.lookahead.inflight is None
     assert engine.cache.stats()["tokens"] == 0
     engine.cache.check_invariants()
 
@@ -64,7 +64,7 @@ def test_request_arriving_and_abort_while_a_step_is_in_flight(hf):
     sb = engine.add_request(b, SamplingParams(max_new_tokens=24))
     for _ in range(5):
         engine.step()
-    assert engine.pipeline.inflight is not None  # steady state: one step ahead
+    assert engine.lookahead.inflight is not None  # steady state: one step ahead
     sc = engine.add_request(c, SamplingParams(max_new_tokens=10))  # joins the running batch
     for _ in range(4):
         engine.step()
@@ -114,7 +114,7 @@ def test_decode_metadata_staging_keeps_the_step_in_flight(hf, backend):
 def test_no_gc_during_capture_restores_the_collector():
     import gc
 
-    from infergraft.core.cuda_graph import no_gc
+    from infergraft.core.runner.cuda_graph import no_gc
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError):
@@ -131,8 +131,8 @@ def test_an_interrupt_while_reading_a_step_in_flight_loses_nothing(hf):
     seq = engine.add_request(prompt, SamplingParams(max_new_tokens=12))
     for _ in range(3):
         engine.step()  # prefill, then pipelined decode steps (one in flight)
-    assert engine.pipeline.inflight is not None
-    runner, launch, calls = engine.graph_runner, engine.graph_runner.launch, []
+    assert engine.lookahead.inflight is not None
+    runner, launch, calls = engine.decode_graphs, engine.decode_graphs.launch, []
 
     def launch_then_interrupt(ids, tokens):  # the next read of a step dies (Ctrl-C)
         pending = launch(ids, tokens)
@@ -152,7 +152,7 @@ def test_an_interrupt_while_reading_a_step_in_flight_loses_nothing(hf):
             break
     else:
         raise AssertionError("the interrupt never came")
-    assert engine.pipeline.inflight is None and seq.status.value == "waiting"
+    assert engine.lookahead.inflight is None and seq.status.value == "waiting"
     while engine.has_unfinished():
         engine.step()
     assert seq.output_ids == want

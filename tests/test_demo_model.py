@@ -4,7 +4,7 @@ import torch
 
 from infergraft import core
 from infergraft.core.cli import main
-from infergraft.core.demo import ensure_demo_model
+from infergraft.core.loading.demo import ensure_demo_model
 from infergraft.core.testing.parity import assert_greedy_match
 
 pytestmark = pytest.mark.slow

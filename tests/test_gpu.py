@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 def _gpu_pair(cfg, backend, dtype=torch.float32, **kw):
     hf = random_model(cfg, seed=5, scale=5.0, dtype=dtype).cuda()
     engine = core.build(hf, plugins=[backend], device="cuda", dtype=dtype, **kw)
-    assert engine.graph_runner is not None, "decode must run under CUDA graphs on the GPU"
+    assert engine.decode_graphs is not None, "decode must run under CUDA graphs on the GPU"
     return hf, engine
 
 
@@ -26,10 +26,10 @@ def test_fp32_llama_gqa_greedy_matches_hf_through_graphs(backend):
     cfg = tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                             num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
     hf, engine = _gpu_pair(cfg, backend, max_seq_len=256, max_batch_size=8)
-    replays = engine.graph_runner.replays
+    replays = engine.decode_graphs.replays
     prompts = [random_prompt(n, 1024, n) for n in (5, 23, 61)]
     outs = engine.generate(prompts, max_new_tokens=32)
-    assert engine.graph_runner.replays > replays
+    assert engine.decode_graphs.replays > replays
     for p, c in zip(prompts, outs):
         assert c.token_ids == hf_greedy(hf, p, 32)
     assert relative_error(engine.logits(prompts[1]), hf_logits(hf, prompts[1])) < 1e-4
@@ -61,7 +61,7 @@ def test_fp32_mistral_sliding_window_greedy_matches_hf(backend):
 
 def test_bf16_llama7b_shape_logits_and_first_divergence():
     """bf16 error against float32 is no worse than HF's own bf16 error (same weights)."""
-    from infergraft.core.bench_cli import SHAPES
+    from infergraft.core.tools.bench_cli import SHAPES
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(**SHAPES["llama2-7b"], rms_norm_eps=1e-5)
@@ -115,7 +115,7 @@ def test_bf16_batch_decode_step_through_graphs(batch):
     engine.step()  # one prefill step for all: each gets its first token
     assert all(len(s.output_ids) == 1 for s in seqs)
     with torch.inference_mode():  # as engine.step: the graph's buffers are inference tensors
-        ours = engine.graph_runner.decode([s.id for s in seqs], [s.output_ids[-1] for s in seqs])
+        ours = engine.decode_graphs.decode([s.id for s in seqs], [s.output_ids[-1] for s in seqs])
     ids = [p + s.output_ids for p, s in zip(prompts, seqs)]
     hf16 = torch.stack([hf_logits(hf, x)[-1] for x in ids])
     hf.float()
@@ -151,6 +151,6 @@ def test_bf16_int8_weights_decode_through_graphs():
     print(f"\nint8 bf16 vs exact int8 {err:.2e}, bf16 vs float32 {err_bf16:.2e}, "
           f"int8 vs unquantised (float32) {quant:.2e}")
     assert err <= 1.5 * err_bf16 + 1e-3 and 0 < quant < 0.1
-    assert engine.graph_runner is not None
+    assert engine.decode_graphs is not None
     assert engine.generate(prompt, max_new_tokens=16)[0].token_ids == \
         eager.generate(prompt, max_new_tokens=16)[0].token_ids

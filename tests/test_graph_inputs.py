@@ -7,7 +7,7 @@ place by the cache. Tokens must equal the ordinary path's.
 import pytest
 
 from infergraft import core
-from infergraft.core.cuda_graph import CudaGraphRunner
+from infergraft.core.runner.cuda_graph import CudaGraphRunner
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             tiny_mistral_config)
 
@@ -22,7 +22,7 @@ def test_static_decode_inputs_match_plain_decode(backend, family):
     graphed.cache.device_decode = True  # contiguous: tensor-only decode metadata
     runner = CudaGraphRunner(graphed.model, graphed.cache, 3, buckets=(2,), use_graphs=False)
     runner.capture()
-    graphed.graph_runner = runner
+    graphed.decode_graphs = runner
     prompts = [random_prompt(n, cfg.vocab_size, n) for n in (4, 11, 19, 7)]
     # 4 prompts, 3 rows: continuous batching gives decode batches of 3, 2 and 1, i.e.
     # buckets 3 (exact) and 2 (one padding row when a single sequence is left)

@@ -41,7 +41,7 @@ def test_sharded_directory(tmp_path):
 def test_broken_directories_say_which_file_and_why(tmp_path):
     import pytest
 
-    from infergraft.core.source import ModelSourceError
+    from infergraft.core.loading.source import ModelSourceError
 
     hf = random_model(tiny_llama_config())
     hf.config.save_pretrained(tmp_path)

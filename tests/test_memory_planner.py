@@ -189,7 +189,7 @@ def test_build_refuses_what_does_not_fit_with_the_numbers():
 
 
 def test_plan_cli_finds_quantizers_by_format_and_name():
-    from infergraft.core.plan_cli import kv_quantizer_for, weight_quantizer_for
+    from infergraft.core.tools.plan_cli import kv_quantizer_for, weight_quantizer_for
 
     assert kv_quantizer_for("int8").name == "kv-int8"
     assert weight_quantizer_for("int8").name == "int8"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from infergraft.core import hookspecs
-from infergraft.core.plugins import _KINDS, PluginManager
+from infergraft.core.plugin_manager import _KINDS, PluginManager
 from infergraft.core.testing import cache_kit, planner_kit, policy_kit, quant_kit
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import pytest
 from infergraft import core
 from infergraft.core.errors import UnsupportedModelError
 from infergraft.core.hookspecs import CONTRACT_VERSION, hookimpl
-from infergraft.core.plugins import PluginManager
+from infergraft.core.plugin_manager import PluginManager
 from infergraft.core.testing.fixtures import plugins_registered_during
 from infergraft.core.testing.models import random_model, tiny_llama_config, tiny_qwen2_config
 from infergraft.policies.llama import LlamaPolicy, llama_like_spec

@@ -10,7 +10,7 @@ import torch
 
 from infergraft import core
 from infergraft.core.errors import PlanError
-from infergraft.core.prefill_graph import PrefillGraphRunner
+from infergraft.core.runner.prefill_graph import PrefillGraphRunner
 from infergraft.core.request import SamplingParams
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             tiny_mistral_config)

@@ -3,7 +3,7 @@ request values that used to slip past validation."""
 import pytest
 
 from infergraft import core
-from infergraft.core import sampler as sampler_module
+from infergraft.core.runner import sampler as sampler_module
 from infergraft.core.errors import InvalidRequestError, RequestFailedError
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
 
@@ -92,7 +92,7 @@ def test_stream_refuses_bad_input_at_the_call_and_logits_take_a_tensor(tiny):
 
 def test_build_and_request_arguments_of_the_wrong_kind(tiny):
     from infergraft.core.errors import PlanError, UnknownPluginError
-    from infergraft.core.source import ModelSourceError
+    from infergraft.core.loading.source import ModelSourceError
     from infergraft.core.units import parse_bytes
     from infergraft.plugins.paged import PagedBackend
 
@@ -156,7 +156,7 @@ def test_a_nan_row_fails_alone_and_seeded_neighbours_draw_as_if_alone():
     import torch
 
     from infergraft.core.request import Sequence
-    from infergraft.core.sampler import sample, sample_each
+    from infergraft.core.runner.sampler import sample, sample_each
 
     def seqs():
         return [Sequence([1], core.SamplingParams(temperature=1.0, seed=1)),

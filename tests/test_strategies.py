@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infergraft import core
-from infergraft.core.model import slot_layout
+from infergraft.core.runner.model import slot_layout
 from infergraft.core.testing import strategies
 from infergraft.core.testing.cache_machine import cache_factory, tiny_cache_spec
 from infergraft.core.testing.models import random_model

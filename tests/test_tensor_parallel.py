@@ -111,7 +111,7 @@ def test_demo_model_under_torchrun_answers_once(tmp_path, planner, ranks):
     import subprocess
     import sys
 
-    from infergraft.core.demo import ensure_demo_model
+    from infergraft.core.loading.demo import ensure_demo_model
 
     ensure_demo_model("smollm2-135m")  # fetched once, outside the ranks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -201,7 +201,7 @@ def test_four_ranks_two_stages_of_two_tensor_parallel_ranks():
 
 
 def test_a_planner_whose_splits_the_runtime_does_not_run_is_refused():
-    from infergraft.core.parallel import check_styles
+    from infergraft.core.distributed.ranks import check_styles
     from infergraft.plugins.tensor_parallel import TensorParallelPlanner
 
     class ReplicatedMLP(TensorParallelPlanner):  # would pass the kit, then run wrong

@@ -12,7 +12,7 @@ from infergraft.core.testing.models import (random_model, random_prompt, tiny_gp
                                             tiny_llama_config, with_random_norm_weights)
 from infergraft.core.testing.parity import relative_error
 from infergraft.kernels._triton import HAVE_TRITON, interpreting
-from infergraft.core.model import QuantizedLinear
+from infergraft.core.runner.model import QuantizedLinear
 from infergraft.core.testing.quant_kit import QuantizerTests
 from infergraft.plugins.weight_int8 import WeightInt8
 

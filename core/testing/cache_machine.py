@@ -51,7 +51,7 @@ def cache_factory(backend, spec: Optional[ModelSpec] = None, *, max_seq_len: int
     from infergraft.kernels import get_ops
 
     from ..plan import ParallelPlan, Plan
-    from ..plugins import get_plugin_manager
+    from ..plugin_manager import get_plugin_manager
 
     pm = get_plugin_manager()
     backend = pm.cache_backends().get(backend) if isinstance(backend, str) else backend

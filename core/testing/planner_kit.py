@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given
 
 from ..errors import PlanError
-from ..model import slot_layout
+from ..slots import slot_layout
 from ..plan import ParallelPlan
 from ..registry import _NAME
 from ..spec import ModelSpec, RopeSpec

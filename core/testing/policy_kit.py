@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from ..errors import UnsupportedModelError, WeightLoadError
 from ..hookspecs import hookimpl
-from ..model import slot_layout
+from ..slots import slot_layout
 from ..policy import expand_rules
 from ..registry import _NAME
-from ..weights import check_weight_map
+from ..loading.weights import check_weight_map
 from . import strategies
 from .models import random_prompt
 from .parity import assert_logits_match, hf_greedy, relative_error, hf_logits

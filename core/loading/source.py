@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 import attrs
 import torch
 
-from .errors import InfergraftError
+from ..errors import InfergraftError
 
 ALIASES = ("smollm2-135m",)
 
@@ -82,17 +82,42 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _from_directory(path: Path, tokenizer=None, name: str | None = None) -> ModelSource:
+def read_config(path: Path):
+    """The HF config in ``path``/config.json; ModelSourceError if absent or unreadable."""
     from transformers import AutoConfig
 
-    path = Path(path)
     if not (path / "config.json").exists():
         raise ModelSourceError(f"{path} has no config.json; it is not an HF model directory")
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
         raise ModelSourceError(f"{path / 'config.json'} cannot be read as an HF config: "
                                f"{e}") from None
+
+
+def spec_of(model, policy: Optional[str] = None):
+    """(name, ModelSpec, HF config) from a local model directory or a demo alias,
+    reading only its config.json (no weights): what ``infergraft plan`` needs."""
+    from ..plugin_manager import get_plugin_manager
+    from ..selection import choose_policy
+
+    name = str(model)
+    if name in ALIASES:
+        from .demo import ensure_demo_model
+
+        path = ensure_demo_model(name)
+    else:
+        path = Path(name).expanduser()
+        if not (path / "config.json").exists():
+            raise ModelSourceError(f"cannot plan {name!r}: give a local model directory with a "
+                                   f"config.json, or one of the aliases {', '.join(ALIASES)}")
+    config = read_config(path)
+    return name, choose_policy(get_plugin_manager(), config, policy).describe(config), config
+
+
+def _from_directory(path: Path, tokenizer=None, name: str | None = None) -> ModelSource:
+    path = Path(path)
+    config = read_config(path)
     files = safetensors_files(path)
 
     def tensors():

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: ``python -m infergraft.core.bench_profile``.
+"""Where a decode step's time goes: ``python -m infergraft.core.tools.bench_profile``.
 
 First one prefill step alone: its wall time captured in a CUDA graph and run eagerly, and
 the eager step's per-kernel GPU time. Then for each
@@ -19,11 +19,11 @@ import torch
 
 from .bench import full_batch_steps, random_prompts
 from .bench_cli import load_models
-from .request import SamplingParams
+from ..request import SamplingParams
 
 
 def replay_ms(runner, bs: int, repeats: int = 30) -> float:
-    from infergraft.kernels.benchmarks import replay_times
+    from infergraft.kernels.bench.gemms import replay_times
 
     return statistics.median(replay_times(runner.graphs[bs], repeats)) * 1e3
 
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     _, engine = load_models(args.model, "cuda", torch.bfloat16, max(batches),
                             args.prompt_len + args.new_tokens)
-    runner = engine.graph_runner
+    runner = engine.decode_graphs
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     prompt = random_prompts(1, args.prompt_len, engine.spec.vocab_size, seed=99)[0]
     graphs = engine.prefill_graphs

@@ -13,8 +13,8 @@ from typing import Optional
 import attrs
 import torch
 
-from .errors import PlanError
-from .request import SamplingParams
+from ..errors import PlanError
+from ..request import SamplingParams
 
 SYSTEMS = ("infergraft", "hf-eager", "hf-static")
 WARMUP_STEPS = 2  # decode steps left out of a run's TPOT: the first run slow (allocation, compile)

@@ -1,5 +1,6 @@
-"""Running a ParallelPlan: the process group, each rank's spec and weight shards, and the
-collectives the model and engine call (Megatron-style tensor parallelism).
+"""Running a ParallelPlan: the process group, and each rank's spec, groups and weight
+shards (Megatron-style tensor parallelism; pipeline stages in ``stages``; the collectives
+in ``collectives``).
 
 Every rank runs the same program (``torchrun --nproc-per-node N script.py``, each rank
 calling ``core.build(..., plugins=["tp"])`` and then the same ``generate`` calls), as
@@ -16,8 +17,10 @@ import os
 import attrs
 import torch
 
-from .errors import PlanError, WeightLoadError
-from .slots import slot_layout
+from ..errors import PlanError, WeightLoadError
+from ..slots import slot_layout
+from .collectives import TensorParallelGroup
+from .stages import PipelineStage, not_held_elements, stage_slot, stage_spec
 
 ROW_BIASES = (".o.bias", ".down.bias")  # added once, after the all-reduce (rank 0 keeps them)
 # the splits the model runs (all-reduce after o and down): a planner must shard so
@@ -29,35 +32,6 @@ ROW = (".o.weight", ".down.weight")
 def runtime_style(slot: str) -> str:
     """How the tensor-parallel runtime splits ``slot``: column, row or replicated."""
     return "column" if slot.endswith(COLUMN) else "row" if slot.endswith(ROW) else "replicated"
-
-
-class TensorParallelGroup:
-    """This process's rank in a tensor-parallel group and the two collectives it needs."""
-
-    def __init__(self, size: int, rank: int, group=None):
-        self.size, self.rank, self.group = size, rank, group
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] (or split-K partials [S, T, H]) -> the sum over ranks, in place
-        torch.distributed.all_reduce(x, group=self.group)
-        return x
-
-    def share(self, logits, shape, device):
-        return logits  # every rank computed them whole
-
-    def agree(self, tokens: list[int], device) -> list[int]:
-        """Rank 0's sampled tokens, on every rank."""
-        src = 0 if self.group is None else torch.distributed.get_global_rank(self.group, 0)
-        return broadcast_tokens(tokens, device, src, self.group)
-
-
-def broadcast_tokens(tokens: list[int], device, src: int, group=None) -> list[int]:
-    """Global rank ``src``'s token ids, on every rank of ``group``."""
-    if not tokens:
-        return tokens
-    t = torch.tensor(tokens, dtype=torch.int64, device=device)
-    torch.distributed.broadcast(t, src=src, group=group)
-    return t.tolist()
 
 
 def world_size_for(planner, device: torch.device) -> int:
@@ -101,9 +75,9 @@ class RankSetup:
 
     spec: object  # its ModelSpec: its heads and MLP rows of its stage's layers
     tp: object = None  # TensorParallelGroup: the all-reduce after o and down
-    stage: object = None  # core.stages.PipelineStage: the stream in and out
-    place: object = None  # slot, tensor -> (slot, piece) or None (core.weights.load_weights)
-    unheld: int = 0  # elements of spec's non-layer slots this rank does not hold
+    stage: object = None  # stages.PipelineStage: the stream in and out
+    place: object = None  # slot, tensor -> (slot, piece) or None (loading.weights.load_weights)
+    not_held: int = 0  # elements of spec's non-layer slots this rank does not hold
 
     @property
     def ranks(self):
@@ -133,8 +107,6 @@ def rank_setup(planner, spec, parallel) -> RankSetup:
     shard = None if group is None else shard_fn(planner, spec, parallel, group)
     stage = None
     if stages > 1:
-        from .stages import PipelineStage
-
         stage = PipelineStage(index, stages, parallel.stages[index], tp=tp, tp_rank=tp_rank)
     return _placed(spec, group, stage, shard)
 
@@ -151,9 +123,7 @@ def check_styles(planner, spec) -> None:
 def _placed(spec, tp, stage, shard) -> RankSetup:
     """The rank's setup; its ``place`` drops another stage's slots, cuts ours (by the whole
     model's names), renames them to the stage's and checks each piece's shape."""
-    from .stages import stage_slot
-
-    run_spec, unheld = rank_spec(spec, stage, 1 if tp is None else tp.size)
+    run_spec, not_held = rank_spec(spec, stage, 1 if tp is None else tp.size)
     layout = slot_layout(run_spec)
 
     def place(slot, tensor):
@@ -166,17 +136,15 @@ def _placed(spec, tp, stage, shard) -> RankSetup:
                                   f"{tuple(piece.shape)}; its model expects {layout[name][0]}")
         return name, piece
 
-    return RankSetup(run_spec, tp, stage, place, unheld)
+    return RankSetup(run_spec, tp, stage, place, not_held)
 
 
 def rank_spec(spec, stage, tp: int):
     """(what one rank runs: 1/tp of its stage's layers, elements of the embeddings and head
     that rank does not hold though ``weight_bytes`` of that spec counts them)."""
-    from .stages import stage_spec, unheld_elements
-
     if stage is None:
         return local_spec(spec, tp), 0
-    return local_spec(stage_spec(spec, stage), tp), unheld_elements(spec, stage)
+    return local_spec(stage_spec(spec, stage), tp), not_held_elements(spec, stage)
 
 
 def local_spec(spec, tp: int):

@@ -48,13 +48,13 @@ class PipelineStage:
             torch.distributed.recv(t, src=self.prev)
         return h, residual
 
-    def agree(self, tokens: list[int], device) -> list[int]:
+    def broadcast_sampled(self, tokens: list[int], device) -> list[int]:
         """The last stage's sampled tokens, on every rank."""
-        from .parallel import broadcast_tokens
+        from .collectives import broadcast_tokens
 
         return broadcast_tokens(tokens, device, self.sampler)
 
-    def share(self, logits: torch.Tensor | None, shape, device) -> torch.Tensor:
+    def broadcast_logits(self, logits: torch.Tensor | None, shape, device) -> torch.Tensor:
         """The last stage's logits [rows, V] float32, on every rank."""
         if logits is None:
             logits = torch.empty(shape, dtype=torch.float32, device=device)
@@ -73,10 +73,10 @@ def _kept_outside_layers(spec, stage: PipelineStage) -> set[str]:
     return keep
 
 
-def unheld_elements(spec, stage: PipelineStage) -> int:
+def not_held_elements(spec, stage: PipelineStage) -> int:
     """Elements of the non-layer slots (embeddings, final norm, head) this stage lacks:
     ``weight_bytes`` of its spec counts them all."""
-    from .slots import slot_layout
+    from ..slots import slot_layout
 
     keep = _kept_outside_layers(spec, stage)
     return sum(torch.Size(shape).numel() for slot, (shape, _) in slot_layout(spec).items()

@@ -12,10 +12,10 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .errors import WeightLoadError
-from .model import slot_layout
-from .policy import WeightMap, expand_rules
-from .spec import ModelSpec
+from ..errors import WeightLoadError
+from ..slots import slot_layout
+from ..policy import WeightMap, expand_rules
+from ..spec import ModelSpec
 
 
 def check_weight_map(policy_name: str, spec: ModelSpec, wmap: WeightMap) -> dict:

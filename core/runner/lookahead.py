@@ -1,4 +1,4 @@
-"""Pipelined greedy decode: launch step N+1 before reading step N's tokens.
+"""Greedy decode look-ahead: launch step N+1 before reading step N's tokens.
 
 Between two graph replays the host samples, appends, checks stop conditions and
 schedules: about 0.4 ms on an H200 host, during which the GPU would sit idle. For a
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import time
 
-from .request import Status
+from ..request import Status
 
 
-class DecodePipeline:
+class DecodeLookahead:
     def __init__(self, engine):
         self.engine = engine
         self.inflight = None  # (seqs, PendingTokens) launched but not yet read
@@ -31,8 +31,8 @@ class DecodePipeline:
 
     def run(self, seqs, tokens: list[int]):
         """A scheduled greedy decode step: launch it, maybe launch the next, read it."""
-        runner = self.engine.graph_runner
-        self.inflight = (seqs, runner.launch([s.id for s in seqs], tokens))
+        graphs = self.engine.decode_graphs
+        self.inflight = (seqs, graphs.launch([s.id for s in seqs], tokens))
         return self.advance()
 
     def advance(self):
@@ -40,13 +40,14 @@ class DecodePipeline:
         seqs, pending = self.inflight
         self.inflight = None
         if self._can_look_ahead(seqs):
-            self.inflight = (seqs, self.engine.graph_runner.launch([s.id for s in seqs], None))
+            self.inflight = (seqs, self.engine.decode_graphs.launch([s.id for s in seqs], None))
         new = pending.get()  # waits for that step only
         now = time.perf_counter()
         got = []
         for seq, tok in zip(seqs, new):
             if seq.status is Status.FINISHED:  # aborted while its step ran
                 continue
+            seq.num_computed_tokens += 1
             self.engine._append(seq, tok, now)
             got.append(seq)
         return got

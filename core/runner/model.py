@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rope import rope_cos_sin
-from .slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
-from .spec import ModelSpec, split_qkv
+from ..rope import rope_cos_sin
+from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
+from ..spec import ModelSpec, split_qkv
 
 
 class Linear(nn.Module):

@@ -1,11 +1,11 @@
 """What a plain read reaches, against the copy roofline and our one-row GEMVs (CUDA):
-``python -m infergraft.kernels.bench_read``.
+``python -m infergraft.kernels.bench.read``.
 
 A Triton kernel that only reads (each program sums ITERS blocks of BLOCK contiguous
 elements) streams a 2 GiB buffer, then buffers the size of each LLaMA-7B decode GEMM's
-weight (each timed as a graph of 10 calls over 4 copies, as ``benchmarks.graph_time``),
-then the batch-1 GEMV (``gemv.py``'s loop) on those shapes. The eleventh session's H200s:
-2 GiB 4.55-4.67 TB/s against a 4.09-4.14 TB/s copy; see docs/BENCHMARKS.md.
+weight (each timed as a graph of 10 calls over 4 copies, as ``gemms.graph_time``),
+then the batch-1 GEMV (``gemv.py``'s loop) on those shapes: how far each GEMV is from
+what a read alone reaches. docs/kernels.md has what it printed.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import itertools
 
 import torch
 
-from ._triton import tl, triton
-from .benchmarks import LLAMA7B_GEMMS, graph_time
+from .._triton import tl, triton
+from .gemms import LLAMA7B_GEMMS, graph_time
 
 READ_TILES = ((8192, 8, 8), (8192, 2, 8), (4096, 16, 4), (4096, 4, 4))  # BLOCK, ITERS, warps
 
@@ -48,9 +48,9 @@ def read_bandwidth(nbytes: int, copies: int = 4) -> list[tuple[float, tuple]]:
 
 
 def main() -> int:
-    from infergraft.core.bench import copy_bandwidth
+    from infergraft.core.tools.bench import copy_bandwidth
 
-    from .linear import skinny_config, skinny_gemm
+    from ..linear import skinny_config, skinny_gemm
 
     print(f"copy (read + written) {copy_bandwidth('cuda') / 1e12:.3f} TB/s", flush=True)
     best = max(read_bandwidth(2 ** 31, copies=1))

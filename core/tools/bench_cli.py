@@ -1,4 +1,4 @@
-"""``infergraft bench`` (also ``python -m infergraft.core.bench_cli``): table, JSON, plot."""
+"""``infergraft bench`` (also ``python -m infergraft.core.tools.bench_cli``): table, JSON, plot."""
 from __future__ import annotations
 
 import argparse
@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from .bench import SYSTEMS, check_systems, min_new_tokens, run_benchmark
-from .build import resolve_device, resolve_dtype, select_plugins
-from .errors import InfergraftError, PlanError
-from .plugins import get_plugin_manager
-from .source import ALIASES
+from ..selection import resolve_device, resolve_dtype, select_plugins
+from ..errors import InfergraftError, PlanError
+from ..plugin_manager import get_plugin_manager
+from ..loading.source import ALIASES
 
 SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -38,7 +38,7 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
     tokens a step (None: its default)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from . import build
+    from ..build import build
 
     if name in SHAPES:
         cfg = LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -47,7 +47,7 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
         with torch.device(device):
             hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     else:
-        from .demo import ensure_demo_model
+        from ..loading.demo import ensure_demo_model
 
         path = ensure_demo_model(name) if name in ALIASES else name
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()

@@ -9,13 +9,14 @@ import json
 import attrs
 import torch
 
-from .build import _DTYPES, resolve_dtype
-from .errors import PlanError
-from .memory import as_bytes, device_budget, element_bytes, host_memory, plan_memory, spec_of
-from .parallel import rank_spec
-from .plugins import get_plugin_manager
+from ..selection import DTYPES, resolve_dtype
+from ..errors import PlanError
+from ..loading.source import spec_of
+from ..memory import as_bytes, device_budget, element_bytes, host_memory, plan_memory
+from ..distributed.ranks import rank_spec
+from ..plugin_manager import get_plugin_manager
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local HF model directory (config.json is enough) or alias")
     p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
                                                  "(default: the checkpoint's)")
-    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+    p.add_argument("--kv-dtype", default="auto", choices=KVDTYPES,
                    help="K/V storage (auto: the weights dtype; int8: the kv-int8 quantizer)")
     p.add_argument("--weights", default="auto", choices=("auto", "int8"),
                    help="weight storage (auto: the weights dtype; int8: the int8 quantizer)")
@@ -65,10 +66,10 @@ def weight_quantizer_for(name: str):
 
 
 def one_rank(name: str, spec, stages: int, tp: int):
-    """(label, spec, unheld elements) of the largest rank's share: the first stage (the
+    """(label, spec, elements not held) of the largest rank's share: the first stage (the
     most layers, the embeddings), 1/tp of its layers. The planners refuse what does not
     divide."""
-    from .stages import PipelineStage
+    from ..distributed.stages import PipelineStage
 
     planners = get_plugin_manager().planners()
     if stages == 1:
@@ -84,12 +85,12 @@ def one_rank(name: str, spec, stages: int, tp: int):
 
 def run(args) -> int:
     name, spec, config = spec_of(args.model)
-    unheld = 0  # elements of the embeddings / head a stage does not hold
+    not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
-        name, spec, unheld = one_rank(name, spec, args.pipeline_parallel, args.tensor_parallel)
+        name, spec, not_held = one_rank(name, spec, args.pipeline_parallel, args.tensor_parallel)
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
-    dtype = resolve_dtype(args.dtype, stored if stored in _DTYPES.values() else torch.float32)
+    dtype = resolve_dtype(args.dtype, stored if stored in DTYPES.values() else torch.float32)
     kv_quant, kv_dtype = None, dtype
     if args.kv_dtype == "int8":
         kv_quant = kv_quantizer_for("int8")
@@ -107,7 +108,7 @@ def run(args) -> int:
                       max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                       max_prefill_tokens=args.max_prefill_tokens,
                       budget=budget, budget_source=source)
-    mem = attrs.evolve(mem, weight_bytes=mem.weight_bytes - unheld * element_bytes(dtype))
+    mem = attrs.evolve(mem, weight_bytes=mem.weight_bytes - not_held * element_bytes(dtype))
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights
         kv = plan_memory(spec, dtype=kv_dtype, max_seq_len=mem.max_seq_len)
         mem = attrs.evolve(mem, kv_dtype=kv.kv_dtype, kv_bytes_per_token=kv.kv_bytes_per_token)

@@ -1,0 +1,81 @@
+"""Old import paths of modules that moved into core's sub-packages, kept working for one
+release: importing one warns (DeprecationWarning) and gives the module at its new path,
+the very same module object, so attributes set on either are seen by both.
+
+A third party's plugin written against ``infergraft.core.cuda_graph`` or
+``infergraft.core.plugins`` keeps loading; our own code imports the new paths (the
+layering test refuses the old ones).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+
+MOVED = {
+    "infergraft.core.plugins": "infergraft.core.plugin_manager",
+    "infergraft.core.model": "infergraft.core.runner.model",
+    "infergraft.core.sampler": "infergraft.core.runner.sampler",
+    "infergraft.core.cuda_graph": "infergraft.core.runner.cuda_graph",
+    "infergraft.core.prefill_graph": "infergraft.core.runner.prefill_graph",
+    "infergraft.core.pipeline": "infergraft.core.runner.lookahead",
+    "infergraft.core.source": "infergraft.core.loading.source",
+    "infergraft.core.demo": "infergraft.core.loading.demo",
+    "infergraft.core.weights": "infergraft.core.loading.weights",
+    "infergraft.core.parallel": "infergraft.core.distributed.ranks",
+    "infergraft.core.stages": "infergraft.core.distributed.stages",
+    "infergraft.core.plan_cli": "infergraft.core.tools.plan_cli",
+    "infergraft.core.bench": "infergraft.core.tools.bench",
+    "infergraft.core.bench_cli": "infergraft.core.tools.bench_cli",
+    "infergraft.core.bench_profile": "infergraft.core.tools.bench_profile",
+}
+
+# names that left a module which stays: module -> {name: the module now holding it}
+MOVED_NAMES = {
+    "infergraft.core.quant": {"SlotPacker": "infergraft.core.loading.packing"},
+    "infergraft.core.memory": {"spec_of": "infergraft.core.loading.source"},
+}
+
+
+def _warn(old: str, new: str) -> None:
+    warnings.warn(f"{old} moved to {new}; the old path goes in the next release",
+                  DeprecationWarning, stacklevel=3)
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        _warn(spec.name, MOVED[spec.name])
+        module = importlib.import_module(MOVED[spec.name])
+        self._own_spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        # the import system stamped the alias's spec on the module: give it back its own
+        module.__spec__ = self._own_spec
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader())
+
+
+def install() -> None:
+    if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+        sys.meta_path.append(_AliasFinder())
+
+
+def moved_names(module_name: str):
+    """A module ``__getattr__`` resolving the names that left ``module_name``."""
+    table = MOVED_NAMES[module_name]
+
+    def __getattr__(name):
+        if name not in table:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        _warn(f"{module_name}.{name}", f"{table[name]}.{name}")
+        return getattr(importlib.import_module(table[name]), name)
+
+    return __getattr__

@@ -1,0 +1,56 @@
+"""Packing weights as they stream in: ``load_weights``' slot callback for a weight
+quantiser (the ``Quantizer`` contract is ``core.quant``)."""
+from __future__ import annotations
+
+import re
+
+from ..runner.model import DecoderLayer, Linear, QuantizedLinear, folded
+
+_LAYER_SLOT = re.compile(r"^layers\.(\d+)\.(\w+)\.weight$")
+
+
+class SlotPacker:
+    """``load_weights``' slot callback: a slot the quantiser packs becomes a
+    ``QuantizedLinear``. With ``fold_norms`` (the fused decode layer will run) an RMSNorm
+    weight that feeds a packed projection is folded into it first (``model.folded``),
+    whichever of the two arrives first: a projection waits, unpacked, for its norm (layer
+    by layer in a checkpoint that goes so); ``finish`` sets those norms to ones."""
+
+    def __init__(self, quantizer, ops, net, fold_norms: bool):
+        self.quantizer, self.ops, self.net, self.fold_norms = quantizer, ops, net, fold_norms
+        self.feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds
+        self.fed_by = {p: n for n, p in self.feeds.items()}
+        self.norms, self.waiting = {}, set()  # (layer, norm) -> weight; (layer, projection)
+        self.folded = set()  # (layer, norm) whose weight lives in its packed projection
+
+    def _packed(self, weight, bias):
+        return QuantizedLinear(self.quantizer, self.quantizer.pack(weight), bias, self.ops)
+
+    def __call__(self, slot, module, weight):
+        m = _LAYER_SLOT.match(slot) if self.fold_norms else None
+        name = m and m[2]  # a norm, its projection, or another slot
+        proj = self.feeds.get(name, name if name in self.fed_by else None)
+        if proj is None or not self.quantizer.quantizes(f"layers.{m[1]}.{proj}.weight"):
+            quantized = self.quantizer.quantizes(slot) and type(module) is Linear
+            return self._packed(weight, module.bias) if quantized else None
+        i = int(m[1])
+        if name in self.feeds:  # a norm (installed as loaded until ``finish``)
+            self.norms[(i, name)] = weight
+            if (i, proj) in self.waiting:  # its projection came first: pack it now
+                self.waiting.discard((i, proj))
+                lin = getattr(self.net.layers[i], proj)
+                setattr(self.net.layers[i], proj, self._packed(folded(lin.weight, weight), lin.bias))
+                self.folded.add((i, name))
+            return None
+        norm = self.fed_by[name]
+        if (i, norm) not in self.norms:
+            self.waiting.add((i, name))
+            return None  # installed unpacked until the norm arrives
+        self.folded.add((i, norm))
+        return self._packed(folded(weight, self.norms[(i, norm)]), module.bias)
+
+    def finish(self) -> None:
+        """After loading: norms folded into packed projections become ones."""
+        assert not self.waiting, f"projections never met their norms: {sorted(self.waiting)}"
+        for i, name in self.folded:
+            self.net.layers[i].mark_norm_folded(name)

@@ -1,0 +1,83 @@
+"""One forward step of a scheduled batch, eager or replayed from a CUDA graph.
+
+The engine decides what runs (``scheduler.Step``: which sequences, how many tokens each,
+which token ids); the runner decides how: a decode step whose batch has a captured graph
+replays it (``cuda_graph``), a fresh prompt that fits a prefill bucket replays a prefill
+graph (``prefill_graph``), anything else runs eagerly through ``model.DecoderModel``
+after the cache places the new tokens (``cache.prepare``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import PlanError
+from .cuda_graph import CudaGraphRunner
+from .prefill_graph import PrefillGraphRunner
+
+
+class ModelRunner:
+    def __init__(self, model, cache, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+        self.decode_graphs: CudaGraphRunner | None = None  # set by build() on CUDA
+        self.prefill_graphs: PrefillGraphRunner | None = None  # likewise
+
+    def replays_decode(self, step) -> bool:
+        """True where ``step`` is a decode step whose batch size has a captured graph."""
+        graphs = self.decode_graphs
+        return step.kind == "decode" and graphs is not None \
+            and graphs.bucket(len(step.seqs)) is not None
+
+    def forward(self, step, tokens: list[int], replay: bool):
+        """The step's logits [rows we sample from, V] float32: one row per sequence of a
+        decode step, the last fed row of each sequence of a prefill step (None on a
+        pipeline stage before the last)."""
+        seqs, counts = step.seqs, step.counts
+        if replay:
+            return self.decode_graphs.decode([s.id for s in seqs], tokens)  # [B, V]
+        graphs = self.prefill_graphs
+        if step.kind == "prefill" and graphs is not None and graphs.bucket(seqs, counts):
+            return graphs.prefill(seqs[0].id, tokens)  # [1, V]
+        meta = self.cache.prepare([s.id for s in seqs], counts)
+        token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        if step.kind == "decode":
+            return self.model(token_t, self.cache, meta, None)  # [B, V]
+        last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
+        return self.model(token_t, self.cache, meta, last.to(self.device))  # [B, V]
+
+    def every_row(self, seq_id, ids: list[int]):
+        """Logits of every position of a sequence the cache just allocated: [len, V]
+        (None on a pipeline stage before the last)."""
+        meta = self.cache.prepare([seq_id], [len(ids)])
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)  # [len]
+        return self.model(tokens, self.cache, meta, None)
+
+
+def decode_graphs_for(net, cache, plan, device, wanted) -> CudaGraphRunner | None:
+    """Decode under CUDA graphs on the GPU (default) when the cache supports it."""
+    if wanted is None:
+        wanted = device.type == "cuda" and CudaGraphRunner.supported(cache) \
+            and plan.parallel.world_size == 1
+    if not wanted:
+        return None
+    if plan.parallel.world_size > 1:
+        raise PlanError("cuda_graphs=True is not supported across processes yet (world size "
+                        f"{plan.parallel.world_size}): decode runs eagerly")
+    if device.type != "cuda" or not CudaGraphRunner.supported(cache):
+        raise PlanError(f"cuda_graphs=True needs a CUDA device and a cache backend that "
+                        f"supports them (contiguous, paged); got {device} / {plan.cache_backend}")
+    runner = CudaGraphRunner(net, cache, plan.max_batch_size)
+    runner.capture()
+    return runner
+
+
+def prefill_graphs_for(net, cache, plan, decode_graphs, wanted) -> PrefillGraphRunner | None:
+    """A fresh prompt's prefill under CUDA graphs (captured per length bucket on first use)."""
+    if wanted is None:
+        wanted = decode_graphs is not None and PrefillGraphRunner.supported(cache)
+    if not wanted:
+        return None
+    if decode_graphs is None or not PrefillGraphRunner.supported(cache):
+        raise PlanError(f"prefill_graphs=True needs decode CUDA graphs and a cache that can "
+                        f"capture a prefill (paged, or contiguous without a sliding window or "
+                        f"int8 K/V); got {plan.cache_backend} with kv_dtype={plan.kv_dtype}")
+    return PrefillGraphRunner(net, cache, plan.max_seq_len, share_pool_with=decode_graphs)

@@ -1,0 +1,107 @@
+"""Before a build: which plugins ``plugins=[...]`` names (by kind), which policy claims
+the model, and the dtype and device asked for, each refused with what is accepted."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import attrs
+import torch
+
+from .errors import PlanError, UnknownPluginError, UnsupportedModelError
+from .plugin_manager import PluginManager
+
+DEFAULT_CACHE_BACKEND = "contiguous"
+DEFAULT_PLANNER = "single"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@attrs.define
+class Selection:
+    """What ``plugins=[...]`` asked for, sorted by kind."""
+
+    policy: Optional[str] = None
+    cache_backend: Optional[str] = None
+    planner: Optional[str] = None
+    quantizers: list[str] = attrs.field(factory=list)
+
+
+def resolve_dtype(dtype, default: torch.dtype) -> torch.dtype:
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise PlanError(f"unsupported dtype {dtype!r}; choose float32, bfloat16 or float16")
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` (None: cuda if present, else cpu) as a torch.device this machine has."""
+    here = "cpu" + (f", cuda:0..{torch.cuda.device_count() - 1}" if torch.cuda.is_available() else "")
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError, ValueError):
+        raise PlanError(f"device {device!r} is not a device name; available here: {here}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise PlanError(f"device type {dev.type!r} is not supported; use cpu or cuda (here: {here})")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or
+                               (dev.index or 0) >= torch.cuda.device_count()):
+        raise PlanError(f"device {str(dev)!r} is not available here; available: {here}")
+    return dev
+
+
+def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
+    """Resolve names and plugin objects; returns (manager, Selection)."""
+    if plugins is not None and (isinstance(plugins, (bytes, dict))
+                                or not isinstance(plugins, (str, Iterable))):
+        raise UnknownPluginError(f"plugins must be a list of names and plugin objects, got "
+                                 f"{type(plugins).__name__} {plugins!r}")
+    plugins = [plugins] if isinstance(plugins, str) else list(plugins or [])
+    objects = [p for p in plugins if not isinstance(p, str)]
+    names = [p for p in plugins if isinstance(p, str)]
+    if objects:
+        before = {k: set(r.names()) for k, r in pm.registries().items()}
+        pm = pm.copy_with(objects)
+        for kind, reg in pm.registries().items():  # what the objects brought is selected
+            names += sorted(set(reg.names()) - before[kind])
+    regs = pm.registries()
+    sel = Selection()
+    for name in names:
+        kinds = [k for k, r in regs.items() if name in r]
+        if not kinds:
+            known = "; ".join(f"{'policies' if k == 'policy' else k + 's'}: "
+                              f"{', '.join(r.names()) or '-'}" for k, r in regs.items())
+            raise UnknownPluginError(f"unknown plugin {name!r}. Registered {known}")
+        kind = kinds[0]
+        if kind == "quantizer":
+            if name not in sel.quantizers:
+                sel.quantizers.append(name)
+            continue
+        field = {"policy": "policy", "cache backend": "cache_backend", "planner": "planner"}[kind]
+        if getattr(sel, field) not in (None, name):
+            raise PlanError(f"plugins name two {kind}s, {getattr(sel, field)!r} and {name!r}; "
+                            "choose one")
+        setattr(sel, field, name)
+    return pm, sel
+
+
+def choose_policy(pm: PluginManager, config, forced: Optional[str]):
+    registry = pm.policies()
+    if forced is not None:
+        policy = registry.get(forced)
+        policy.check(config)
+        return policy
+    claimants = [p for p in registry if p.claims(config)]
+    archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
+    if not claimants:
+        supported = sorted({a for p in registry for a in p.architectures})
+        raise UnsupportedModelError(
+            f"no registered policy supports {', '.join(archs)}; supported architectures: "
+            f"{', '.join(supported) or '(none)'}")
+    if len(claimants) > 1:
+        names = ", ".join(repr(p.name) for p in claimants)
+        raise UnsupportedModelError(f"policies {names} (plugins {', '.join(registry.origin(p.name) for p in claimants)}) "
+                                    f"all claim {', '.join(archs)}; pick one with plugins=[name]")
+    return claimants[0]

@@ -1,0 +1,1 @@
+"""Kernel micro-benchmarks (CUDA): ``python -m infergraft.kernels.bench.gemms``, ``.attention``, ``.read``."""
