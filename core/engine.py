@@ -215,7 +215,6 @@ class Engine:
             for s in seqs:
                 self._forks.pop(s.id, None)
             raise
-        raise_failed(seqs)
 
     # -- public API --------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
@@ -243,7 +242,9 @@ class Engine:
                 self._forks[parent.id] = children
             seqs += [parent, *children]
         self._run(seqs)
-        return [self._completion(s) for s in seqs]
+        done = [self._completion(s) for s in seqs]
+        raise_failed(seqs, done)  # carries ``done``: the others' completions are not lost
+        return done
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 16, temperature: float = 0.0,
                top_k=None, top_p=None, seed=None, stop=None) -> Iterator:

@@ -26,7 +26,14 @@ class InvalidRequestError(InfergraftError, ValueError):
 
 
 class RequestFailedError(InfergraftError, RuntimeError):
-    """A request failed while running (e.g. its logits held NaN); the others ran on."""
+    """A request failed while running (e.g. its logits held NaN); the others ran on.
+
+    ``completions``: from ``generate``, one Completion per prompt (and sample), in order,
+    the failed ones with ``finish_reason == "error"``; None from ``stream``."""
+
+    def __init__(self, message: str, completions=None):
+        super().__init__(message)
+        self.completions = completions
 
 
 class PlanError(InfergraftError, ValueError):

@@ -37,14 +37,16 @@ def stream_deltas(engine, ids: list[int], params) -> Iterator:
     raise_failed([seq])
 
 
-def raise_failed(seqs) -> None:
-    """RequestFailedError if any of ``seqs`` finished with an error (seq.error says why)."""
+def raise_failed(seqs, completions=None) -> None:
+    """RequestFailedError if any of ``seqs`` finished with an error (seq.error says why);
+    ``completions`` (one per sequence, in order) travel with it as ``error.completions``."""
     failed = [s for s in seqs if s.finish_reason == "error"]
     if failed:
         why = failed[0].error or "sampling failed on the rank that samples"  # pipelines
-        raise RequestFailedError(f"{len(failed)} request(s) failed after "
-                                 f"{len(failed[0].output_ids)} token(s): {why}; "
-                                 "other requests were unaffected")
+        raise RequestFailedError(f"{len(failed)} of {len(seqs)} request(s) failed after "
+                                 f"{len(failed[0].output_ids)} token(s): {why}; the others "
+                                 "finished (error.completions holds every completion)",
+                                 completions=completions)
 
 
 def held_back(text: str, stops) -> str:

@@ -52,12 +52,32 @@ def test_a_request_whose_sampling_fails_costs_the_others_nothing(tiny, monkeypat
     seq = tiny.add_request(good, core.SamplingParams(max_new_tokens=10))
     tiny.step()
     tiny.step()
-    with pytest.raises(RequestFailedError, match="sampling failed.*nan.*other requests"):
+    with pytest.raises(RequestFailedError, match="sampling failed.*nan.*the others finished"):
         tiny.generate(random_prompt(3, 256, 6), max_new_tokens=4, temperature=1.0, seed=666)
     while tiny.has_unfinished():
         tiny.step()
     assert seq.output_ids == want  # no token lost, none repeated
     assert tiny.cache.stats()["sequences"] == 0
+
+
+def test_a_failed_request_keeps_its_batch_completions(tiny, monkeypatch):
+    real = sampler_module.sample
+
+    def failing(logits, seqs):  # sample 0 (seed 666) fails; sample 1 (seed 667) does not
+        if any(s.params.seed == 666 for s in seqs):
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, seqs)
+
+    monkeypatch.setattr(sampler_module, "sample", failing)
+    prompt = random_prompt(5, 256, 9)
+    with pytest.raises(RequestFailedError, match="1 of 2 request") as info:
+        tiny.generate(prompt, max_new_tokens=6, temperature=1.0, seed=666, n=2)
+    failed, kept = info.value.completions
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 6
+    monkeypatch.setattr(sampler_module, "sample", real)
+    alone = tiny.generate(prompt, max_new_tokens=6, temperature=1.0, seed=667)[0]
+    assert kept.token_ids == alone.token_ids  # what it gets alone, seed for seed
 
 
 def test_a_vanishing_temperature_is_greedy(tiny):
