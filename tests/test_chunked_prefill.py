@@ -130,15 +130,9 @@ _MODEL: dict = {}
 _ALONE: dict = {}  # (case, prompt seed, length, new tokens) -> tokens generated alone
 
 
-@given(arrivals=st.lists(st.tuples(st.integers(0, 6), st.integers(2, 40), st.integers(1, 12)),
-                         min_size=3, max_size=7),
-       budget=st.sampled_from([3, 8, 64]), case=st.sampled_from(["contiguous", "paged-tight"]))
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-def test_random_arrivals_get_the_tokens_they_get_alone(arrivals, budget, case):
-    """Requests arriving at random steps, with chunks, decode riders, pauses and
-    preemptions in any mix (of the 40 examples, 6 preempt and 7 pause on the tight
-    pool): each gets the greedy tokens it gets when run alone."""
+def _run_arrivals(arrivals, budget, case):
+    """Requests (arrival step, prompt length, new tokens) arriving as the engine steps;
+    asserts each gets the greedy tokens it gets when run alone; returns the engine."""
     plugins, options = {"contiguous": ([], {}),
                         "paged-tight": (["paged"], dict(block_size=4, num_blocks=16))}[case]
     hf = _MODEL.setdefault("m", random_model(tiny_llama_config(), seed=5, scale=5.0))
@@ -165,3 +159,23 @@ def test_random_arrivals_get_the_tokens_they_get_alone(arrivals, budget, case):
         assert seq.output_ids == _ALONE[key], (i, arrivals)
     engine.cache.check_invariants()
     assert engine.cache.stats()["sequences"] == 0
+    return engine
+
+
+@given(arrivals=st.lists(st.tuples(st.integers(0, 6), st.integers(2, 40), st.integers(1, 12)),
+                         min_size=3, max_size=7),
+       budget=st.sampled_from([3, 8, 64]), case=st.sampled_from(["contiguous", "paged-tight"]))
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+def test_random_arrivals_get_the_tokens_they_get_alone(arrivals, budget, case):
+    """Requests arriving at random steps, with chunks, decode riders, pauses and
+    preemptions in any mix: each gets the greedy tokens it gets when run alone."""
+    _run_arrivals(arrivals, budget, case)
+
+
+def test_arrivals_that_preempt_and_pause_get_the_tokens_they_get_alone():
+    """One schedule of the kind the random test draws, known to make the tight pool
+    both pause a sequence and preempt one: both paths keep every token."""
+    arrivals = [(6, 28, 1), (2, 34, 8), (3, 21, 8), (2, 39, 4), (4, 10, 5), (1, 8, 10)]
+    engine = _run_arrivals(arrivals, 8, "paged-tight")
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_paused > 0

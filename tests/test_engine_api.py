@@ -42,13 +42,14 @@ def test_tiny_top_p_is_greedy(tiny):
 
 def test_length_finish_and_metrics(tiny):
     _, engine = tiny
-    (c,) = engine.generate(random_prompt(4, 256, 5), max_new_tokens=7)
-    assert c.finish_reason in ("length", "stop")
-    if c.finish_reason == "length":
-        assert len(c.token_ids) == 7
-    m = c.metrics
-    assert m.ttft > 0 and m.tokens_per_s > 0 and len(m.itl) == len(c.token_ids) - 1
-    assert m.tpot is None or m.tpot > 0
+    seq = engine.add_request(random_prompt(4, 256, 5),
+                             core.SamplingParams(max_new_tokens=7, ignore_eos=True))
+    while not seq.finished:
+        engine.step()
+    assert seq.finish_reason == "length" and len(seq.output_ids) == 7
+    m = seq.metrics
+    assert m.ttft > 0 and m.tokens_per_s > 0 and len(m.itl) == 6 and m.tpot > 0
+    assert m.tpot == pytest.approx(sum(m.itl) / 6)
 
 
 def test_stops_at_eos(tiny):
@@ -164,8 +165,10 @@ def test_abandoned_stream_frees_only_its_own_request(tiny):
     other = engine.add_request(other_prompt, core.SamplingParams(max_new_tokens=8))
     stream = engine.stream(random_prompt(5, 256, 13), max_new_tokens=20)
     next(stream)
+    assert engine.cache.stats()["sequences"] == 2
     stream.close()  # the consumer walks away mid-generation
-    assert other.status.value != "finished" or other.finish_reason != "abort"
+    assert other.status.value == "running" and other.finish_reason is None
+    assert engine.cache.stats()["sequences"] == 1  # the stream's request left at once
     while engine.has_unfinished():
         engine.step()
     assert other.output_ids == expected and other.finish_reason in ("length", "stop")

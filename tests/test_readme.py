@@ -30,4 +30,8 @@ def test_ten_line_plugin_example_registers_and_builds(tmp_path):
     hf = random_model(tiny_llama_config(), seed=1)
     engine = core.build(hf, plugins=[module], max_seq_len=32, max_batch_size=2)
     assert engine.plan.cache_backend == "my-cache"
-    assert len(engine.generate(random_prompt(5, 256, 0), max_new_tokens=4)[0].token_ids) >= 1
+    plain = core.build(hf, max_seq_len=32, max_batch_size=2)  # the contiguous cache it renames
+    prompts = [random_prompt(5, 256, 0), random_prompt(9, 256, 1)]
+    got = [c.token_ids for c in engine.generate(prompts, max_new_tokens=6)]
+    assert got == [c.token_ids for c in plain.generate(prompts, max_new_tokens=6)]
+    assert all(got)
