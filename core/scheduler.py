@@ -103,11 +103,14 @@ class Scheduler:
         chunked = [s for s in self.running if s.prefilling]  # oldest first
         decoding = [s for s in self.running if not s.prefilling]
         if chunked:
-            seq = chunked[0]  # its next chunk (the cache was reserved at admission)
+            # the oldest prompt's next chunk (its cache was reserved at admission), with
+            # the decode tokens riding along; when the cache cannot take both, chunk
+            # steps and decode steps alternate
+            seq = chunked[0]
             n = min(seq.num_prefill_tokens - seq.num_computed_tokens, self.max_prefill_tokens)
-            riders = self._riders(decoding, [seq], [n])  # decode tokens ride along
-            if riders or ((not decoding or self._last_kind != "prefill")  # short of room:
-                          and self.cache.can_append([seq.id], [n])):  # alternate
+            riders = self._riders(decoding, [seq], [n])
+            alternate = not decoding or self._last_kind != "prefill"
+            if riders or (alternate and self.cache.can_append([seq.id], [n])):
                 return self._chunk_step(riders, seq, n)
         if not chunked:
             admitted, counts = self._admit()

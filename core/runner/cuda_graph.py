@@ -123,11 +123,13 @@ class CudaGraphRunner:
     def _run(self, seq_ids, tokens) -> int:
         n = len(seq_ids)
         bs = self.bucket(n)
-        if tokens is None:  # on-device feedback (the last run left its argmax in place);
-            if n < bs:  # padding rows again repeat the last live row
+        # Padding rows repeat the last live row. tokens=None: on-device feedback, the
+        # last run left its argmax in the input buffer.
+        if tokens is None:
+            if n < bs:
                 self.tokens[bs][n:].copy_(self.tokens[bs][n - 1:n].expand(bs - n))
         else:
-            padded = tokens + [tokens[-1]] * (bs - n)  # padding rows repeat the last live row
+            padded = tokens + [tokens[-1]] * (bs - n)
             self.tokens[bs].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
         self.cache.prepare_decode_into(self.metas[bs], seq_ids)
         self.replays += 1

@@ -1,7 +1,8 @@
 """Greedy decode look-ahead: launch step N+1 before reading step N's tokens.
 
 Between two graph replays the host samples, appends, checks stop conditions and
-schedules: about 0.4 ms on an H200 host, during which the GPU would sit idle. For a
+schedules, and the GPU would sit idle meanwhile (a sizeable part of a small batch's step:
+docs/bench/HISTORY.md). For a
 greedy batch the next step's inputs are already on the device (each graph computes its
 argmax), and its metadata (one more position per sequence) is known in advance. So
 while step N runs, the engine launches step N+1 for the same sequences, then reads N's

@@ -1,8 +1,9 @@
 """A fresh prompt's prefill under CUDA graphs: one graph per prompt-length bucket.
 
-Eager prefill launches ~12 kernels per layer from Python; for a 512-token prompt on a
-7B model that host work (30+ ms on a slow host) exceeds the GPU time (~10 ms), so time
-to first token depends on the CPU. Replaying a captured graph removes it.
+Eager prefill launches about a dozen kernels per layer from Python; for a prompt of a few
+hundred tokens on a 7B model that host work can exceed the GPU time, so time to first
+token would depend on the CPU (docs/BENCHMARKS.md has the figures). Replaying a captured
+graph removes it.
 
 A prompt of ``n`` tokens runs in the smallest bucket ``L >= n``: rows ``n..L-1`` are
 padding (token 0, positions continuing the prompt). They come after the real rows, so
