@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from . import switches
+
 try:
     import triton
     import triton.language as tl
@@ -49,7 +51,8 @@ if HAVE_TRITON:
     def pdl_enter(PDL: tl.constexpr):
         """Programmatic dependent launch (Hopper): wait until the previous kernel has
         finished and flushed, then let the next one launch, so its launch and CTA setup
-        overlap this kernel instead of following it (decode runs ~350 kernels a step)."""
+        overlap this kernel instead of following it (a decode step runs hundreds of
+        kernels, each short)."""
         pdl_wait(PDL)
         pdl_release(PDL)
 
@@ -82,7 +85,7 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch options for a kernel that calls ``pdl_enter(PDL)``: PDL on CUDA sm90+
     (``INFERGRAFT_PDL=0`` turns it off), plain launches elsewhere. Called on every launch,
     so it stays cheap (prefill is bound by the host's launch cost)."""
-    if device.type != "cuda" or os.environ.get("INFERGRAFT_PDL") == "0" or interpreting() \
+    if device.type != "cuda" or not switches.value("INFERGRAFT_PDL") or interpreting() \
             or not _pdl_capable(device):
         return _PDL_OFF
     return _PDL_ON

@@ -1,12 +1,10 @@
 """float32 linear on the CPU: row blocks over the threads at a few rows, oneDNN above.
 
 torch's float32 ``F.linear`` is MKL's GEMM. At a few rows it reads the weight on one
-thread: SmolLM2's 113 MB LM head takes 7.1 ms on one thread and 7.3 on two, ~15 GB/s where
-two cores stream ~50. Cut into row blocks and handed to one batched GEMM, the blocks run
-on the intra-op threads: 1.7-2.5 ms. From 5 rows on, oneDNN's GEMM (the op inductor uses
-on the CPU, on the same dense weight) is the faster: SmolLM2's 30 layers at 8 / 64 / 256
-rows 19.4 / 53.8 / 133 ms against MKL's 39.4 / 110 / 318 (``docs/BENCHMARKS.md``, CPU).
-Each output is the same K-long float32 dot product summed in another order (about 1e-6
+thread, well below what the cores stream together. Cut into row blocks and handed to one
+batched GEMM, the blocks run on the intra-op threads. From 5 rows on, oneDNN's GEMM (the
+op inductor uses on the CPU, on the same dense weight) is the faster of the two, and
+faster than MKL's (docs/kernels.md has the figures). Each output is the same K-long float32 dot product summed in another order (about 1e-6
 relative to MKL's). ``int8_linear_cpu`` feeds int8 rows into it, widened chunk by chunk.
 """
 from __future__ import annotations
@@ -16,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-MAX_BLOCK_ROWS = 4  # row blocks up to here (1-4 rows: 8.8-14.2 ms vs oneDNN's 14.8-16.7)
+MAX_BLOCK_ROWS = 4  # row blocks up to here, oneDNN above (the faster on each side)
 MIN_BLOCK_ROWS = 64  # smaller blocks cost more in batching than their threads gain
 
 
@@ -77,7 +75,7 @@ def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias=None) -> torch.Tensor:
     """(x q^T) * s (+ b) in float32, as ``int8_linear_torch``: the int8 rows widened a
     cache-sized chunk at a time (the whole weight widened at once is 4x its bytes
-    written and read again: SmolLM2 int8 decode 21.7 vs 33-45 ms a step, one process)."""
+    written to memory and read back; a chunk stays in cache)."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k).float()
     rows = max(MIN_BLOCK_ROWS, INT8_CHUNK_BYTES // (4 * max(1, k)))

@@ -7,12 +7,12 @@ on the CPU (slowly), which is how the kernels are tested without a GPU.
 from __future__ import annotations
 
 import importlib
-import os
 import types
 
 import torch
 
 from infergraft.core.errors import KernelUnavailableError
+from . import switches
 from ._triton import HAVE_TRITON, interpreting
 
 #: op name -> module in this package; each module defines ``<op>_torch`` and ``<op>_triton``.
@@ -25,7 +25,7 @@ OPS = {
     "kv_write": "kv_write",
     "linear": "linear",
     "linear_partials": "linear",
-    "lm_head": "linear",
+    "lm_head": "lm_head",
     "normed_linear": "fused_linear",
     "normed_swiglu": "fused_linear",
     "normed_qkv_rope": "fused_linear",
@@ -81,9 +81,9 @@ def fuse_max_rows(backend: str) -> int:
     residual adds inside the GEMMs: ``kernels/fused_linear.py``); ``build`` folds the norm
     weights into the GEMMs where this is > 0. 0 = never (the torch reference, and the
     Triton ops with ``INFERGRAFT_FUSE=0``): the plain layer, weights as loaded."""
-    # H200: batch 1 3.74 ms per step fused vs 3.84 plain (``INFERGRAFT_FUSE=0``, A/B);
-    # batch 32 6.32 vs 6.54 (``INFERGRAFT_FUSE_MAX_ROWS=16``: plain above 16 rows)
-    if backend != "triton" or os.environ.get("INFERGRAFT_FUSE", "1") != "1":
+    # INFERGRAFT_FUSE is read at each build, not at import, so one process can build both
+    # layers and compare them (docs/kernels.md has what each costs)
+    if backend != "triton" or not switches.value("INFERGRAFT_FUSE"):
         return 0
     from .fused_linear import FUSE_MAX_ROWS
     return FUSE_MAX_ROWS

@@ -10,10 +10,10 @@ fusion flags on), for the decode layer at <= ``FUSE_MAX_ROWS`` (32) rows
 - ``normed_swiglu``: silu(n Wg^T) * (n Wu^T), n as above, on the fused gate_up weight
   [2I, K] (gate rows, then up rows): [M, I] out, no [M, 2I] intermediate.
 
-Every fusion sits outside the GEMM's loop: x * g on the x operand inside it cost Triton
-3.6 its pipelining (qkv 1.02 TB/s vs 3.69 on the H200). GEMM follows GEMM here, so
-they let their dependents launch only after their loop (``LATE_PDL_RELEASE``). H200,
-LLaMA-7B shape, bf16, batch 1: 3.75 ms per decode step (3.84 with the plain layer). The
+Every fusion sits outside the GEMM's loop: x * g on the x operand inside it costs Triton
+its software pipelining. GEMM follows GEMM here, so they let their dependents launch only
+after their loop (``LATE_PDL_RELEASE``). The fused layer saves the norm kernels and the
+residual adds' round trips (docs/kernels.md has the step times of both layers). The
 references compose torch ops, and so do the Triton entry points where the kernel does not
 apply (float32: exact cuBLAS; more rows than ``FUSE_MAX_ROWS``).
 
@@ -21,12 +21,11 @@ Each takes an int8 weight too: ``scale`` [N] float32 per row, W = q * s[:, None]
 (``quantize_int8``); the references compute that GEMM as ``int8_linear_torch`` does, the
 fallbacks with ``int8_linear_triton``.
 """
-import os
-
 import torch
 
 from infergraft.core.spec import split_qkv
 
+from . import switches
 from ._triton import HAVE_TRITON, next_pow2, triton
 from .int8_linear import int8_linear_torch, int8_linear_triton
 from .gemv import gemv_config, takes_gemv
@@ -35,9 +34,9 @@ from .kv_write import _check_kv_write
 from .rotary import _check_rotary, rotary_kv_write_torch, rotary_kv_write_triton
 from .silu_mul import silu_mul_torch
 
-# steps of up to this many tokens run the fused decode layer (an A/B knob): H200, batch
-# 32: 6.32 ms per step vs 6.54 at 16 (the plain layer: cuBLAS, split-K, norm kernels)
-FUSE_MAX_ROWS = int(os.environ.get("INFERGRAFT_FUSE_MAX_ROWS", "32"))
+# steps of up to this many tokens run the fused decode layer, larger ones the plain layer
+# (cuBLAS, split-K, norm kernels); up to here the fused one is the faster (docs/kernels.md)
+FUSE_MAX_ROWS = switches.value("INFERGRAFT_FUSE_MAX_ROWS")
 
 
 def _normed(x, sum_sq, eps):
@@ -120,12 +119,11 @@ def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
 
 def swiglu_config(m: int, i: int, k: int, gemv: bool = True) -> dict:
     """Two [BN, BK] weight tiles (gate and up) per step: at M <= 16 the bytes per stage of
-    the unfused gate_up's [64, 128] tiles (H200 sweep: 3.99 TB/s at M=1); above, twice as
-    wide, so each column tile re-reads x from L2 half as often (M=32: 3.79 vs 3.59 TB/s
-    alone, decode step at batch 32 6.31 vs 6.53 ms, same call)."""
+    the unfused gate_up's [64, 128] tiles; above, twice as wide, so each column tile
+    re-reads x from L2 half as often (docs/kernels.md)."""
     if takes_gemv(m, gemv):  # one row: kernels/gemv.py's register loop
         return gemv_config("swiglu")
-    if gemv and SWAP_TILES and 16 < m <= 32:  # 16-bit W^T x^T tiles: 3.79 -> 3.88 TB/s alone
+    if gemv and SWAP_TILES and 16 < m <= 32:  # 16-bit weights: swapped W x^T tiles
         return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=64, BLOCK_K=64, num_warps=4,
                     num_stages=4, SWAP=True)
     return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=32 if m <= 16 else 64, BLOCK_K=128,
@@ -174,19 +172,19 @@ def normed_qkv_rope_torch(x, weight, bias, sum_sq, eps, cos, sin, positions, num
     return rotary_kv_write_torch(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
 
 
-# up to this many rows the qkv GEMM rotates and writes K/V itself (A/B knobs). H200, 7B:
-# batch 1 3.70 ms per step vs 3.745 with the rotary kernel. Past 16 rows only on the
-# swapped tiles (16-bit weights): batch 32 6.17-6.27 vs 6.25-6.35 ms with the rotary
-# kernel, where the unswapped tiles lost (6.52-6.57); batch 8 4.38 vs 4.39 swapped.
-QKV_ROPE_MAX_ROWS = int(os.environ.get("INFERGRAFT_QKV_ROPE_MAX_ROWS", "32"))
+# up to this many rows the qkv GEMM rotates and writes K/V itself, one kernel (and one
+# launch) fewer a layer than normed_linear + rotary_kv_write. Past UNSWAPPED_ROPE_MAX_ROWS
+# only on the swapped tiles (16-bit weights): on unswapped ones the fused GEMM is slower
+# there than the two kernels it replaces (docs/kernels.md)
+QKV_ROPE_MAX_ROWS = switches.value("INFERGRAFT_QKV_ROPE_MAX_ROWS")
 UNSWAPPED_ROPE_MAX_ROWS = 16
-ROPE_SWAP_TILES = os.environ.get("INFERGRAFT_ROPE_SWAP", "1") == "1"
+ROPE_SWAP_TILES = switches.value("INFERGRAFT_ROPE_SWAP")
 
 
 def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
     """Two [BN, BK] tiles a step (dims and their rotate-half partners); 16-bit weights take
-    swapped 64-wide tiles (the in-model A/B above), int8 ones those of the same A/B at
-    batch 1 before: 32 x 128 x 4 stages 3.70 ms, x 3 stages 3.73, 16 x 128 3.85."""
+    swapped 64-wide tiles, int8 ones unswapped 32-wide tiles: each the best of an
+    in-model comparison of tiles (docs/kernels.md)."""
     if takes_gemv(m, gemv):  # one row: kernels/gemv.py's register loop
         cfg = gemv_config("qkv_rope")
         return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], half))
@@ -200,10 +198,9 @@ def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
 def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
                            k_cache, v_cache, idx0, idx1, scale=None, config=None):
     """Same contract as ``normed_qkv_rope_torch``; one GEMM whose epilogue rotates and
-    stores q, k and v where it applies (<= ``QKV_ROPE_MAX_ROWS`` rows on swapped tiles, else
-    <= ``UNSWAPPED_ROPE_MAX_ROWS``; all of
-    every head rotated, D / 2 a multiple of 16), else ``normed_linear`` +
-    ``rotary_kv_write``."""
+    stores q, k and v where it applies (<= ``QKV_ROPE_MAX_ROWS`` rows on swapped tiles,
+    else <= ``UNSWAPPED_ROPE_MAX_ROWS``; all of every head rotated, D / 2 a multiple of
+    the tiles' BLOCK_N, >= 16), else ``normed_linear`` + ``rotary_kv_write``."""
     _check_sum_sq(x, sum_sq)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     half = cos.shape[1]

@@ -1,27 +1,26 @@
 """The skinny GEMM's one-row loop (batch-1 decode): W tiles in registers, CUDA-core FMAs.
 
 At one row a tensor-core tile pads x to 16 rows and stages W through shared memory: the
-o / down tiles took 192 KB of it, so under programmatic dependent launch (PDL) the next
-kernel's CTAs could not become resident until this kernel's had left, and every launch
-began with an idle memory pipe. Here W goes straight to registers, so the next kernel's
+o / down tiles take 192 KB of it, so under programmatic dependent launch (PDL) the next
+kernel's CTAs cannot become resident until this kernel's have left, and every launch
+begins with an idle memory pipe. Here W goes straight to registers, so the next kernel's
 CTAs sit beside this one's, and each requests its first tiles *before* its PDL wait:
 weights depend on no earlier kernel, so those bytes arrive while the previous kernel
-finishes. H200, chains of 32 LLaMA-7B decode GEMMs in a CUDA graph (ninth session): o
-10.72 -> 9.95 us, qkv 24.9 -> 23.7, gate_up 42.6 -> 41.9; the 7B decode step at batch 1
-3.735 -> 3.611 ms (in-model A/B, one call; docs/BENCHMARKS.md). int8 weights stay on the
-tensor-core tiles (3.17 vs 3.03 ms here: widening is cheaper on the MMA path).
+finishes. int8 weights stay on the tensor-core tiles: their widening to 16 bits is
+cheaper on the MMA path than in this loop. docs/kernels.md has the figures.
 """
-import os
-
+from . import switches
 from ._triton import HAVE_TRITON, pdl_release, pdl_wait, tl, triton
 
-# one-row GEMMs take this loop (an A/B knob: INFERGRAFT_GEMV=0 for the tensor-core tiles)
-GEMV_ON = os.environ.get("INFERGRAFT_GEMV", "1") == "1"
+# one-row GEMMs take this loop (INFERGRAFT_GEMV=0: the tensor-core tiles instead)
+GEMV_ON = switches.value("INFERGRAFT_GEMV")
 
 # tiles per decode GEMM at one row (BLOCK_N rows of W per program, paired kinds take
 # BLOCK_N more: SwiGLU's up rows, RoPE's rotate-half partners); DEPTH tiles in flight;
-# EARLY: dependents may launch at the start (no shared memory to hold them back)
-GEMV_TILES = {  # in-model coordinate sweep, H200, LLaMA-7B shape, batch 1 (session 9)
+# EARLY: dependents may launch at the start (no shared memory to hold them back). Each
+# kind's tiles are the best of a coordinate sweep inside the batch-1 decode step, since
+# alone a GEMM does not see its neighbours' PDL overlap
+GEMV_TILES = {
     "wide": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, DEPTH=1, EARLY=True),     # N >= 8192
     "o": dict(BLOCK_N=16, BLOCK_K=512, num_warps=8, DEPTH=2, EARLY=True),        # K <= 4096
     "down": dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, DEPTH=1, EARLY=True),      # K > 4096

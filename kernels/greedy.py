@@ -4,14 +4,13 @@ The argmax follows ``torch.argmax``: ties go to the first index, and a NaN beats
 everything (the row's first NaN wins), so a broken logit is never silently skipped.
 
 It ends every decode step, so its latency counts: one program walking a 32000-wide row
-took 6.3 us on an H200; the row split over 16 programs, the last to finish picking among
-their winners, takes 2.5 (graphs of 20 calls; in the 7B decode step at batch 1 3.530 ->
-3.524 ms, in-process A/B, three rounds; docs/BENCHMARKS.md).
+waits on its loads one chunk after another, while the row split over 16 programs (the
+last to finish picking among their winners) has all its loads in flight at once.
+docs/kernels.md has the figures.
 """
-import os
-
 import torch
 
+from . import switches
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
 from .paged_plan import counters_for
 
@@ -117,7 +116,8 @@ if HAVE_TRITON:
 
 #: columns per program of the split kernel: 16 programs a row at V = 32000
 SPLIT_BLOCK = 2048
-SPLIT_ON = os.environ.get("INFERGRAFT_ARGMAX_SPLIT", "1") == "1"  # the split kernel (A/B knob)
+# the split kernel (INFERGRAFT_ARGMAX_SPLIT=0: one program walks each row)
+SPLIT_ON = switches.value("INFERGRAFT_ARGMAX_SPLIT")
 
 
 def logits_argmax_triton(y: torch.Tensor, out: torch.Tensor, block: int | None = None,

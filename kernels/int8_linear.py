@@ -12,7 +12,9 @@ from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, 
 from .cpu_linear import int8_linear_cpu
 
 
-DEQUANT_MIN_ROWS = 4096  # from here on cuBLAS on the widened weight beats the int8 kernel
+# from here on the GEMM is compute-bound: cuBLAS on the weight widened once beats the int8
+# kernel, whose saving is bytes read (docs/kernels.md)
+DEQUANT_MIN_ROWS = 4096
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,13 +83,12 @@ if HAVE_TRITON:
 
 def int8_config(m: int, n: int, k: int) -> dict:
     """Decode (few rows): one row tile, narrow column tiles so every SM streams weights,
-    long K tiles for the narrow outputs (H200, ``kernels.benchmarks --int8 --m 1,32,512``,
-    the best tiles of two sweeps, us at M=1: qkv 17.0 vs bf16 25.7, o 9.3 vs 11.2,
-    gate_up 27.1 vs 43.8, down 20.5 vs 24.2; M=32: 25.1 / 13.3 / 38.3 / 30.5 vs bf16
-    29.2 / 14.6 / 46.7 / 27.6). Prefill (H200, us; bf16 cuBLAS in brackets): M=512 with
-    SWAP qkv 122 vs 145 unswapped (70), o 51 vs 62 (25), gate_up 207 vs 216 (123); at
-    M=1024-2048 unswapped wins (qkv 213 vs 236 at 1024); at M=4096 widening W for cuBLAS
-    (qkv 718 vs 829; down 629 vs 748), see ``int8_linear_triton``."""
+    long K tiles for the narrow outputs. Prefill: at 65-1023 rows the widened W tile is
+    the MMA's register operand (SWAP: no trip through shared memory); from 1024 rows,
+    where the swap no longer pays, unswapped 128 x 128 tiles; from
+    ``DEQUANT_MIN_ROWS`` cuBLAS on the widened weight (``int8_linear_triton``). Tiles
+    from ``python -m infergraft.kernels.bench.gemms --int8`` (``--prefill-paths``);
+    docs/kernels.md has the figures."""
     if m <= 64:
         wide, narrow = n >= 16384, n < 8192 and m <= 16  # gate_up, lm_head | o, down
         return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=64 if wide else 32,

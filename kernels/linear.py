@@ -15,25 +15,22 @@ int8 weights (``w_scale``): q int8 [N, K] with a float32 scale per row, W = q * 
 (``kernels/int8_linear.py``); the tiles are widened in registers and the scales applied
 once, in the epilogue, so the fusions below take either weight.
 """
-import os
-
 import torch
-import torch.nn.functional as F
 
+from . import switches
 from .cpu_linear import linear_cpu
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .gemv import gemv_config, gemv_dot, takes_gemv
 from .rotary import rope_pair_store
 
-# above this many rows cuBLAS streams the weights as fast (H200 sweep); an A/B knob
-MAX_SKINNY_M = int(os.environ.get("INFERGRAFT_SKINNY_MAX_M", "16"))
+# above this many rows cuBLAS streams the weights as fast as this kernel (docs/kernels.md)
+MAX_SKINNY_M = switches.value("INFERGRAFT_SKINNY_MAX_M")
 MAX_ROWS = 64  # what the kernel takes (split-K partials use it up to here)
-# let dependent kernels launch after the K loop, not at the start: launched early, the
-# next GEMM's CTAs sat on SMs (with their shared memory) that this GEMM's later CTAs
-# needed; H200, batch 1, fused layer: 3.74 vs 4.32 ms (INFERGRAFT_PDL_LATE=0 for A/B)
-LATE_PDL_RELEASE = os.environ.get("INFERGRAFT_PDL_LATE", "1") == "1"
-# 2-32 rows, 16-bit weights: some GEMMs take y^T = W x^T tiles (an A/B knob: 0 = never)
-SWAP_TILES = os.environ.get("INFERGRAFT_SWAP", "1") == "1"
+# release dependents after the K loop: launched early, the next GEMM's CTAs would hold
+# SMs (and shared memory) this GEMM's later CTAs need (INFERGRAFT_PDL_LATE=0: at the start)
+LATE_PDL_RELEASE = switches.value("INFERGRAFT_PDL_LATE")
+# 2-32 rows, 16-bit weights: some GEMMs take y^T = W x^T tiles (INFERGRAFT_SWAP=0: never)
+SWAP_TILES = switches.value("INFERGRAFT_SWAP")
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -60,7 +57,7 @@ if HAVE_TRITON:
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
         # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
         # Fusions (kernels/fused_linear.py), all outside the loop, whose operands stay
-        # plain loads (x * g on the x operand cost Triton its pipelining: 4x slower):
+        # plain loads (x * g on the x operand costs Triton its software pipelining):
         # NORM = RMSNorm of x with its weight folded into W's columns: * rstd from the
         # row's sum of squares, SS_PARTS partial sums ss [P, M]; SWIGLU = silu(x Wg^T) *
         # (x Wu^T), Wu UP_ROWS rows below Wg; RESIDUAL = + r; SUM_SQ = each output row's
@@ -160,24 +157,26 @@ if HAVE_TRITON:
 
 
 def skinny_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
-    """Tiles and pipelining for [M, K] x [N, K]^T, from a sweep on an H200 at M=1 over the
-    LLaMA-7B decode GEMMs (kernels/benchmarks.py): wide N likes wide tiles, narrow N
+    """Tiles and pipelining for [M, K] x [N, K]^T, from a sweep over the LLaMA-7B decode
+    GEMMs (``python -m infergraft.kernels.bench.gemms``): wide N likes wide tiles, narrow N
     (few programs) likes long K tiles to keep enough bytes in flight per SM. One row
     (``gemv``) takes the register loop of kernels/gemv.py. ``gemv`` (16-bit weights, one
-    split) also allows the SWAP tiles (W the MMA's 64-row operand, wgmma) where they won."""
+    split) also allows the SWAP tiles (W the MMA's 64-row operand, wgmma) where they
+    stream faster (docs/kernels.md)."""
     if takes_gemv(m, gemv):
         return gemv_config("wide" if n >= 8192 else "o" if k <= 4096 else "down")
     block_m = max(16, next_pow2(m))
-    if n >= 16384:  # gate_up, lm_head: 4.1-4.2 TB/s (M=32: 3.85 with 64-wide K tiles)
+    if n >= 16384:  # gate_up, lm_head: above 16 rows shorter K tiles, one more stage
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if m <= 16 else 64, num_warps=4,
                     num_stages=3 if m <= 16 else 4)
     swap = gemv and SWAP_TILES and m <= 32
-    if n >= 8192:  # fused qkv: M=32 3.53 -> 3.69 TB/s swapped, M=8 3.78 -> 3.86 (H200, alone)
+    # fused qkv: swapped, W's 64 rows are the MMA's M side (wgmma; x's 16-32 are too few)
+    if n >= 8192:
         if swap:
             return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4,
                         SWAP=True)
         return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    if swap and m <= 16:  # o, down + residual: M=8 o 2.65 -> 2.80 TB/s, down 3.32 -> 3.57
+    if swap and m <= 16:  # o, down (+ residual): swapped tiles too, up to 16 rows
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=5,
                     SWAP=True)
     return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=4)  # o, down
@@ -270,30 +269,20 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
 
 def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
     """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast.
-    From ``kernels/benchmarks.py --split 1,32,64`` on an H200 (bf16; TB/s of weights):
-    o 4096x4096 at M=32 3.08 (cuBLAS 2.40), M=64 2.95 (2.69); down 4096x11008 at M=32
-    3.47 (cuBLAS 3.20), M=64 3.30 (2.97). In the decode step at batch 32 (o and down
-    split, partials summed by the norms) 6.71 -> 6.48 ms."""
+    Narrow outputs (o, down) give too few column tiles to keep every SM streaming; split
+    over K, each SM has more bytes in flight, and the add+RMSNorm that follows sums the
+    partials as it loads them. Tiles from ``python -m infergraft.kernels.bench.gemms
+    --split 1,32,64``; docs/kernels.md has the figures."""
     if n > 8192:  # wide outputs already fill the GPU with column tiles
         return None
     if m <= 16:
-        # the GEMM alone gains (o 2.9 -> 3.3 TB/s at M=1), but a single-row norm reading
-        # S float32 rows loses as much: the decode step was no faster (4.02 vs 3.99 ms)
+        # the GEMM alone gains, but the norm after it, reading S float32 rows, loses as
+        # much: the decode step is no faster
         return None
     block_m = max(16, next_pow2(m))
     if k <= 4096:
         return 2, dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     return 4, dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-
-
-def lm_head_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # x: [n, H], weight: [V, H] -> [n, V]: the projections' linear
-    return linear_torch(x, weight)
-
-
-def lm_head_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """cuBLAS: one wide GEMM it runs at the copy rate (H200: 0.063 ms for 262 MB)."""
-    return F.linear(x, weight)
 
 
 def linear_partials_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:

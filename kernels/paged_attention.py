@@ -147,8 +147,9 @@ if HAVE_TRITON:
                 p = p * vsc[None, :]
             if IEEE:  # float32 K/V: exact float32 product
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [G, D]
-            else:  # 16-bit: p rounded to q's dtype, on tensor cores (an fp32 IEEE dot runs
-                # on the FMA units and made the kernel compute-bound: 1.6 TB/s at batch 32)
+            else:
+                # 16-bit: p rounded to q's dtype, on tensor cores (an fp32 IEEE dot runs on
+                # the FMA units and makes the kernel compute-bound)
                 pv = tl.dot(p.to(q.dtype), v.to(q.dtype))                  # [G, D]
             acc = acc * alpha[:, None] + pv
             m = m_new

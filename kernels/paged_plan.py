@@ -14,11 +14,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 #: the automatic split count aims for at least this many programs per SM (a few resident
-#: per SM hide memory latency; more, smaller programs shrink the last wave's tail). H200,
-#: 7B shape, decode step: batch 8 4.51 vs 4.66 ms at 4 (5 splits vs 3), batch 1 3.74 vs 3.75
+#: per SM hide memory latency; more, smaller programs shrink the last wave's tail)
 PROGRAMS_PER_SM = 8
-#: ... unless (sequence, kv head) pairs alone give this many per SM: batch 32 (8 per SM)
-#: with two splits was 6.83 vs 6.3 ms unsplit
+#: ... unless (sequence, kv head) pairs alone give this many per SM: then the GPU is full
+#: without splits, and a split only adds the partials' writes and their merge
 UNSPLIT_PER_SM = 4
 
 
@@ -54,20 +53,16 @@ def split_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int
 
 
 #: Mid-sized steps, (sequence, kv head) pairs from ``r`` x the SM count up: (splits, keys per
-#: tile, warps, stages), each about two full waves of programs (1 to 3 resident per SM).
-#: H200 sweep (bf16, D=128, 544 of 576 keys; us per layer, 16-bit K/V; old -> new):
-#: GQA 32/8 at 256 pairs 29.4 -> 28.1 (81.4 -> 75.6 at 2000 keys), 384 pairs 39.6 -> 36.9,
-#: 512 pairs 54.2 -> 44.5; below 1.5 x SMs the rule above (within 1-7% of that sweep's best)
+#: tile, warps, stages), each about two full waves of programs (1 to 3 resident per SM),
+#: the best of a tile grid (``bench.attention --grid``); below 1.5 x SMs the
+#: ``split_plan`` rule, already close to that grid's best there (docs/kernels.md)
 MID_PLANS = ((1.5, (1, 128, 8, 2)), (2.5, (2, 32, 2, 4)), (3.4, (1, 64, 4, 3)))
-#: ... and with one query head per kv head (MHA: LLaMA-2-7B 32/32): 256 pairs 28.8 -> 25.9,
-#: 384 pairs 39.0 -> 37.2, 512 pairs 53.0 -> 43.1 (168.7 -> 138.0 at 2000 keys); GQA's
-#: 64-key tiles at 256 pairs took 34.5 us, its 128-key tiles at 384 pairs 40.5
+#: ... and with one query head per kv head (MHA), whose best tiles of the same grid differ
+#: (GQA's tiles are slower here)
 MID_PLANS_MHA = ((1.5, (2, 64, 4, 2)), (2.5, (1, 64, 4, 2)), (3.4, (1, 64, 4, 3)))
 #: Large GQA steps, from ``r`` x SMs pairs up: unsplit 64-key tiles instead of 32-key ones
-#: with 2 warps. H200 (bf16, D=128, 544 keys; us per layer, shipped -> this): 32/8 at 1024
-#: pairs 106.7 -> 85.8 (7B-shaped GQA model, batch 128: 7.58-7.82 -> 6.84-6.99 ms a step),
-#: 1536 pairs 121.3 -> 120.9, 2048 pairs 169.2 -> 157.3; at 768 pairs it lost (62.7 -> 70.7).
-#: MHA keeps 2-warp tiles: at 2048 pairs they were best (145.6; 64-key 175.1).
+#: with 2 warps (below ``r`` x SMs the 2-warp tiles stay faster). MHA keeps the 2-warp
+#: tiles, which are the faster for it (docs/kernels.md)
 LARGE_PLAN_GQA = (7.5, (1, 64, 4, 2))
 
 
@@ -78,7 +73,7 @@ def launch_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: in
     """(S, keys per tile, warps and stages) of one decode-attention call, from shapes
     only. ``group``: query heads per kv head. ``wide_tiles``: 16-bit K/V with head_dim
     <= 128, where the ``MID_PLANS`` / ``LARGE_PLAN_GQA`` tiles fit in shared memory and
-    were measured; a given ``num_splits`` or ``block_n`` keeps the ``split_plan`` rule."""
+    were tuned; a given ``num_splits`` or ``block_n`` keeps the ``split_plan`` rule."""
     row = _measured_plan(bsz * hkv, sms, group) \
         if wide_tiles and num_splits is None and block_n is None else None
     if row:
@@ -150,9 +145,10 @@ def counters_for(counters: CounterPool | None, device: torch.device, n: int):
 
 
 def tile_config(nsplit: int, num_warps: int | None, num_stages: int | None) -> dict:
-    """Warps and pipeline depth, from a sweep on an H200 (bf16, D=128, 544-token context,
-    ``kernels/bench_attention.py --wide``): with 32-key tiles, many short programs (split
-    sequences, small batch) like 4 warps and 2 stages; one long program per (sequence,
-    head) (S = 1, large batch) likes 2 warps and 4 stages: 3.4 -> 3.7 TB/s at batch 32."""
+    """Warps and pipeline depth, from a sweep (bf16, D=128, 544-token context,
+    ``python -m infergraft.kernels.bench.attention --wide``): with 32-key tiles, many short
+    programs (split sequences, small batch) like 4 warps and 2 stages; one long program
+    per (sequence, head) (S = 1, large batch) likes 2 warps and 4 stages, which keep more
+    loads in flight along its keys (docs/kernels.md)."""
     warps, stages = (4, 2) if nsplit > 1 else (2, 4)
     return dict(num_warps=num_warps or warps, num_stages=num_stages or stages)

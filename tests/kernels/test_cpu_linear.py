@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from infergraft.kernels import cpu_linear as C
-from infergraft.kernels.linear import lm_head_torch, linear_torch
+from infergraft.kernels.linear import linear_torch
+from infergraft.kernels.lm_head import lm_head_torch
 
 
 @pytest.fixture

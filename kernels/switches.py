@@ -1,0 +1,162 @@
+"""Every ``INFERGRAFT_*`` kernel switch, declared once (in the spirit of vLLM's ``envs.py``).
+
+Each switch selects the path a default replaced, so a benchmark can compare both in one
+process or two. A switch is read at one of three moments, and keeps that moment:
+
+- ``import``: a module constant takes the value once, when its kernel module is imported
+  (e.g. ``linear.SWAP_TILES``); setting the variable later changes nothing in-process.
+- ``build``: read each time an engine builds its ops (``dispatch.get_ops``).
+- ``launch``: read on every kernel launch (``_triton.pdl_launch``).
+
+``value(name)`` parses the environment now; ``snapshot()`` gives every switch's effective
+value, for result files (an import-time switch reports the value its module took).
+``docs/kernels.md`` carries the same table as ``markdown_table()``; a test holds the two
+together. It needs only the standard library: it never imports Triton or torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+
+BOOL, ROWS = "bool", "rows"
+READ_AT = ("import", "build", "launch")
+
+
+class SwitchError(ValueError):
+    """A switch set to a value it does not accept, or a name that is no switch."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One environment switch. ``default`` is the raw string an unset variable stands for;
+    ``constant`` ("module.NAME" in this package) holds an import-time switch's value;
+    ``changes_results``: the other path may give other output bits (another kernel or
+    another summation order), where False means only the schedule, never the values,
+    changes."""
+
+    name: str
+    kind: str
+    default: str
+    read_at: str
+    set_to: str
+    selects: str
+    changes_results: bool
+    constant: str | None = None
+
+    def parse(self, raw: str) -> bool | int:
+        """The value of ``raw`` (the variable's text); raises ``SwitchError`` on a bad one."""
+        text = raw.strip()
+        if self.kind == BOOL:
+            if text not in ("0", "1"):
+                raise SwitchError(f"{self.name}={raw!r} is not 0 or 1 "
+                                  f"(default {self.default}; 0 selects {self.selects})")
+            return text == "1"
+        if not (text.isascii() and text.isdigit()):  # no sign: rows are never negative
+            raise SwitchError(f"{self.name}={raw!r} is not an integer >= 0 "
+                              f"(rows; default {self.default})")
+        return int(text)
+
+
+def _switches(*entries: Switch) -> dict[str, Switch]:
+    return {s.name: s for s in entries}
+
+
+#: name -> Switch, in the order of the docs table
+SWITCHES = _switches(
+    Switch("INFERGRAFT_FUSE", BOOL, "1", "build", "`0`",
+           "the plain decoder layer (norm kernels, weights as loaded) instead of the fused one",
+           changes_results=True),
+    Switch("INFERGRAFT_FUSE_MAX_ROWS", ROWS, "32", "import", "rows",
+           "up to how many rows a step takes the fused layer",
+           changes_results=True, constant="fused_linear.FUSE_MAX_ROWS"),
+    Switch("INFERGRAFT_QKV_ROPE_MAX_ROWS", ROWS, "32", "import", "rows (`0`: never)",
+           "up to how many rows the qkv GEMM rotates and writes K/V itself",
+           changes_results=True, constant="fused_linear.QKV_ROPE_MAX_ROWS"),
+    Switch("INFERGRAFT_GEMV", BOOL, "1", "import", "`0`",
+           "one-row GEMMs on the tensor-core tiles instead of `gemv.py`'s register loop",
+           changes_results=True, constant="gemv.GEMV_ON"),
+    Switch("INFERGRAFT_SWAP", BOOL, "1", "import", "`0`",
+           "unswapped tiles at 2-32 rows in the plain and fused GEMMs",
+           changes_results=True, constant="linear.SWAP_TILES"),
+    Switch("INFERGRAFT_ROPE_SWAP", BOOL, "1", "import", "`0`",
+           "unswapped tiles in the qkv + RoPE GEMM (which then fuses up to 16 rows only)",
+           changes_results=True, constant="fused_linear.ROPE_SWAP_TILES"),
+    Switch("INFERGRAFT_SKINNY_MAX_M", ROWS, "16", "import", "rows",
+           "up to how many rows the plain layer's qkv / gate_up (and o / down where split-K "
+           "does not apply) take the skinny kernel; cuBLAS above",
+           changes_results=True, constant="linear.MAX_SKINNY_M"),
+    Switch("INFERGRAFT_PDL", BOOL, "1", "launch", "`0`",
+           "plain launches instead of programmatic dependent launch (which needs sm90+)",
+           changes_results=False),
+    Switch("INFERGRAFT_PDL_LATE", BOOL, "1", "import", "`0`",
+           "GEMMs release their dependents at their start instead of after their loop",
+           changes_results=False, constant="linear.LATE_PDL_RELEASE"),
+    Switch("INFERGRAFT_ARGMAX_SPLIT", BOOL, "1", "import", "`0`",
+           "`logits_argmax` walks each row on one program",
+           changes_results=False, constant="greedy.SPLIT_ON"),
+)
+
+
+def switch(name: str) -> Switch:
+    """The declaration of ``name``; raises ``SwitchError`` naming the known switches."""
+    try:
+        return SWITCHES[name]
+    except KeyError:
+        raise SwitchError(f"unknown kernel switch {name!r}; known: "
+                          f"{', '.join(SWITCHES)}") from None
+
+
+def value(name: str) -> bool | int:
+    """``name``'s value in the environment now (unset or empty: its default)."""
+    s = switch(name)
+    raw = os.environ.get(name)
+    return s.parse(s.default if raw is None or raw == "" else raw)
+
+
+def default(name: str) -> bool | int:
+    """``name``'s value when the variable is unset."""
+    s = switch(name)
+    return s.parse(s.default)
+
+
+def effective(name: str) -> bool | int:
+    """The value the kernels use: for an import-time switch whose module is imported, its
+    module constant (what it took at import, or what a test patched in); else ``value``."""
+    s = switch(name)
+    if s.constant:
+        module, attr = s.constant.rsplit(".", 1)
+        # sys.modules, not an import: importing a kernel module would import Triton
+        loaded = sys.modules.get(f"{__package__}.{module}")
+        if loaded is not None and hasattr(loaded, attr):
+            return getattr(loaded, attr)
+    return value(name)
+
+
+def snapshot() -> dict[str, bool | int]:
+    """{name: effective value} for every switch, for a result file."""
+    return {name: effective(name) for name in SWITCHES}
+
+
+def results_key() -> str:
+    """A short hash of the switches that may change output bits, at their effective
+    values: two result files with the same key computed the same thing."""
+    items = sorted((n, effective(n)) for n, s in SWITCHES.items() if s.changes_results)
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:12]
+
+
+#: the docs table's header, in column order
+TABLE_HEADER = ("variable", "default", "set to", "read at", "selects", "changes results")
+
+
+def table_rows() -> list[tuple[str, ...]]:
+    """One row of ``docs/kernels.md``'s Switches table per switch, cells as written there."""
+    return [(f"`{s.name}`", f"`{s.default}`", s.set_to, s.read_at, s.selects,
+             "yes" if s.changes_results else "no") for s in SWITCHES.values()]
+
+
+def markdown_table() -> str:
+    """The Switches table of ``docs/kernels.md``, to paste there after editing a switch."""
+    rows = [TABLE_HEADER, ("---",) * len(TABLE_HEADER), *table_rows()]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
