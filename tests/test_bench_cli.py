@@ -2,8 +2,11 @@
 our engine, HF on the same weights and the copy-bandwidth roofline, and writes the table
 and JSON (the GPU figures in docs/BENCHMARKS.md come from the same code)."""
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
 from infergraft.core.tools.bench_cli import main
 from infergraft.core.cli import main as cli_main
@@ -26,6 +29,26 @@ def test_bench_tiny_shape_writes_table_and_json(tmp_path, capsys):
         assert 0 < r["roofline_ms"]
     floor = {r["batch"]: r["roofline_ms"] for r in data["results"]}
     assert floor[2] > floor[1]
+    for r in data["results"]:  # the step times' spread beside their median
+        assert r["tpot_p99_ms"] >= r["tpot_p90_ms"] > 0
+        assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / r["tpot_ms"])
+
+
+def test_bench_json_records_the_commit_and_every_switch(tmp_path, capsys, monkeypatch):
+    from infergraft.kernels import switches
+
+    monkeypatch.setenv("INFERGRAFT_FUSE", "0")  # read at each build: the file must say so
+    assert main(["--model", "tiny", "--device", "cpu", "--batches", "1", "--prompt-len", "8",
+                 "--new-tokens", "4", "--systems", "infergraft", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    data = json.loads((tmp_path / "results.json").read_text())
+    described = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent).stdout.strip()
+    assert data["commit"] == (described or f"infergraft {data['versions']['infergraft']}")
+    assert set(data["switches"]) == set(switches.SWITCHES) and len(data["switches"]) >= 10
+    assert data["switches"]["INFERGRAFT_FUSE"] in (0, False)
+    assert data["versions"]["torch"] == torch.__version__.split("+")[0] or \
+        data["versions"]["torch"] == torch.__version__
 
 
 def test_bench_refuses_a_batch_that_never_decodes_whole(tmp_path, capsys):

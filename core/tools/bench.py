@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from ..errors import PlanError
+from ..metrics import percentiles
 from ..request import SamplingParams
 
 SYSTEMS = ("infergraft", "hf-eager", "hf-static")
@@ -27,6 +28,8 @@ class Result:
     ttft_ms: float
     tpot_ms: float
     roofline_ms: float  # TPOT floor for this batch: bytes read per step / bandwidth
+    tpot_p90_ms: Optional[float] = None  # the step times' spread (tpot_ms is their median)
+    tpot_p99_ms: Optional[float] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,8 +81,9 @@ def step_bytes(spec, weight_bytes: int, kv_bytes_per_token: int, batch: int, con
 
 
 def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
-               repeats: int = 3) -> tuple[float, float]:
-    """(median TTFT, median TPOT) in seconds over ``repeats`` runs after ``warmup``."""
+               repeats: int = 3) -> tuple[float, float, dict]:
+    """(median TTFT, median TPOT, percentiles of the step times) in seconds over
+    ``repeats`` runs after ``warmup``."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     ttfts, itls = [], []
     for run in range(warmup + repeats):
@@ -96,7 +100,7 @@ def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
                     f"(--new-tokens) or more prompt tokens a step (--max-prefill-tokens, "
                     f"build's max_prefill_tokens)")
             itls += itl[min(WARMUP_STEPS, len(itl) - 1):]
-    return statistics.median(ttfts), statistics.median(itls)
+    return statistics.median(ttfts), statistics.median(itls), percentiles(itls)
 
 
 def full_batch_steps(metrics) -> list[float]:
@@ -124,7 +128,8 @@ class _StepClock:
 
 
 def bench_hf(model, prompts, new_tokens: int, static: bool = False,
-             warmup: int = 1, repeats: int = 3) -> tuple[float, float]:
+             warmup: int = 1, repeats: int = 3) -> tuple[float, float, dict]:
+    """As ``bench_ours``, for HF ``generate`` (eager, or its static cache compiled)."""
     from transformers import StoppingCriteriaList
 
     device = next(model.parameters()).device
@@ -144,7 +149,7 @@ def bench_hf(model, prompts, new_tokens: int, static: bool = False,
             t = clock.times
             ttfts.append(t[0] - start)
             itls += [b - a for a, b in zip(t[WARMUP_STEPS:], t[WARMUP_STEPS + 1:])]
-    return statistics.median(ttfts), statistics.median(itls)
+    return statistics.median(ttfts), statistics.median(itls), percentiles(itls)
 
 
 def min_new_tokens(system: str) -> int:
@@ -191,10 +196,12 @@ def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
                            prompt_len + new_tokens // 2) / bw
         for system in systems:
             if system == "infergraft":
-                ttft, tpot = bench_ours(engine, prompts, new_tokens)
+                ttft, tpot, spread = bench_ours(engine, prompts, new_tokens)
             else:
-                ttft, tpot = bench_hf(hf_model, prompts, new_tokens, static=system == "hf-static")
-            r = Result(system, b, ttft * 1e3, tpot * 1e3, floor * 1e3)
+                ttft, tpot, spread = bench_hf(hf_model, prompts, new_tokens,
+                                              static=system == "hf-static")
+            r = Result(system, b, ttft * 1e3, tpot * 1e3, floor * 1e3,
+                       spread["p90"] * 1e3, spread["p99"] * 1e3)
             log(f"  batch {b:3d} {system:11s} TTFT {r.ttft_ms:8.2f} ms  TPOT {r.tpot_ms:8.3f} ms"
                 f"  {r.tokens_per_s:9.1f} tok/s  roofline {r.roofline_fraction:5.1%}")
             results.append(r)

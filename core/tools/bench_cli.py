@@ -9,13 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
-from .bench import SYSTEMS, check_systems, min_new_tokens, run_benchmark
-from ..selection import resolve_device, resolve_dtype, select_plugins
 from ..errors import InfergraftError, PlanError
-from ..plugin_manager import get_plugin_manager
 from ..loading.source import ALIASES
+from ..plugin_manager import get_plugin_manager
+from ..selection import resolve_device, resolve_dtype, select_plugins
+from .bench import SYSTEMS, check_systems, min_new_tokens, run_benchmark
+from .provenance import provenance
 
 SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -242,14 +244,15 @@ def measure(args) -> int:
     (out / "results.json").write_text(json.dumps({
         "model": args.model, "dtype": str(dtype), "device": device_name,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "copy_bandwidth_Bps": bw,
-        "torch": torch.__version__, "when": time.strftime("%Y-%m-%d %H:%M"),
-        "results": [dict(r.__dict__ if hasattr(r, "__dict__") else {}, **{
-            "system": r.system, "batch": r.batch, "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms,
-            "roofline_ms": r.roofline_ms, "tokens_per_s": r.tokens_per_s}) for r in results],
+        "plugins": args.plugins, "torch": torch.__version__,
+        "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(),
+        "results": [dict(attrs.asdict(r), tokens_per_s=r.tokens_per_s,
+                         roofline_fraction=r.roofline_fraction) for r in results],
     }, indent=2))
     plotted = plot(results, out / "tpot.png", title)
     print(f"## {title}, prompt {prompt_len}, {new_tokens} new tokens\n\n{table}")
-    print(f"\nwrote {out / 'results.json'}" + (f" and {out / 'tpot.png'}" if plotted else ""))
+    print(f"\nwrote {out / 'results.json'}" + (f" and {out / 'tpot.png'}" if plotted else
+          " (no tpot.png: matplotlib is not installed; pip install 'infergraft[bench]')"))
     return 0
 
 
