@@ -1,9 +1,57 @@
-"""ModelSpec: what the engine needs to know about a decoder, taken from the HF config."""
+"""ModelSpec: what the engine needs to know about a decoder, taken from the HF config.
+
+A spec refuses sizes that are not integers >= 1 (UnsupportedModelError naming the field),
+so that no policy, built-in or third-party, hands the planner or the model a config that
+would plan negative bytes or build empty tensors.
+"""
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import attrs
+
+from .errors import UnsupportedModelError
+
+#: ModelSpec's sizes -> what HF configs call them, for refusals a user can act on
+HF_NAMES = {"num_layers": "num_hidden_layers / n_layer", "hidden_size": "hidden_size / n_embd",
+            "num_heads": "num_attention_heads / n_head", "num_kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim", "intermediate_size": "intermediate_size / n_inner",
+            "vocab_size": "vocab_size", "max_position": "max_position_embeddings / n_positions",
+            "sliding_window": "sliding_window",
+            "rotary_dim": "head_dim x partial_rotary_factor"}
+
+
+def check_size(architecture: str, name: str, value) -> int:
+    """``value`` if it is an integer >= 1 (numpy's too, bool not), else
+    UnsupportedModelError naming ``architecture``, the field and its HF name."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
+        return value
+    hf = f" (config.json: {HF_NAMES[name]})" if name in HF_NAMES else ""
+    raise UnsupportedModelError(f"{architecture}: {name} must be an integer >= 1, got "
+                                f"{value!r}{hf}")
+
+
+def derived_head_dim(architecture: str, hidden_size, num_heads) -> int:
+    """hidden_size // num_heads, for configs that give no head_dim; UnsupportedModelError
+    where either is not an integer >= 1 or the heads do not divide hidden_size."""
+    check_size(architecture, "hidden_size", hidden_size)
+    check_size(architecture, "num_heads", num_heads)
+    if hidden_size % num_heads:
+        raise UnsupportedModelError(
+            f"{architecture}: hidden_size={hidden_size} is not a multiple of num_heads="
+            f"{num_heads}, so head_dim cannot be derived; accepted: a hidden_size that "
+            "num_attention_heads divides, or a config that gives head_dim")
+    return hidden_size // num_heads
+
+
+def _size(instance, attribute, value) -> None:
+    check_size(instance.architecture, attribute.name, value)
+
+
+def _optional_size(instance, attribute, value) -> None:
+    if value is not None:
+        check_size(getattr(instance, "architecture", "RopeSpec"), attribute.name, value)
 
 
 @attrs.frozen
@@ -16,7 +64,8 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
-    rotary_dim: Optional[int] = None  # None: the whole head_dim
+    # None: the whole head_dim
+    rotary_dim: Optional[int] = attrs.field(default=None, validator=_optional_size)
 
 
 @attrs.frozen
@@ -24,21 +73,22 @@ class ModelSpec:
     """Shape and flavour of a decoder-only transformer, independent of any HF class."""
 
     architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position: int
+    # validators run once every field is set, so a refusal can name the architecture
+    num_layers: int = attrs.field(validator=_size)
+    hidden_size: int = attrs.field(validator=_size)
+    num_heads: int = attrs.field(validator=_size)
+    num_kv_heads: int = attrs.field(validator=_size)
+    head_dim: int = attrs.field(validator=_size)
+    intermediate_size: int = attrs.field(validator=_size)
+    vocab_size: int = attrs.field(validator=_size)
+    max_position: int = attrs.field(validator=_size)
     norm: str = "rms"  # rms | layer
     norm_eps: float = 1e-6
     activation: str = "silu"  # silu | gelu_tanh | gelu
     gated_mlp: bool = True  # gate_up fused (LLaMA) or a single fc_in (GPT-2)
     position: str = "rope"  # rope | learned
     rope: Optional[RopeSpec] = None
-    sliding_window: Optional[int] = None
+    sliding_window: Optional[int] = attrs.field(default=None, validator=_optional_size)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -48,9 +98,13 @@ class ModelSpec:
     pad_token_id: Optional[int] = None
 
     def __attrs_post_init__(self):
+        # after the validators: both are integers >= 1 here
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
+            raise UnsupportedModelError(
+                f"{self.architecture}: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}; accepted: num_key_value_heads dividing "
+                "num_attention_heads (grouped-query attention shares each K/V head among "
+                "num_heads / num_kv_heads query heads)")
 
     @property
     def q_size(self) -> int:

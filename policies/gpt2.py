@@ -8,7 +8,7 @@ qkv slot (q | k | v along dim 0).
 from infergraft.core.errors import UnsupportedModelError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.core.policy import Policy, WeightMap, WeightRule
-from infergraft.core.spec import ModelSpec
+from infergraft.core.spec import ModelSpec, check_size
 
 #: HF activation_function -> ModelSpec.activation
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -56,9 +56,12 @@ class GPT2Policy(Policy):
         if getattr(config, "add_cross_attention", False):
             _refuse("add_cross_attention=True (a decoder-only engine has no encoder)")
         h, heads = config.n_embd, config.n_head
+        check_size("GPT2LMHeadModel", "hidden_size", h)  # before the modulo below
+        check_size("GPT2LMHeadModel", "num_heads", heads)
         if h % heads:
             raise UnsupportedModelError(f"GPT2LMHeadModel: n_embd={h} is not a multiple of "
                                         f"n_head={heads}")
+        inner = getattr(config, "n_inner", None)
         eos = getattr(config, "eos_token_id", None)
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return ModelSpec(
@@ -68,7 +71,7 @@ class GPT2Policy(Policy):
             num_heads=heads,
             num_kv_heads=heads,
             head_dim=h // heads,
-            intermediate_size=getattr(config, "n_inner", None) or 4 * h,
+            intermediate_size=4 * h if inner is None else inner,  # n_inner=0 is refused
             vocab_size=config.vocab_size,
             max_position=config.n_positions,
             norm="layer",

@@ -3,7 +3,7 @@ from infergraft.core.errors import UnsupportedModelError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.core.policy import Policy, WeightMap, WeightRule
 from infergraft.core.rope import rope_from_config
-from infergraft.core.spec import ModelSpec
+from infergraft.core.spec import ModelSpec, check_size, derived_head_dim
 
 _DECODER_RULES = (
     WeightRule("model.embed_tokens.weight", "embed.weight"),
@@ -27,7 +27,14 @@ def llama_like_spec(config, *, architecture: str, qkv_bias: bool = False,
                     sliding_window=None) -> ModelSpec:
     """ModelSpec for the LLaMA-shaped families (LLaMA, Mistral, Qwen2, ...)."""
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # None (not 0) means "not given": a 0 or a negative head count or head_dim is
+    # refused (here or by ModelSpec), not replaced by a default
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        head_dim = derived_head_dim(architecture, config.hidden_size, heads)
+    else:  # before rope_from_config scales it
+        check_size(architecture, "head_dim", head_dim)
+    kv_heads = getattr(config, "num_key_value_heads", None)
     eos = config.eos_token_id
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     attention_bias = bool(getattr(config, "attention_bias", False))  # LLaMA: on q, k, v and o
@@ -40,7 +47,7 @@ def llama_like_spec(config, *, architecture: str, qkv_bias: bool = False,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        num_kv_heads=heads if kv_heads is None else kv_heads,
         head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         vocab_size=config.vocab_size,

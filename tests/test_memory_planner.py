@@ -114,8 +114,9 @@ def test_plan_cli_reads_only_the_config(tmp_path, capsys):
     assert got["activation_bytes"] == act and got["max_prefill_tokens"] == 2048
     assert got["total_bytes"] == 6_738_415_616 * 2 + 4 * GiB + act
     assert got["max_batch_that_fits"] == 67 and got["fits"] is True
+    # exit 1: the plan is printed, and does not fit
     assert main(["plan", str(tmp_path), "--dtype", "float16", "--kv-dtype", "int8",
-                 "--max-seq-len", "2048", "--device-memory", "16GiB"]) == 0
+                 "--max-seq-len", "2048", "--device-memory", "16GiB"]) == 1
     text = capsys.readouterr().out
     assert "float16 / int8" in text and fmt_bytes(2 * 32 * 32 * 132) in text
     room = 16 * GiB - 6_738_415_616 * 2 - llama2_7b_activations(2048, 8)

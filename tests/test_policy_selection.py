@@ -121,3 +121,77 @@ def test_plugin_object_passed_to_build_is_the_named_choice(models):
     assert engine.plan.policy == "other-llama"
     assert "other-llama" not in core.get_plugin_manager().policies()
     assert _build(models["llama"]).plan.policy == "llama"
+
+
+# -- sizes: ModelSpec refuses what no policy should hand the planner or the model --------
+
+def _spec(**sizes):
+    from infergraft.core.spec import ModelSpec
+
+    kw = dict(architecture="X", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+              head_dim=16, intermediate_size=128, vocab_size=256, max_position=512)
+    return ModelSpec(**{**kw, **sizes})
+
+
+@pytest.mark.parametrize("field", ["num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                   "head_dim", "intermediate_size", "vocab_size",
+                                   "max_position", "sliding_window"])
+@pytest.mark.parametrize("value", [0, -1, 2.0, True, "8"])
+def test_model_spec_refuses_sizes_that_are_not_positive_integers(field, value):
+    with pytest.raises(UnsupportedModelError,
+                       match=rf"^X: {field} must be an integer >= 1, got {value!r}") as err:
+        _spec(**{field: value})
+    assert isinstance(err.value, ValueError) and "config.json: " in str(err.value)
+
+
+def test_model_spec_takes_numpy_integers_and_refuses_on_evolve():
+    import attrs
+    import numpy as np
+
+    spec = _spec(num_layers=np.int64(3), sliding_window=None)
+    with pytest.raises(UnsupportedModelError, match="num_layers must be an integer >= 1, got 0"):
+        attrs.evolve(spec, num_layers=0)  # e.g. a stage of no layers
+
+
+def test_kv_heads_that_do_not_divide_are_an_infergraft_error():
+    from infergraft.core.errors import InfergraftError
+
+    with pytest.raises(UnsupportedModelError, match=r"X: num_heads=4 is not a multiple of "
+                       r"num_kv_heads=3; accepted: num_key_value_heads dividing") as err:
+        _spec(num_kv_heads=3)
+    assert isinstance(err.value, InfergraftError) and isinstance(err.value, ValueError)
+
+
+def test_head_dim_derived_from_a_hidden_size_the_heads_do_not_divide_is_refused():
+    # a config without head_dim (a stand-in: transformers' LlamaConfig always sets one)
+    config = types.SimpleNamespace(hidden_size=66, num_attention_heads=4, head_dim=None)
+    with pytest.raises(UnsupportedModelError, match=r"Y: hidden_size=66 is not a multiple of "
+                       r"num_heads=4, so head_dim cannot be derived; accepted: "):
+        llama_like_spec(config, architecture="Y")
+    config = types.SimpleNamespace(hidden_size=64, num_attention_heads=0, head_dim=None)
+    with pytest.raises(UnsupportedModelError, match="Y: num_heads must be an integer >= 1, got 0"):
+        llama_like_spec(config, architecture="Y")
+
+
+@pytest.mark.parametrize("make,key,value,message", [
+    (tiny_llama_config, "num_hidden_layers", -1, "num_layers must be an integer >= 1, got -1"),
+    (tiny_llama_config, "num_key_value_heads", 0, "num_kv_heads must be an integer >= 1, got 0"),
+    (tiny_llama_config, "head_dim", 0, "head_dim must be an integer >= 1, got 0"),
+    (tiny_mistral_config, "intermediate_size", -8, "intermediate_size must be an integer >= 1"),
+    (tiny_gpt2_config, "n_head", 0, "num_heads must be an integer >= 1, got 0"),
+    (tiny_gpt2_config, "n_inner", 0, "intermediate_size must be an integer >= 1, got 0"),
+    (tiny_llama_config, "num_key_value_heads", 3, "num_heads=4 is not a multiple of "
+                                                  "num_kv_heads=3"),
+])
+def test_build_refuses_a_config_with_sizes_that_cannot_be_built(models, make, key, value,
+                                                               message):
+    family = {tiny_llama_config: "llama", tiny_mistral_config: "mistral",
+              tiny_gpt2_config: "gpt2"}[make]
+    hf = models[family]
+    before = getattr(hf.config, key)
+    setattr(hf.config, key, value)  # the model exists; its config now says otherwise
+    try:
+        with pytest.raises(UnsupportedModelError, match=message):
+            _build(hf)
+    finally:
+        setattr(hf.config, key, before)

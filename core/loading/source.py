@@ -4,6 +4,7 @@ Weights are only ever read from safetensors files or in-memory tensors (never pi
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -82,17 +83,88 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_config(path: Path):
-    """The HF config in ``path``/config.json; ModelSourceError if absent or unreadable."""
-    from transformers import AutoConfig
+# What AutoConfig raises for a config.json it refuses: its own ValueErrors and OSErrors, the
+# TypeError / KeyError / AttributeError / ZeroDivisionError of fields it trips over (a
+# list as model_type, an unknown torch_dtype, zero attention heads), and the strict
+# dataclass errors of huggingface_hub's field validators (a string for an int).
+try:
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # a huggingface_hub without strict dataclasses validates nothing
+    StrictDataclassError = ValueError
+_CONFIG_ERRORS = (OSError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError,
+                  StrictDataclassError)
+_CONFIG_SHAPE = 'an HF config.json is a JSON object such as {"model_type": "llama", ...}'
 
-    if not (path / "config.json").exists():
+
+def _one_line(e: BaseException) -> str:
+    """``e``'s message on one line (transformers and huggingface_hub span several)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def read_config(path: Path):
+    """The HF config in ``path``/config.json; ModelSourceError, in one line naming the file
+    and what is wrong, if it is absent, not a JSON object, or refused by transformers."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    file = path / "config.json"
+    if not file.exists():
         raise ModelSourceError(f"{path} has no config.json; it is not an HF model directory")
+    # 1) The JSON ourselves: for a file that is not an object, AutoConfig's own message is
+    # "argument of type 'int' is not iterable".
+    what = f"{file} cannot be read as an HF config"
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ModelSourceError(f"{path / 'config.json'} cannot be read as an HF config: "
-                               f"{e}") from None
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError: ValueErrors
+        raise ModelSourceError(f"{what}: it is not JSON text ({_one_line(e)}); "
+                               f"{_CONFIG_SHAPE}") from None
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(data), "a number")
+        shown = "null" if data is None else f"{kind} ({json.dumps(data)[:40]})"
+        raise ModelSourceError(f"{what}: it holds {shown}, not a JSON object; {_CONFIG_SHAPE}")
+    # 2) transformers: trust_remote_code=False, since with None a config naming its own
+    # code (auto_map) asks on stdin whether to run it; infergraft never does.
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except _CONFIG_ERRORS as e:
+        model_type = data.get("model_type")
+        if "model_type" not in data:
+            why = "it has no model_type (e.g. \"model_type\": \"llama\")"
+        elif not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            why = (f"model_type {model_type!r} is not a model type transformers knows "
+                   f"(e.g. 'llama', 'mistral', 'gpt2'; a newer model may need a newer "
+                   f"transformers)")
+            if isinstance(data.get("auto_map"), dict):
+                why += "; its auto_map names the model's own code, which infergraft never runs"
+        elif isinstance(e, ZeroDivisionError):  # transformers' validators divide by sizes
+            why = (f"transformers divided by zero validating it ({_one_line(e)}): a size such "
+                   "as num_attention_heads is 0; sizes must be integers >= 1")
+        else:
+            why = _one_line(e)
+        raise ModelSourceError(f"{what}: {why}") from None
+    # 3) What transformers keeps unchecked but policy selection iterates over.
+    archs = getattr(config, "architectures", None)
+    if archs is not None and not (isinstance(archs, (list, tuple))
+                                  and all(isinstance(a, str) for a in archs)):
+        raise ModelSourceError(f"{what}: architectures must be a list of class names (e.g. "
+                               f"[\"LlamaForCausalLM\"]) or absent, got {archs!r}")
+    return config
+
+
+def stored_dtype(config) -> Optional[torch.dtype]:
+    """The dtype the config says the weights are stored in; None where it says none.
+
+    transformers 5 reads config.json's ``torch_dtype`` into ``config.dtype`` and keeps
+    ``torch_dtype`` as a property that prints a deprecation warning: so ``dtype`` first,
+    then ``torch_dtype`` only where it is a plain attribute (transformers 4 configs,
+    stand-ins), looked up statically so that the property never runs."""
+    stored = getattr(config, "dtype", None)
+    if stored is None:
+        stored = inspect.getattr_static(config, "torch_dtype", None)
+        if isinstance(stored, property):
+            stored = None
+    if isinstance(stored, str):
+        stored = getattr(torch, stored.removeprefix("torch."), None)
+    return stored if isinstance(stored, torch.dtype) else None
 
 
 def spec_of(model, policy: Optional[str] = None):
@@ -135,8 +207,6 @@ def _from_directory(path: Path, tokenizer=None, name: str | None = None) -> Mode
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
+    stored = stored_dtype(config)
     return ModelSource(name=name or str(path), config=config, tensors=tensors,
                        tokenizer=tokenizer, dtype=stored)

@@ -1,6 +1,11 @@
 """``infergraft plan MODEL``: the memory plan (weights, K/V per token / sequence / batch,
 the activations of the largest prefill step, the largest batch that fits) from the
-model's config alone; no weight is loaded."""
+model's config alone; no weight is loaded.
+
+Exit status: 0 the plan fits, 1 it does not (the plan is printed all the same), 2 an
+error (one line on stderr: a config that cannot be read, an option refused, ...), so that
+a script can tell "does not fit" from "cannot plan".
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,15 +16,22 @@ import torch
 
 from ..selection import DTYPES, resolve_dtype
 from ..errors import PlanError
-from ..loading.source import spec_of
+from ..loading.source import spec_of, stored_dtype
 from ..memory import as_bytes, device_budget, element_bytes, host_memory, plan_memory
 from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
 
 KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+FITS, DOES_NOT_FIT = 0, 1  # and 2, from cli.main, for an InfergraftError
+EPILOG = """exit status:
+  0  the plan fits the budget (or no budget could be read)
+  1  it does not fit (the plan is printed all the same)
+  2  error: the model, its config.json or an option cannot be used (one line on stderr)"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # the epilog's lines are a table: keep its line breaks
+    p.epilog, p.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
     p.add_argument("model", nargs="?", default="smollm2-135m",
                    help="local HF model directory (config.json is enough) or alias")
     p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
@@ -88,8 +100,7 @@ def run(args) -> int:
     not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
         name, spec, not_held = one_rank(name, spec, args.pipeline_parallel, args.tensor_parallel)
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    stored = stored_dtype(config)  # never config.torch_dtype: it warns in transformers 5
     dtype = resolve_dtype(args.dtype, stored if stored in DTYPES.values() else torch.float32)
     kv_quant, kv_dtype = None, dtype
     if args.kv_dtype == "int8":
@@ -120,4 +131,4 @@ def run(args) -> int:
                          indent=2))
     else:
         print(mem)
-    return 0
+    return FITS if mem.fits else DOES_NOT_FIT
