@@ -1,4 +1,8 @@
-"""The ``infergraft`` command: generate, chat, plugins (and plan, bench)."""
+"""The ``infergraft`` command: generate, chat, plugins (and plan, bench).
+
+This module parses the arguments and dispatches; ``generate`` and ``plugins`` live here,
+``chat``, ``plan`` and ``bench`` in ``core/tools``. Bad input exits 2 with what was wrong,
+Ctrl-C exits 130 without a traceback."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +11,10 @@ import os
 import sys
 
 from .build import build
-from .errors import InfergraftError
+from .errors import InfergraftError, InvalidRequestError
 from .plugin_manager import get_plugin_manager
 from .request import SamplingParams
+from .tools import chat
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -33,55 +38,45 @@ def _prompt_text(engine, text: str, raw: bool) -> str:
 
 
 def cmd_generate(args) -> int:
+    if not args.prompt.strip():  # the chat template would make it non-empty
+        raise InvalidRequestError("prompt is empty: give at least one non-blank character "
+                                  "(an empty or whitespace-only prompt is refused)")
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None)
     SamplingParams(**kw)  # bad sampling values fail before the model loads
     engine = _build(args)
     prompt = _prompt_text(engine, args.prompt, args.raw)
     if args.stream:
-        for delta in engine.stream(prompt, **kw):
-            print(delta, end="", flush=True)
-        print()
-        return 0
-    done = engine.generate(prompt, **kw)[0]
-    print(done.text)
+        seq = _stream(engine, prompt, kw)
+        n, finish, metrics = len(seq.output_ids), seq.finish_reason, seq.metrics
+    else:
+        done = engine.generate(prompt, **kw)[0]
+        print(done.text)
+        n, finish, metrics = len(done.token_ids), done.finish_reason, done.metrics
     if args.verbose:
-        m = done.metrics
-        print(f"[{len(done.token_ids)} tokens, finish={done.finish_reason}, "
-              f"TTFT {m.ttft * 1e3:.1f} ms, TPOT {(m.tpot or 0) * 1e3:.1f} ms, "
-              f"{m.tokens_per_s or 0:.1f} tok/s]", file=sys.stderr)
+        print(f"[{n} tokens, finish={finish}, TTFT {(metrics.ttft or 0) * 1e3:.1f} ms, "
+              f"TPOT {(metrics.tpot or 0) * 1e3:.1f} ms, "
+              f"{metrics.tokens_per_s or 0:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _stream(engine, prompt: str, kw: dict):
+    """Print one request's text as it comes; returns its finished Sequence (``-v`` needs
+    its metrics and finish reason)."""
+    stream, shown = engine.stream(prompt, **kw), False
+    try:
+        for delta in stream:
+            print(delta, end="", flush=True)
+            shown = True
+    finally:  # Ctrl-C or a failed step: the stream frees the request; end the line
+        stream.close()
+        if shown or (stream.request is not None and stream.request.finished):
+            print(flush=True)
+    return stream.request
 
 
 def cmd_chat(args) -> int:
-    engine = _build(args)
-    tok = engine.tokenizer
-    if engine.ranks is not None:
-        print("chat reads the terminal in one process; under torchrun use generate",
-              file=sys.stderr)
-        return 2
-    if tok is None or not getattr(tok, "chat_template", None):
-        print("this model has no chat template", file=sys.stderr)
-        return 2
-    history = []
-    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        history.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
-        reply = ""
-        for delta in engine.stream(prompt, max_new_tokens=args.max_new_tokens,
-                                   temperature=args.temperature, top_p=args.top_p):
-            print(delta, end="", flush=True)
-            reply += delta
-        print()
-        history.append({"role": "assistant", "content": reply})
-    return 0
+    return chat.run(args, make_engine=_build)
 
 
 def plugin_rows(pm=None) -> list[dict]:
@@ -127,10 +122,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the K likeliest tokens only")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the likeliest tokens holding mass P only")
+    p.add_argument("--seed", type=int, default=None,
+                   help="makes sampling reproducible: the same seed gives the same output "
+                        "(chat: reply i of the session uses SEED + i)")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -146,6 +145,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat (instruct models)")
     _model_args(c)
+    chat.add_arguments(c)
     c.set_defaults(func=cmd_chat)
     p = sub.add_parser("plugins", help="list registered plugins")
     p.add_argument("--json", action="store_true")
@@ -168,6 +168,10 @@ def main(argv=None) -> int:
     except InfergraftError as e:
         print(f"infergraft: error: {e}", file=sys.stderr)
         return 2
+    # Ctrl-C in any command: the shell's convention (128 + SIGINT), not a traceback
+    except KeyboardInterrupt:
+        print("infergraft: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

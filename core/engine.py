@@ -5,19 +5,20 @@ request flows")."""
 from __future__ import annotations
 
 import time
-from typing import Iterator, Union
+from typing import Union
 
 import attrs
 import torch
 
 from .cache import CacheFullError
 from .errors import InvalidRequestError
-from .request import SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch
+from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch,
+                      check_request, encode_prompt)
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
 from .runner.sampler import sample_each
 from .scheduler import Scheduler, default_prefill_tokens, step_tokens
-from .streaming import raise_failed, stream_deltas
+from .streaming import RequestStream, raise_failed
 
 Prompt = Union[str, list]
 
@@ -65,25 +66,8 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer: pass prompts as lists "
-                                          "of token ids, or build with tokenizer=...")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
-            ids = prompt.tolist()
-        else:
-            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got "
-                                      f"{type(prompt).__name__}")
-        if not ids or (isinstance(prompt, str) and not prompt.strip()):
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {self.spec.vocab_size})")
-        return ids
+        """A prompt (text, token ids) as token ids; InvalidRequestError if it is not one."""
+        return encode_prompt(prompt, self.tokenizer, self.spec.vocab_size)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
         """Validate and queue one request; a bad one raises and nothing else changes."""
@@ -247,12 +231,13 @@ class Engine:
         return done
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 16, temperature: float = 0.0,
-               top_k=None, top_p=None, seed=None, stop=None) -> Iterator:
-        """Yield text deltas (or lists of new token ids when there is no tokenizer)."""
+               top_k=None, top_p=None, seed=None, stop=None) -> RequestStream:
+        """Text deltas (lists of new token ids when there is no tokenizer), as they come;
+        the returned stream's ``request`` holds the request's finish reason and metrics."""
         params = self._params(max_new_tokens, temperature, top_k, top_p, seed, stop)
         ids = self.encode(prompt)
         self._check(ids, params)  # bad input raises here, not at the first next()
-        return stream_deltas(self, ids, params)
+        return RequestStream(self, ids, params)
 
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:
@@ -284,18 +269,7 @@ class Engine:
                               top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
-        if len(ids) + params.max_new_tokens > self.plan.max_seq_len:
-            limit = self.plan.max_seq_len
-            if self.spec.position == "learned" and limit >= self.spec.max_position:
-                advice = (f"the model has {self.spec.max_position} learned positions, so "
-                          "shorten the prompt or lower max_new_tokens")
-            else:
-                advice = "shorten the prompt, lower max_new_tokens, or build with a larger max_seq_len"
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} = "
-                f"{len(ids) + params.max_new_tokens} exceeds max_seq_len={limit}; {advice}")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+        check_request(ids, params, self.plan.max_seq_len, self.spec, self.tokenizer)
 
     def _completion(self, seq: Sequence) -> Completion:
         return Completion(prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),

@@ -7,34 +7,51 @@ from typing import Iterator
 from .errors import RequestFailedError
 
 
-def stream_deltas(engine, ids: list[int], params) -> Iterator:
-    """Queue the (validated) request on first ``next()``, step until it finishes, and
-    yield text deltas (token-id lists without a tokenizer). Stopping early frees it."""
-    seq = engine.add_request(ids, params)
-    sent_tokens, sent_text = 0, ""
-    try:
-        while True:
+class RequestStream:
+    """What ``Engine.stream`` returns: an iterator of text deltas (token-id lists without a
+    tokenizer). The request is queued on the first ``next()``; from then ``request`` is its
+    ``Sequence`` (output, finish reason, metrics). ``close()`` (or leaving the loop early)
+    aborts it and frees its cache."""
+
+    def __init__(self, engine, ids: list[int], params):
+        self.request = None
+        self._deltas = self._run(engine, ids, params)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
+
+    def _run(self, engine, ids, params) -> Iterator:
+        seq = self.request = engine.add_request(ids, params)
+        sent_tokens, sent_text = 0, ""
+        try:
+            while True:
+                if not seq.finished:
+                    engine.step()
+                done = seq.finished  # read before yielding: others may finish it meanwhile
+                if engine.tokenizer is None:
+                    new = seq.output_ids[sent_tokens:]
+                    sent_tokens += len(new)
+                    if new:
+                        yield new
+                else:
+                    text = seq.text if done or params.stop else engine._decode(seq.output_ids)
+                    if not done:
+                        text = held_back(text, params.stop)
+                    if len(text) > len(sent_text) and text.startswith(sent_text):
+                        delta, sent_text = text[len(sent_text):], text
+                        yield delta
+                if done:
+                    break
+        finally:  # the consumer stopped early (or failed): free this request only
             if not seq.finished:
-                engine.step()
-            done = seq.finished  # read before yielding: others may finish it meanwhile
-            if engine.tokenizer is None:
-                new = seq.output_ids[sent_tokens:]
-                sent_tokens += len(new)
-                if new:
-                    yield new
-            else:
-                text = seq.text if done or params.stop else engine._decode(seq.output_ids)
-                if not done:
-                    text = held_back(text, params.stop)
-                if len(text) > len(sent_text) and text.startswith(sent_text):
-                    delta, sent_text = text[len(sent_text):], text
-                    yield delta
-            if done:
-                break
-    finally:  # the consumer stopped early (or failed): free this request only
-        if not seq.finished:
-            engine.scheduler.abort([seq])
-    raise_failed([seq])
+                engine.scheduler.abort([seq])
+        raise_failed([seq])
 
 
 def raise_failed(seqs, completions=None) -> None:
