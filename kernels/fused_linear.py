@@ -200,7 +200,7 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     """Same contract as ``normed_qkv_rope_torch``; one GEMM whose epilogue rotates and
     stores q, k and v where it applies (<= ``QKV_ROPE_MAX_ROWS`` rows on swapped tiles,
     else <= ``UNSWAPPED_ROPE_MAX_ROWS``; all of every head rotated, D / 2 a multiple of
-    the tiles' BLOCK_N, >= 16), else ``normed_linear`` + ``rotary_kv_write``."""
+    the tiles' BLOCK_N, a power of two >= 16), else ``normed_linear`` + ``rotary_kv_write``."""
     _check_sum_sq(x, sum_sq)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     half = cos.shape[1]
@@ -209,8 +209,11 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1], gemv=scale is None), scale)
     max_rows = QKV_ROPE_MAX_ROWS if cfg.get("SWAP") else min(QKV_ROPE_MAX_ROWS,
                                                               UNSWAPPED_ROPE_MAX_ROWS)
+    # the epilogue pairs each tile of dims with its rotate-half partners: a tile must be a
+    # power of two (tl.arange) dividing half a head (a head of 96 has none >= 16)
+    bn = cfg["BLOCK_N"]
     if not (_fusable(x, weight, scale) and x.shape[0] <= max_rows and 2 * half == d
-            and half % cfg["BLOCK_N"] == 0 and cfg["BLOCK_N"] >= 16
+            and half % bn == 0 and bn >= 16 and bn & (bn - 1) == 0
             and k_cache.dtype == v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride()):
         qkv = normed_linear_triton(x, weight, bias, sum_sq, eps, scale)
         q, k, v = split_qkv(qkv, num_heads, hkv, d)
