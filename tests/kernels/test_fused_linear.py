@@ -230,7 +230,7 @@ def test_int8_bad_scales_are_rejected(device, randn):
 
 def test_one_row_takes_the_register_loop_by_default():
     """The default tiles at M=1 (16-bit weights) are the GEMV loop's; more rows, int8
-    weights (slower there: H200 batch 1 3.17 vs 3.03 ms) and split-K keep the tensor-core
+    weights (slower in the loop: docs/kernels.md) and split-K keep the tensor-core
     tiles."""
     from infergraft.kernels import linear as L
     assert L.skinny_config(1, 4096, 4096).get("GEMV") is True
