@@ -89,6 +89,7 @@ def plugin_rows(pm=None) -> list[dict]:
             seen.add(reg.origin(name))
             rows.append(_row(pm, kind, name, reg.origin(name)))
     rows += [_row(pm, "hooks", p, p) for p in pm.info if p not in seen]
+    rows += [b.row() for b in pm.broken.values()]  # skipped at load, with why
     return rows
 
 
@@ -111,6 +112,9 @@ def cmd_plugins(args) -> int:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in cols).rstrip())
     if not rows:
         print("(no plugins registered)")
+    for r in rows:  # why each skipped plugin was skipped: the table has no room for it
+        if r["kind"] == "broken":
+            print(f"\n{r['name']}: {r['error']}")
     return 0
 
 

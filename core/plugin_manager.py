@@ -2,13 +2,18 @@
 
 Callers never touch ``pm.hook``: the facade methods below call each hook
 implementation one by one, so an exception names the plugin and the hook it came from.
+
+A built-in that fails to load is our bug and raises. An installed (entry-point) plugin
+that fails (it does not import, its contract range excludes ours, a hook is misspelled
+or raises, it registers a bad or taken name) is skipped with a :class:`PluginWarning`
+and remembered in ``PluginManager.broken``: one broken install must not stop every
+command, ``infergraft plugins`` included.
 """
 from __future__ import annotations
 
 import difflib
 import importlib
 import importlib.metadata as md
-import os
 import warnings
 from types import ModuleType
 from typing import Any, Iterable
@@ -18,6 +23,8 @@ import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from . import hookspecs
+from .entry_points import (ENTRY_POINT_GROUP, BrokenPlugin, EntryPointLoader,  # noqa: F401
+                           PluginWarning, names_from_env)
 from .errors import InfergraftError, PluginError, UnknownPluginError
 from .registry import Registry
 
@@ -35,8 +42,6 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.tensor_parallel",
     "infergraft.plugins.pipeline_parallel",
 )
-ENTRY_POINT_GROUP = "infergraft"
-
 _KINDS = {  # kind -> (hook name, attributes every registered object must have)
     "policy": ("infergraft_register_policies", ("name", "architectures", "describe", "weight_map")),
     "cache backend": ("infergraft_register_cache_backends", ("name", "create")),
@@ -54,20 +59,16 @@ class PluginInfo:
     module: str
 
 
-def _names_from_env(var: str) -> set[str] | None:
-    raw = os.environ.get(var)
-    if raw is None:
-        return None
-    return {n.strip() for n in raw.split(",") if n.strip()}
-
-
-def _component_names(module) -> set[str]:
+def _component_names(name: str, module) -> set[str]:
     """Names a built-in plugin module registers (``int8`` for ``weight_int8``)."""
     names: set[str] = set()
     for hook, _ in _KINDS.values():
         fn = getattr(module, hook, None)
         if fn is not None:
-            fn(lambda obj: names.add(obj.name))
+            try:
+                fn(lambda obj: names.add(obj.name))
+            except Exception as e:
+                raise PluginError(name, hook, f"{type(e).__name__}: {e}") from e
     return names
 
 
@@ -95,7 +96,7 @@ def _check_contract(name: str, plugin: Any, origin: str) -> str:
     return str(declared)
 
 
-class PluginManager:
+class PluginManager(EntryPointLoader):
     """Typed facade over a pluggy manager; one registry per plugin kind."""
 
     def __init__(self) -> None:
@@ -104,6 +105,8 @@ class PluginManager:
         self.info: dict[str, PluginInfo] = {}
         self._registries: dict[str, Registry] | None = None
         self._loadable: set[str] = set()  # names INFERGRAFT_DISABLE_PLUGINS may block
+        #: entry-point plugins skipped at load, by name (see ``load_entry_points``)
+        self.broken: dict[str, BrokenPlugin] = {}
 
     # -- loading -------------------------------------------------------------------
     def register(self, plugin: Any, name: str | None = None, origin: str = "in-process",
@@ -133,41 +136,21 @@ class PluginManager:
         self._registries = None
 
     def load_defaults(self) -> None:
-        blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
+        blocked = names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
         for modname in DEFAULT_PLUGINS:
             short = modname.rsplit(".", 1)[1]
             if short in blocked:  # not even imported: the escape hatch for a broken one
                 self._loadable.add(short)
                 continue
             module = importlib.import_module(modname)
-            names = {short} | _component_names(module)
+            names = {short} | _component_names(short, module)
             self._loadable |= names
             if not blocked & names:  # "int8" blocks weight_int8
                 self.register(module, name=short, origin="built-in", version=_own_version())
 
-    def load_entry_points(self) -> None:
-        blocked = _names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()
-        allowed = _names_from_env("INFERGRAFT_LOAD_PLUGINS")
-        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-            self._loadable.add(ep.name)
-            if ep.name in blocked or (allowed is not None and ep.name not in allowed):
-                continue
-            dist = ep.dist
-            origin = dist.metadata["Name"] if dist else "unknown distribution"
-            if ep.name in self.info:
-                raise PluginError(ep.name, "load",
-                                  f"entry point {ep.value!r} of {origin!r} takes the name of "
-                                  f"the plugin already loaded from {self.info[ep.name].origin!r}; "
-                                  "plugin (entry point) names must be unique")
-            try:
-                plugin = ep.load()
-            except Exception as e:  # a broken install must name itself
-                raise PluginError(ep.name, "load", f"importing {ep.value!r} failed: {e!r}") from e
-            self.register(plugin, name=ep.name, origin=origin, version=dist.version if dist else "")
-
     def warn_unknown_blocked(self) -> None:
         """Warn when INFERGRAFT_DISABLE_PLUGINS names no plugin (a typo blocks nothing)."""
-        unknown = (_names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()) - self._loadable
+        unknown = (names_from_env("INFERGRAFT_DISABLE_PLUGINS") or set()) - self._loadable
         if unknown:
             warnings.warn(f"INFERGRAFT_DISABLE_PLUGINS names {sorted(unknown)}, which no "
                           f"built-in or installed plugin has; known: {sorted(self._loadable)}",
@@ -253,6 +236,7 @@ class PluginManager:
         for name, info in self.info.items():
             new._pm.register(self._pm.get_plugin(name), name=name)
             new.info[name] = info
+        new.broken = dict(self.broken)
         for p in extra:  # e.g. None, a number, or a CacheBackend passed without a hook
             if not _implements_a_hook(p):
                 raise UnknownPluginError(

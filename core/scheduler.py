@@ -140,8 +140,8 @@ class Scheduler:
     def _riders(self, decoding, prefilling, counts) -> list[Sequence]:
         """The decoding sequences that feed their token in this prefill step (admitted
         prompts, or a chunk): all of them where the cache takes them too and the step
-        need not run alone, else none. A later chunk never replays a prefill graph (those
-        take fresh prompts only), so ``prefill_alone`` keeps only admission steps alone."""
+        need not run alone, else none. ``prefill_alone`` is asked about chunk steps too;
+        the engine's answer for them is no (prefill graphs take fresh prompts only)."""
         solo = self.prefill_alone
         if not decoding or (solo is not None and solo(prefilling, counts)):
             return []
@@ -175,11 +175,13 @@ class Scheduler:
             counts.append(take)
         if whole_only:
             return admitted, counts
-        if not admitted and self.waiting and not self.running and \
-                not self.cache.can_allocate(self.waiting[0].num_tokens):
-            raise SchedulerError(
-                f"the cache cannot take a {self.waiting[0].num_tokens}-token sequence even "
-                f"with nothing running (stats: {self.cache.stats()})")
+        # nothing runs and nothing was admitted: no later step would differ, so waiting
+        # would spin forever (the cache refuses the prompt, or the step it would run)
+        if not admitted and self.waiting and not self.running:
+            n = self.waiting[0].num_tokens
+            what = "sequence" if not self.cache.can_allocate(n) else "sequence's prefill step"
+            raise SchedulerError(f"the cache cannot take a {n}-token {what} even with nothing "
+                                 f"running (stats: {self.cache.stats()})")
         return admitted, counts
 
     def _decode_batch(self, decoding: list[Sequence]) -> list[Sequence]:
@@ -212,8 +214,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)  # first: a sequence that is not running stays as it was
         seq.status, seq.finish_reason = Status.FINISHED, reason
-        self.running.remove(seq)
         self.cache.free(seq.id)
 
     def abort(self, seqs) -> None:

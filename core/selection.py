@@ -73,7 +73,8 @@ def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
         if not kinds:
             known = "; ".join(f"{'policies' if k == 'policy' else k + 's'}: "
                               f"{', '.join(r.names()) or '-'}" for k, r in regs.items())
-            raise UnknownPluginError(f"unknown plugin {name!r}. Registered {known}")
+            raise pm.skipped_error(name) or UnknownPluginError(
+                f"unknown plugin {name!r}. Registered {known}")
         kind = kinds[0]
         if kind == "quantizer":
             if name not in sel.quantizers:

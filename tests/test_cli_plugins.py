@@ -1,9 +1,12 @@
 """``infergraft plugins``: kind, name, version, contract range and origin of each plugin."""
 import json
 
+import pytest
+from test_broken_plugins import entry_point_installer, future_module
+
 from infergraft.core.cli import main
 from infergraft.core.hookspecs import CONTRACT_VERSION, hookimpl
-from infergraft.core.plugin_manager import _own_version
+from infergraft.core.plugin_manager import PluginWarning, _own_version
 
 KEYS = {"kind", "name", "plugin", "version", "contract", "origin", "module", "hooks"}
 
@@ -64,3 +67,31 @@ def test_a_broken_plugin_is_reported_not_a_traceback(capsys, infergraft_plugin_m
     assert main(["plugins", "--json"]) == 2
     err = capsys.readouterr().err
     assert "plugin 'broken-quant' failed in hook 'infergraft_register_quantizers'" in err
+
+
+@pytest.fixture
+def fake_entry_points(monkeypatch, infergraft_reset_plugins):
+    return entry_point_installer(monkeypatch, infergraft_reset_plugins)
+
+
+def test_a_broken_installed_plugin_does_not_stop_the_command(capsys, fake_entry_points):
+    fake_entry_points(future=future_module())  # its contract range excludes ours
+    with pytest.warns(PluginWarning, match="skipped installed plugin 'future'"):
+        rows = rows_from_json(capsys)
+    assert {("policy", "llama"), ("cache backend", "contiguous"), ("planner", "single")} <= \
+        {(r["kind"], r["name"]) for r in rows}
+    assert main(["plugins"]) == 0 and "llama" in capsys.readouterr().out
+
+
+def test_a_broken_installed_plugin_is_listed_with_why(capsys, fake_entry_points):
+    fake_entry_points(future=future_module())
+    with pytest.warns(PluginWarning):
+        rows = rows_from_json(capsys)
+    row = next(r for r in rows if r["kind"] == "broken")
+    assert set(row) == KEYS | {"error"} and row["hooks"] == []
+    assert (row["name"], row["plugin"], row["contract"], row["origin"], row["module"]) == \
+        ("future", "future", f">={CONTRACT_VERSION + 1}", "unknown distribution", "future_plugin")
+    assert "supports hook contract" in row["error"]
+    assert main(["plugins"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("broken"))
+    assert line.split()[:3] == ["broken", "future", "future"]
