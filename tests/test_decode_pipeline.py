@@ -1,4 +1,5 @@
-"""Pipelined greedy decode (core/pipeline.py): step N+1 is launched before step N is read.
+"""Greedy decode look-ahead (core/runner/lookahead.py): step N+1 is launched before step N
+is read. (The file keeps its old name: GPU runs and docs name it.)
 
 Run eagerly on the CPU through the CUDA-graph runner's static buffers
 (``use_graphs=False``): tokens must equal the plain engine's whatever stops a sequence
@@ -20,7 +21,7 @@ def hf():
     return random_model(CFG, seed=5, scale=5.0)
 
 
-def pipelined(hf, backend, batch=4):
+def looking_ahead(hf, backend, batch=4):
     engine = core.build(hf, plugins=[backend], max_seq_len=96, max_batch_size=batch)
     engine.cache.device_decode = True  # contiguous: tensor-only decode metadata
     runner = CudaGraphRunner(engine.model, engine.cache, batch, buckets=(2,), use_graphs=False)
@@ -39,11 +40,11 @@ def alone(hf, prompt, new, eos=()):
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
-def test_pipelined_greedy_equals_plain_with_eos_and_limits(hf, backend):
+def test_look_ahead_greedy_equals_plain_with_eos_and_limits(hf, backend):
     prompts = [random_prompt(n, CFG.vocab_size, n) for n in (5, 13, 9)]
     news = [20, 7, 14]
     eos = alone(hf, prompts[0], 20)[6]  # the first prompt meets it mid-generation
-    engine, launches = pipelined(hf, backend)
+    engine, launches = looking_ahead(hf, backend)
     engine.eos_token_ids = frozenset({eos})
     seqs = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, news)]
     while engine.has_unfinished():
@@ -58,7 +59,7 @@ def test_pipelined_greedy_equals_plain_with_eos_and_limits(hf, backend):
 
 
 def test_request_arriving_and_abort_while_a_step_is_in_flight(hf):
-    engine, launches = pipelined(hf, "paged")
+    engine, launches = looking_ahead(hf, "paged")
     a, b, c = (random_prompt(n, CFG.vocab_size, 40 + n) for n in (6, 11, 8))
     sa = engine.add_request(a, SamplingParams(max_new_tokens=24))
     sb = engine.add_request(b, SamplingParams(max_new_tokens=24))
@@ -80,8 +81,8 @@ def test_request_arriving_and_abort_while_a_step_is_in_flight(hf):
     engine.cache.check_invariants()
 
 
-def test_sampled_requests_take_the_unpipelined_path(hf):
-    engine, launches = pipelined(hf, "paged")
+def test_sampled_requests_take_the_path_without_look_ahead(hf):
+    engine, launches = looking_ahead(hf, "paged")
     plain = core.build(hf, plugins=["paged"], max_seq_len=96, max_batch_size=4)
     prompts = [random_prompt(n, CFG.vocab_size, n) for n in (7, 10)]
     kw = dict(max_new_tokens=12, temperature=0.8, top_k=20, seed=3)
@@ -92,7 +93,7 @@ def test_sampled_requests_take_the_unpipelined_path(hf):
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
 def test_decode_metadata_staging_keeps_the_step_in_flight(hf, backend):
-    # with the pipeline the host fills step N+1's metadata while step N's host-to-device
+    # with the look-ahead the host fills step N+1's metadata while step N's host-to-device
     # copy may still be queued: the fill must not touch the buffer step N's copy reads
     engine = core.build(hf, plugins=[backend], max_seq_len=96, max_batch_size=2)
     cache = engine.cache
@@ -125,12 +126,12 @@ def test_no_gc_during_capture_restores_the_collector():
 
 
 def test_an_interrupt_while_reading_a_step_in_flight_loses_nothing(hf):
-    engine, _ = pipelined(hf, "paged")
+    engine, _ = looking_ahead(hf, "paged")
     prompt = random_prompt(5, CFG.vocab_size, 21)
     want = alone(hf, prompt, 12)
     seq = engine.add_request(prompt, SamplingParams(max_new_tokens=12))
     for _ in range(3):
-        engine.step()  # prefill, then pipelined decode steps (one in flight)
+        engine.step()  # prefill, then decode steps looking ahead (one in flight)
     assert engine.lookahead.inflight is not None
     runner, launch, calls = engine.decode_graphs, engine.decode_graphs.launch, []
 

@@ -25,7 +25,7 @@ def hf():
 
 
 def with_prefill_graphs(hf, backend, max_seq_len=64, batch=2, **kw):
-    # no decode graphs (hence no decode pipeline) on a GPU either: steps stay in lockstep
+    # no decode graphs (hence no decode look-ahead) on a GPU either: steps stay in lockstep
     engine = core.build(hf, plugins=[backend], max_seq_len=max_seq_len, max_batch_size=batch,
                         cuda_graphs=False, **kw)
     runner = PrefillGraphRunner(engine.model, engine.cache, max_seq_len, buckets=BUCKETS,

@@ -144,7 +144,7 @@ class CudaGraphRunner:
 class PinnedStaging:
     """Two pinned host buffers used in turn for one graph input's host-to-device copies.
 
-    With the decode pipeline the host fills step N+1's inputs while step N's copy may
+    With the decode look-ahead the host fills step N+1's inputs while step N's copy may
     still be queued on the GPU (behind step N-1: a busy or shared GPU makes that window
     real); one buffer would be overwritten before it is read. The buffer filled next was
     last read by step N-1's copy, which has run: step N-1's tokens were read first.

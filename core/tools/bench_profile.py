@@ -3,7 +3,7 @@
 First one prefill step alone: its wall time captured in a CUDA graph and run eagerly, and
 the eager step's per-kernel GPU time. Then for each
 batch size: the inter-token time (what TPOT measures), the CUDA-graph replay alone (GPU
-time), the difference (host work the decode pipeline did not hide), and the per-kernel
+time), the difference (host work the decode look-ahead did not hide), and the per-kernel
 GPU time of one decode step from the torch profiler (run eagerly on the graph's static
 buffers, so the kernels and shapes are the graph's). CUDA only.
 """
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         prompts = random_prompts(bs, args.prompt_len, engine.spec.vocab_size, seed=bs)
         seqs = [engine.add_request(q, params) for q in prompts]
         calls = []  # seconds of each step() call
-        while engine.has_unfinished():  # no sync here: it would stall the decode pipeline
+        while engine.has_unfinished():  # no sync here: it would stall the decode look-ahead
             t = time.perf_counter()
             engine.step()
             calls.append(time.perf_counter() - t)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                 bucket = runner.bucket(bs)
                 g = replay_ms(runner, bucket)
                 table = kernel_table(engine.model, runner, engine.cache, bucket)
-        # the step period is the inter-token latency (with the decode pipeline a step()
+        # the step period is the inter-token latency (with the decode look-ahead a step()
         # call returns while the next step already runs)
         itl = statistics.median(full_batch_steps([s.metrics for s in seqs])[2:]) * 1e3
         call = statistics.median(calls[3:]) * 1e3
