@@ -173,3 +173,16 @@ def test_random_shapes_read_as_their_config_says():
         rope = rope_from_config(cfg, cfg.hidden_size // cfg.num_attention_heads)
         assert rope.theta == shape.get("rope_theta", 10000.0), name
     assert SHAPES["llama3-8b"]["num_key_value_heads"] == 8  # the GQA shape
+
+
+def test_a_copy_without_git_records_what_its_sender_says(monkeypatch):
+    from infergraft.core.tools import provenance
+
+    def no_git(*a, **kw):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(provenance.subprocess, "run", no_git)
+    monkeypatch.setenv("INFERGRAFT_COMMIT", "abc1234-dirty")
+    assert provenance.commit() == "abc1234-dirty (INFERGRAFT_COMMIT)"
+    monkeypatch.delenv("INFERGRAFT_COMMIT")
+    assert provenance.commit().startswith("infergraft ")

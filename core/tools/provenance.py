@@ -2,6 +2,7 @@
 the commit, every kernel switch's value, and the versions of what ran."""
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -10,8 +11,9 @@ from pathlib import Path
 
 
 def commit() -> str:
-    """``git describe --always --dirty`` of the checkout this package runs from, else
-    the installed version (``infergraft 0.1.0``)."""
+    """``git describe --always --dirty`` of the checkout this package runs from; a copy
+    without ``.git`` (a tree shipped to a GPU machine, say) records ``$INFERGRAFT_COMMIT``
+    when its sender set it, else the installed version (``infergraft 0.1.0``)."""
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=here,
@@ -20,7 +22,8 @@ def commit() -> str:
         out = None
     if out is not None and out.returncode == 0 and out.stdout.strip():
         return out.stdout.strip()
-    return f"infergraft {_version('infergraft')}"
+    sent = os.environ.get("INFERGRAFT_COMMIT", "").strip()
+    return f"{sent} (INFERGRAFT_COMMIT)" if sent else f"infergraft {_version('infergraft')}"
 
 
 def _version(dist: str) -> str:
