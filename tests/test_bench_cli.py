@@ -38,6 +38,7 @@ def test_bench_json_records_the_commit_and_every_switch(tmp_path, capsys, monkey
     from infergraft.kernels import switches
 
     monkeypatch.setenv("INFERGRAFT_FUSE", "0")  # read at each build: the file must say so
+    monkeypatch.delenv("INFERGRAFT_COMMIT", raising=False)
     assert main(["--model", "tiny", "--device", "cpu", "--batches", "1", "--prompt-len", "8",
                  "--new-tokens", "4", "--systems", "infergraft", "--out", str(tmp_path)]) == 0
     capsys.readouterr()
@@ -175,14 +176,14 @@ def test_random_shapes_read_as_their_config_says():
     assert SHAPES["llama3-8b"]["num_key_value_heads"] == 8  # the GQA shape
 
 
-def test_a_copy_without_git_records_what_its_sender_says(monkeypatch):
+def test_the_commit_is_what_the_sender_says_else_git_else_the_version(monkeypatch):
     from infergraft.core.tools import provenance
 
     def no_git(*a, **kw):
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(provenance.subprocess, "run", no_git)
     monkeypatch.setenv("INFERGRAFT_COMMIT", "abc1234-dirty")
-    assert provenance.commit() == "abc1234-dirty (INFERGRAFT_COMMIT)"
+    assert provenance.commit() == "abc1234-dirty (INFERGRAFT_COMMIT)"  # even inside git
     monkeypatch.delenv("INFERGRAFT_COMMIT")
+    monkeypatch.setattr(provenance.subprocess, "run", no_git)
     assert provenance.commit().startswith("infergraft ")

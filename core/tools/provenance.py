@@ -11,9 +11,13 @@ from pathlib import Path
 
 
 def commit() -> str:
-    """``git describe --always --dirty`` of the checkout this package runs from; a copy
-    without ``.git`` (a tree shipped to a GPU machine, say) records ``$INFERGRAFT_COMMIT``
-    when its sender set it, else the installed version (``infergraft 0.1.0``)."""
+    """What code ran: ``$INFERGRAFT_COMMIT`` when whoever launched the run set it (a tree
+    copied to a GPU machine may carry a stale ``.git``, or none), else ``git describe
+    --always --dirty`` of the checkout this package runs from, else the installed version
+    (``infergraft 0.1.0``)."""
+    sent = os.environ.get("INFERGRAFT_COMMIT", "").strip()
+    if sent:
+        return f"{sent} (INFERGRAFT_COMMIT)"
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=here,
@@ -22,8 +26,7 @@ def commit() -> str:
         out = None
     if out is not None and out.returncode == 0 and out.stdout.strip():
         return out.stdout.strip()
-    sent = os.environ.get("INFERGRAFT_COMMIT", "").strip()
-    return f"{sent} (INFERGRAFT_COMMIT)" if sent else f"infergraft {_version('infergraft')}"
+    return f"infergraft {_version('infergraft')}"
 
 
 def _version(dist: str) -> str:
