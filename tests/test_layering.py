@@ -122,3 +122,8 @@ def test_no_module_is_longer_than_300_lines():
     long = {name: n for name, path in MODULES.items()
             if (n := len(path.read_text().splitlines())) > 300}
     assert long == {}
+
+
+def test_the_benchmarks_page_stays_a_results_page():
+    page = ROOT / "docs" / "BENCHMARKS.md"
+    assert len(page.read_text().splitlines()) <= 200, "history goes to docs/bench/HISTORY.md"
