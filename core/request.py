@@ -1,4 +1,10 @@
-"""Requests as the engine sees them: sampling parameters, sequences, completions."""
+"""Requests as the engine sees them: sampling parameters, sequences, completions.
+
+Log-probabilities (``SamplingParams.logprobs``) are those of the distribution a token is
+drawn from after the penalties and the temperature (vLLM's "processed" logprobs; greedy:
+the penalised logits at temperature 1), before the top-k / top-p / min-p truncation, so
+every token, the sampled one included, has a finite log-probability; without truncation
+it is exactly the distribution the token was drawn from."""
 from __future__ import annotations
 
 import enum
@@ -16,6 +22,7 @@ from .metrics import RequestMetrics
 #: temperatures below this sample greedily (as vLLM): logits / T would overflow float32
 GREEDY_BELOW = 1e-5
 SEED_LIMIT = 2 ** 63  # seeds are in [0, SEED_LIMIT): what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's top_logprobs limit)
 
 
 def _number(x, kinds) -> bool:
@@ -37,6 +44,23 @@ def _check_params(p: "SamplingParams") -> None:
         raise InvalidRequestError(f"seed must be None or an integer in [0, 2**63), got {p.seed!r}")
     if any(not isinstance(s, str) or not s for s in p.stop):
         raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {p.stop!r}")
+    if p.logprobs is not None and (not _number(p.logprobs, int)
+                                   or not 0 <= p.logprobs <= MAX_LOGPROBS):
+        raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] "
+                                  f"(top log-probabilities per token), got {p.logprobs!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        x = getattr(p, name)
+        if not _finite(x) or not -2 <= x <= 2:
+            raise InvalidRequestError(f"{name} must be a number in [-2, 2] (0 = off), got {x!r}")
+    if not _finite(p.repetition_penalty) or p.repetition_penalty <= 0:
+        raise InvalidRequestError(f"repetition_penalty must be a finite number > 0 (1 = off), "
+                                  f"got {p.repetition_penalty!r}")
+    if not _finite(p.min_p) or not 0 <= p.min_p <= 1:
+        raise InvalidRequestError(f"min_p must be a number in [0, 1] (0 = off), got {p.min_p!r}")
+
+
+def _finite(x) -> bool:
+    return _number(x, (int, float)) and math.isfinite(x)
 
 
 def _as_stop(stop) -> tuple[str, ...]:
@@ -54,13 +78,39 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_stop)
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+    logprobs: Optional[int] = None  # None: none; k: the sampled token's and the top k's
+    presence_penalty: float = 0.0  # OpenAI: over the generated tokens, once per token seen
+    frequency_penalty: float = 0.0  # OpenAI: over the generated tokens, per occurrence
+    repetition_penalty: float = 1.0  # HF / vLLM: over prompt + generated tokens, a ratio
+    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one's
+    # Greedy with no logits processing and no logprobs: its token is the batch argmax, so
+    # the decode graphs' in-graph argmax and the look-ahead may choose it. Computed once
+    # here: the sampler and the look-ahead read it for every row of every step.
+    plain_greedy: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         _check_params(self)
+        object.__setattr__(self, "plain_greedy", self.greedy and not self.needs_logits_processing)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Penalties, min_p or logprobs: the sampler must see this row's logits."""
+        return (self.logprobs is not None or self.presence_penalty != 0
+                or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_p != 0)
+
+
+@attrs.frozen
+class TokenLogprob:
+    """One output token's log-probability and the ``params.logprobs`` most likely tokens'
+    (id, log-probability), most likely first."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Status(enum.Enum):
@@ -90,6 +140,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_prefill_tokens = 0
         self.metrics = RequestMetrics()
+        # one per output token, appended by the sampler (None: logprobs not asked for)
+        self.logprobs: Optional[list[TokenLogprob]] = None if params.logprobs is None else []
+        self._prompt_set: Optional[torch.Tensor] = None  # the prompt's distinct ids, on demand
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -101,6 +154,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def prompt_id_set(self) -> torch.Tensor:
+        """The prompt's distinct token ids: [U] int64 (the repetition penalty's, each step)."""
+        if self._prompt_set is None:
+            self._prompt_set = torch.tensor(self.prompt_ids, dtype=torch.long).unique()
+        return self._prompt_set
 
     @property
     def prefilling(self) -> bool:
@@ -119,6 +178,7 @@ class Completion:
     text: Optional[str]
     finish_reason: str  # "stop" (EOS or a stop string), "length", "error" or "abort"
     metrics: RequestMetrics
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token_ids entry, if asked for
 
 
 def as_batch(prompts) -> list:

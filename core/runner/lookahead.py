@@ -13,6 +13,12 @@ request waiting to be admitted, every sequence still running and greedy, none at
 token limit, and room in the cache. A sequence that stops at step N (EOS, stop string,
 abort) wasted one row of step N+1: its cache is freed on the host, and the GPU's write
 into its old slot is stream-ordered before any later reuse of that memory.
+
+Only ``params.plain_greedy`` batches qualify: the graph's argmax is over the raw logits,
+which nothing else reads here, so a request with penalties, min_p or logprobs
+(``params.needs_logits_processing``) must see the sampler. Its batch replays the graph
+without the look-ahead (``CudaGraphRunner.decode``) and the engine samples the logits
+that returns, feeding the sampled tokens back as the next step's inputs.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ class DecodeLookahead:
 
     @staticmethod
     def eligible(seqs) -> bool:
-        return all(s.params.greedy for s in seqs)
+        """Greedy with no logits processing and no logprobs, every one of them."""
+        return all(s.params.plain_greedy for s in seqs)
 
     def run(self, seqs, tokens: list[int]):
         """A scheduled greedy decode step: launch it, maybe launch the next, read it."""
