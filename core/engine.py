@@ -1,7 +1,11 @@
 """Engine: requests in, completions out. The scheduler says what a step runs, the model
 runner runs it (eager or a graph replay), the sampler picks tokens, and ``_append``
 applies stop conditions; ``step()`` is one such round (docs/architecture.md: "How a
-request flows")."""
+request flows").
+
+Threads may share one engine: each public entry holds ``Engine.lock`` for one step (not
+a whole ``generate`` call), so the callers' requests run together in one batch and each
+gets exactly what it gets alone; a caller returns once its own requests have finished."""
 from __future__ import annotations
 
 import time
@@ -12,13 +16,14 @@ import torch
 
 from .cache import CacheFullError
 from .errors import InvalidRequestError
+from .fair_lock import FairRLock
 from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch,
                       check_request, encode_prompt)
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
 from .runner.sampler import sample_each
 from .scheduler import Scheduler, default_prefill_tokens, step_tokens
-from .streaming import RequestStream, raise_failed
+from .streaming import RequestStream, abort_requests, raise_failed
 
 Prompt = Union[str, list]
 
@@ -42,6 +47,9 @@ class Engine:
         # distributed.collectives.TensorParallelGroup or distributed.stages.PipelineStage:
         # every rank takes the tokens sampled where the logits are
         self.ranks = None
+        # held for one step (or one add / abort / logits call) at a time: FIFO between
+        # threads, so a caller stepping in a loop cannot starve one waiting to add its request
+        self.lock = FairRLock()
 
     @property
     def decode_graphs(self):
@@ -80,28 +88,39 @@ class Engine:
         ids = self.encode(prompt)
         self._check(ids, params)
         seq = Sequence(ids, params)
-        self.scheduler.add(seq)
+        with self.lock:
+            self.scheduler.add(seq)
         return seq
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        with self.lock:
+            return self.scheduler.has_work()
+
+    def abort(self, seqs_or_ids, reason: str = "abort") -> list[Sequence]:
+        """Drop requests (a ``Sequence``, its ``id``, or a list of them) now: their cache is
+        freed, they finish with ``reason`` (unforked samples of ``n`` with their prompt);
+        finished or unknown ones stay as they are. Returns the sequences it finished."""
+        with self.lock:
+            return abort_requests(self, seqs_or_ids, reason)
 
     # -- stepping ----------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one scheduler step; returns the sequences that got a token."""
-        if self.lookahead.inflight is not None:  # a greedy decode step already launched
-            self._stepping = list(self.lookahead.inflight[0])
-            return self._guarded(self.lookahead.advance)
-        step = self.scheduler.schedule()
-        if step is None:
-            return []
-        tokens = step_tokens(step)
-        replay = self.runner.replays_decode(step)
-        self._stepping = list(step.seqs)  # (+ samples forked in this step)
-        if replay and self.lookahead.eligible(step.seqs):
-            return self._guarded(lambda: self.lookahead.run(step.seqs, tokens))
-        return self._guarded(lambda: self._step_body(step, tokens, replay))
+        with self.lock:
+            self._stepping = []  # (a scheduler that raises has run no sequence)
+            if self.lookahead.inflight is not None:  # a greedy decode step already launched
+                self._stepping = list(self.lookahead.inflight[0])
+                return self._guarded(self.lookahead.advance)
+            step = self.scheduler.schedule()
+            if step is None:
+                return []
+            tokens = step_tokens(step)
+            replay = self.runner.replays_decode(step)
+            self._stepping = list(step.seqs)  # (+ samples forked in this step)
+            if replay and self.lookahead.eligible(step.seqs):
+                return self._guarded(lambda: self.lookahead.run(step.seqs, tokens))
+            return self._guarded(lambda: self._step_body(step, tokens, replay))
 
     def _guarded(self, run_step):
         try:
@@ -191,13 +210,14 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _run(self, seqs: list[Sequence]) -> None:
-        try:
-            while not all(s.finished for s in seqs):
-                self.step()
+        try:  # step until ours have finished (other callers' steps count too)
+            while True:
+                with self.lock:  # per step: other callers add, step and abort in between
+                    if all(s.finished for s in seqs):
+                        return
+                    self.step()
         except BaseException:  # drop this call's requests (forks included), not others'
-            self.scheduler.abort(seqs)
-            for s in seqs:
-                self._forks.pop(s.id, None)
+            self.abort(seqs)
             raise
 
     # -- public API --------------------------------------------------------------
@@ -218,13 +238,14 @@ class Engine:
         for ids in batch:  # validate everything before queueing anything
             self._check(ids, params)
         seqs = []
-        for ids in batch:
-            parent = self.add_request(ids, params)
-            children = [Sequence(list(ids), params if seed is None else
-                                 attrs.evolve(params, seed=seed + i)) for i in range(1, n)]
-            if children:
-                self._forks[parent.id] = children
-            seqs += [parent, *children]
+        with self.lock:  # a step between a prompt and its forks would prefill it unforked
+            for ids in batch:
+                parent = self.add_request(ids, params)
+                children = [Sequence(list(ids), params if seed is None else
+                                     attrs.evolve(params, seed=seed + i)) for i in range(1, n)]
+                if children:
+                    self._forks[parent.id] = children
+                seqs += [parent, *children]
         self._run(seqs)
         done = [self._completion(s) for s in seqs]
         raise_failed(seqs, done)  # carries ``done``: the others' completions are not lost
@@ -247,20 +268,21 @@ class Engine:
             raise InvalidRequestError(f"{len(ids)} tokens exceed "
                                       f"max_seq_len={self.plan.max_seq_len}")
         seq_id = ("logits", id(ids))
-        try:
-            self.cache.allocate(seq_id, len(ids))
-        except CacheFullError as e:  # the running requests hold every row / block
-            raise CacheFullError(f"engine.logits needs room for {len(ids)} tokens beside the "
-                                 f"running requests: {e}; call it when fewer run, or build "
-                                 "with a larger max_batch_size") from None
-        try:
-            out = self.runner.every_row(seq_id, ids)  # [len, V]; None before the last stage
-            if self.ranks is not None:
-                out = self.ranks.broadcast_logits(out, (len(ids), self.spec.vocab_size),
-                                                  self.device)
-            return out.cpu()
-        finally:
-            self.cache.free(seq_id)
+        with self.lock:
+            try:
+                self.cache.allocate(seq_id, len(ids))
+            except CacheFullError as e:  # the running requests hold every row / block
+                raise CacheFullError(f"engine.logits needs room for {len(ids)} tokens beside "
+                                     f"the running requests: {e}; call it when fewer run, or "
+                                     "build with a larger max_batch_size") from None
+            try:
+                out = self.runner.every_row(seq_id, ids)  # [len, V]; None before the last stage
+                if self.ranks is not None:
+                    out = self.ranks.broadcast_logits(out, (len(ids), self.spec.vocab_size),
+                                                      self.device)
+                return out.cpu()
+            finally:
+                self.cache.free(seq_id)
 
     # -- helpers -----------------------------------------------------------------
     @staticmethod
@@ -274,4 +296,5 @@ class Engine:
     def _completion(self, seq: Sequence) -> Completion:
         return Completion(prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
                           text=seq.text if self.tokenizer is not None else None,
-                          finish_reason=seq.finish_reason, metrics=seq.metrics)
+                          finish_reason=seq.finish_reason, metrics=seq.metrics,
+                          logprobs=None if seq.logprobs is None else list(seq.logprobs))

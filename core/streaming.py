@@ -1,10 +1,43 @@
-"""``Engine.stream``'s deltas: what is new in one request's output since the last yield,
-whoever stepped the engine meanwhile (another stream, a ``generate`` call)."""
+"""Callers sharing one engine: what is new in one request's output since a caller last
+looked (``Deltas``: ``Engine.stream``'s and the asynchronous engine's), whoever stepped
+the engine meanwhile; aborting requests; ``raise_failed``."""
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
-from .errors import RequestFailedError
+from .errors import InvalidRequestError, RequestFailedError
+from .request import Sequence, Status
+
+
+class Deltas:
+    """What is new in one request's output since the last ``advance()``: token ids (and
+    their log-probabilities, when asked for) and text. Text holds back an incomplete
+    UTF-8 character and a tail that may begin a stop string until the request finishes.
+    ``decode``: token ids -> text (None: no tokenizer, no text). Call ``advance`` between
+    steps (under ``Engine.lock`` when other threads may step)."""
+
+    def __init__(self, seq, decode=None):
+        self.seq, self.decode = seq, decode
+        self.sent_tokens, self.sent_text = 0, ""
+
+    def advance(self) -> tuple[list[int], list | None, str, bool]:
+        """(new token ids, their logprobs or None, new text, finished)."""
+        seq = self.seq
+        done = seq.finished  # read first: what follows is complete up to it
+        start, self.sent_tokens = self.sent_tokens, len(seq.output_ids)
+        new = seq.output_ids[start:self.sent_tokens]
+        logprobs = getattr(seq, "logprobs", None)
+        logprobs = None if logprobs is None else logprobs[start:self.sent_tokens]
+        delta = ""
+        if self.decode is not None:
+            stops = seq.params.stop
+            text = seq.text if done or stops else self.decode(seq.output_ids)
+            if not done:
+                text = held_back(text, stops)
+            if len(text) > len(self.sent_text) and text.startswith(self.sent_text):
+                delta, self.sent_text = text[len(self.sent_text):], text
+        return new, logprobs, delta, done
 
 
 class RequestStream:
@@ -28,30 +61,46 @@ class RequestStream:
 
     def _run(self, engine, ids, params) -> Iterator:
         seq = self.request = engine.add_request(ids, params)
-        sent_tokens, sent_text = 0, ""
+        deltas = Deltas(seq, None if engine.tokenizer is None else engine._decode)
         try:
             while True:
-                if not seq.finished:
-                    engine.step()
-                done = seq.finished  # read before yielding: others may finish it meanwhile
+                with engine.lock:  # one step, and its result read before another steps
+                    if not seq.finished:
+                        engine.step()
+                    new, _, text, done = deltas.advance()
                 if engine.tokenizer is None:
-                    new = seq.output_ids[sent_tokens:]
-                    sent_tokens += len(new)
                     if new:
                         yield new
-                else:
-                    text = seq.text if done or params.stop else engine._decode(seq.output_ids)
-                    if not done:
-                        text = held_back(text, params.stop)
-                    if len(text) > len(sent_text) and text.startswith(sent_text):
-                        delta, sent_text = text[len(sent_text):], text
-                        yield delta
+                elif text:
+                    yield text
                 if done:
                     break
         finally:  # the consumer stopped early (or failed): free this request only
             if not seq.finished:
-                engine.scheduler.abort([seq])
+                engine.abort(seq)
         raise_failed([seq])
+
+
+def abort_requests(engine, seqs_or_ids, reason: str) -> list:
+    """``Engine.abort``'s body (the caller holds ``engine.lock``)."""
+    items = seqs_or_ids if isinstance(seqs_or_ids, (list, tuple, set)) else [seqs_or_ids]
+    bad = [x for x in items if not isinstance(x, Sequence)
+           and (not isinstance(x, int) or isinstance(x, bool))]
+    if bad:
+        raise InvalidRequestError(f"abort takes a Sequence (what add_request returns) or its "
+                                  f"integer id, or a list of them; got {bad[0]!r}")
+    scheduler = engine.scheduler
+    known = {s.id: s for s in (*scheduler.running, *scheduler.waiting)}
+    seqs = [x if isinstance(x, Sequence) else known.get(x) for x in items]
+    seqs = [s for s in seqs if s is not None]
+    seqs += [c for s in seqs for c in engine._forks.pop(s.id, ())]  # samples not forked yet
+    seqs = [s for s in seqs if s.status is not Status.FINISHED]
+    scheduler.abort(seqs)
+    now = time.perf_counter()
+    for s in seqs:
+        s.finish_reason = reason
+        s.metrics.finished = now
+    return seqs
 
 
 def raise_failed(seqs, completions=None) -> None:

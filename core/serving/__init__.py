@@ -1,0 +1,6 @@
+"""Serving: an asynchronous engine (``async_engine``; its thread ``engine_thread``, the
+torchrun followers ``lockstep``) and the OpenAI-compatible HTTP server over it (``app``:
+routes; ``protocol``: request parsing; ``responses``: response shapes; ``fanout``: n
+choices as one stream; ``metrics``: Prometheus; ``static/``: the chat page). The server's
+modules need the ``serve`` extra (FastAPI, uvicorn, prometheus-client); ``protocol`` and
+``responses`` need nothing beyond the core."""

@@ -1,0 +1,234 @@
+"""The AsyncEngine's thread: the only one that steps the engine, and what it shares with
+the callers (an ``Inbox`` under one condition).
+
+Each loop iteration: 1) take the submissions and aborts queued since the last one, or
+sleep on the condition while there is nothing to do; 2) under torchrun, broadcast them
+from rank 0 (``lockstep``); 3) apply them to the engine; 4) step; 5) hand each request's
+new tokens and text to its asyncio.Queue on its event loop (``call_soon_threadsafe``,
+once per loop and iteration). The thread outlives any one request's failure: a request
+whose sampling failed, or whose step raised, ends with finish_reason "error" and the
+others go on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Optional
+
+import attrs
+import torch
+
+from ..metrics import RequestMetrics
+from ..request import SamplingParams
+from ..streaming import Deltas
+from .lockstep import Events, apply, params_fields, prune
+
+log = logging.getLogger("infergraft.serving")
+HEARTBEAT_S = 60.0  # an idle rank 0 broadcasts this often, or the followers' wait times out
+
+
+@attrs.frozen
+class RequestOutput:
+    """What one request produced since its previous output."""
+
+    request_id: str
+    text: str  # new text (stop strings trimmed; an incomplete UTF-8 character held back)
+    token_ids: list  # new token ids
+    logprobs: Optional[list]  # TokenLogprob per new id, when the request asked for them
+    finished: bool
+    finish_reason: Optional[str]  # "stop", "length", "abort", "error" once finished
+    prompt_tokens: int
+    completion_tokens: int  # so far
+    metrics: Optional[RequestMetrics] = None  # on the last output
+    error: Optional[str] = None  # why, when finish_reason is "error"
+
+
+def last_output(req, reason: str, error: str | None = None) -> RequestOutput:
+    """The output that ends a request the engine never ran."""
+    return RequestOutput(req.request_id, "", [], None, True, reason, len(req.ids), 0,
+                         error=error)
+
+
+@attrs.define(eq=False)
+class Submission:
+    request_id: str
+    ids: list
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float  # time.perf_counter() at submission: the wait for the loop is TTFT too
+    seq: object = None  # its Sequence, once the loop has added it to the engine
+    deltas: Optional[Deltas] = None
+
+
+@attrs.define(eq=False)
+class Inbox:
+    """What the callers hand the loop, under ``cond``."""
+
+    cond: threading.Condition = attrs.field(factory=threading.Condition)
+    intake: list = attrs.field(factory=list)  # Submissions not yet taken by the loop
+    aborts: list = attrs.field(factory=list)  # request ids
+    taken: int = 0  # taken by the loop, not yet in the scheduler's waiting queue
+    names: set = attrs.field(factory=set)  # request ids submitted and not finished
+    stop: Optional[str] = None  # None, "drain" or "abort"
+    fatal: Optional[str] = None  # why the loop stopped for good (a rank went away)
+
+
+class EngineThread:
+    def __init__(self, engine, inbox: Inbox, link):
+        self.engine, self.inbox, self.link = engine, inbox, link
+        self.live: dict[str, Submission] = {}  # in the engine, by request id
+        self.seqs: dict = {}  # request id -> Sequence (lockstep.apply's view of them)
+        self.fail: list = []  # (request id, why) for the next broadcast
+        self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
+
+    def run(self) -> None:
+        # the current CUDA device is the thread's own, and Triton launches on it
+        if self.engine.device.type == "cuda" and self.engine.device.index is not None:
+            torch.cuda.set_device(self.engine.device)
+        while True:
+            try:
+                events, taken = self._collect()
+                events = self.link.exchange(events)
+            except Exception as e:  # a rank went away: nothing can step any more
+                log.exception("the engine loop stopped")
+                return self._die(f"the engine loop stopped: {type(e).__name__}: {e}")
+            try:
+                self._admit(events, taken)
+                if events.shutdown:  # (after "abort": what ran ends with "abort")
+                    return self._publish()
+                if self.engine.has_unfinished():
+                    self._step()
+                self._publish()
+            except Exception as e:  # a bug of ours: fail what runs, keep serving
+                log.exception("the engine loop failed an iteration")
+                self._fail_requests(list(self.live.values()), e)
+                self._publish()
+
+    def _collect(self) -> tuple[Events, dict]:
+        """Wait for work, then take what the callers queued as this iteration's events."""
+        box, busy = self.inbox, self.engine.scheduler.has_work
+        with box.cond:
+            while not (box.intake or box.aborts or box.stop or busy()):
+                if not box.cond.wait(HEARTBEAT_S if self.link.active else None):
+                    break  # idle under torchrun: an empty broadcast keeps the followers
+            new, aborts, stop = box.intake, box.aborts, box.stop
+            box.intake, box.aborts = [], []
+            if stop == "abort":  # never admitted: they end here
+                box.names.difference_update(r.request_id for r in new)
+            else:
+                box.taken = len(new)
+        if stop == "abort":
+            send([(r, last_output(r, "abort")) for r in new], self._abort_later)
+            new, aborts = [], [*aborts, *self.live]
+        fail, self.fail = self.fail, []
+        shutdown = stop == "abort" or (stop == "drain" and not new and not self.live)
+        events = Events(tuple((r.request_id, r.ids, params_fields(r.params)) for r in new),
+                        tuple(aborts), tuple(fail), shutdown)
+        return events, {r.request_id: r for r in new}
+
+    def _admit(self, events: Events, taken: dict) -> None:
+        admitted = apply(self.engine, events, self.seqs)
+        with self.inbox.cond:
+            self.inbox.taken = 0
+        tok = self.engine.tokenizer
+        for rid, seq in admitted.items():
+            req = taken[rid]
+            if isinstance(seq, Exception):  # validated at submission: not expected
+                self._end_unadmitted(req, str(seq))
+                continue
+            seq.metrics.arrival = req.arrival
+            req.seq, req.deltas = seq, Deltas(seq, None if tok is None else self.engine._decode)
+            self.live[rid] = req
+
+    def _step(self) -> None:
+        engine = self.engine
+        self.num_steps += 1
+        try:
+            engine.step()
+        # The engine preempted the step's sequences (they would be recomputed): end them
+        # with "error" instead, so that a step that fails every time cannot loop forever.
+        # A scheduler that raised ran no sequence: then every request ends.
+        except Exception as e:
+            log.exception("an engine step failed; its requests end with finish_reason 'error'")
+            hit = set(map(id, engine._stepping))
+            self._fail_requests([r for r in self.live.values()
+                                 if not hit or id(r.seq) in hit], e)
+
+    def _fail_requests(self, reqs: list, error: Exception) -> None:
+        why = f"the engine step failed: {type(error).__name__}: {error}"
+        for req in reqs:
+            if req.seq is not None and not req.seq.finished:
+                req.seq.error = why
+                self.engine.abort(req.seq, reason="error")
+                self.fail.append((req.request_id, why))  # the followers do the same
+
+    def _publish(self) -> None:
+        """Each request's new tokens and text (and its end) to its queue."""
+        outs, done = [], []
+        with self.engine.lock:  # another thread's generate may step the engine too
+            for rid, req in self.live.items():
+                seq = req.seq
+                if not seq.finished and len(seq.output_ids) == req.deltas.sent_tokens:
+                    continue
+                first = req.deltas.sent_tokens == 0
+                ids, logprobs, text, finished = req.deltas.advance()
+                if first and ids:  # prefilled
+                    self.prompt_tokens_total += len(seq.prompt_ids)
+                self.generation_tokens_total += len(ids)
+                reason = seq.finish_reason if finished else None
+                error = (seq.error or "sampling failed on the rank that samples") \
+                    if reason == "error" else None
+                outs.append((req, RequestOutput(
+                    rid, text, ids, logprobs, finished, reason, len(seq.prompt_ids),
+                    len(seq.output_ids), seq.metrics if finished else None, error)))
+                if finished:
+                    done.append(rid)
+        for rid in done:
+            del self.live[rid]
+        prune(self.seqs)
+        if done:
+            with self.inbox.cond:
+                self.inbox.names.difference_update(done)
+        send(outs, self._abort_later)
+
+    def _end_unadmitted(self, req: Submission, why: str) -> None:
+        with self.inbox.cond:
+            self.inbox.names.discard(req.request_id)
+        send([(req, last_output(req, "error", why))], self._abort_later)
+
+    def _abort_later(self, request_id: str) -> None:
+        with self.inbox.cond:
+            self.inbox.aborts.append(request_id)
+            self.inbox.cond.notify()
+
+    def _die(self, why: str) -> None:
+        with self.inbox.cond:
+            self.inbox.fatal = why
+            reqs = [*self.inbox.intake, *self.live.values()]
+            self.inbox.intake = []
+        for req in reqs:
+            if req.seq is not None and not req.seq.finished:
+                self.engine.abort(req.seq, reason="error")
+            self._end_unadmitted(req, why)
+
+
+def send(outs: list, abort) -> None:
+    """(Submission, RequestOutput) pairs to their queues, one hand-over per event loop;
+    ``abort(request_id)`` for a request whose event loop has closed."""
+    by_loop: dict = {}
+    for req, out in outs:
+        by_loop.setdefault(req.loop, []).append((req.queue, out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # its event loop is closed: nobody reads these any more
+            for _, out in items:
+                if not out.finished:
+                    abort(out.request_id)
+
+
+def _put_all(items) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
