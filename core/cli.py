@@ -158,10 +158,20 @@ def make_parser() -> argparse.ArgumentParser:
     from .tools.bench_cli import add_arguments, run as run_bench
     add_arguments(b)
     b.set_defaults(func=run_bench)
+    # `bench serve`: an optional subcommand, so that plain `bench FLAGS` parses as before
+    from .tools.bench_serve import add_arguments as serve_bench_arguments, run as run_serve_bench
+    bs = b.add_subparsers(dest="bench_command", metavar="serve").add_parser(
+        "serve", help="serving benchmark of an OpenAI-compatible server (as vllm bench serve)")
+    serve_bench_arguments(bs)
+    bs.set_defaults(func=run_serve_bench)
     m = sub.add_parser("plan", help="memory plan of a model (no weights loaded)")
     from .tools.plan_cli import add_arguments as plan_arguments, run as run_plan
     plan_arguments(m)
     m.set_defaults(func=run_plan)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from .tools.serve_cli import add_arguments as serve_arguments, run as run_serve
+    serve_arguments(s)
+    s.set_defaults(func=run_serve)
     return parser
 
 

@@ -14,7 +14,7 @@ METRICS = re.compile(r"\[(\d+) tokens, finish=(\w+), TTFT [\d.]+ ms, TPOT [\d.]+
                      r"[\d.]+ tok/s\]$", re.M)
 # a subcommand -> the shortest argv that parses (a new subcommand must be added here)
 ARGV = {"generate": ["generate", PROMPT], "chat": ["chat"], "plugins": ["plugins"],
-        "plan": ["plan"], "bench": ["bench"]}
+        "plan": ["plan"], "bench": ["bench"], "serve": ["serve"]}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,107 @@
+"""``infergraft serve``: the OpenAI-compatible HTTP server (core/serving/app.py) on
+uvicorn, over an AsyncEngine stepping the model on its own thread.
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets the running requests finish (30 s
+at most, then they are aborted), shuts the engine down and exits 0 (Ctrl-C: 130). Under
+torchrun with ``--plugin tp`` or ``pp``, rank 0 serves and the other ranks follow its
+steps. Needs the ``serve`` extra: ``pip install 'infergraft[serve]'``."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from ..build import build
+from ..errors import InfergraftError
+
+DEFAULT_MODEL = "smollm2-135m"  # as `infergraft generate`
+GRACE_S = 30  # seconds open requests get after SIGTERM before they are cancelled
+
+
+class ServeSetupError(InfergraftError):
+    """``infergraft serve`` cannot start (the serve extra is missing, a bad option)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Serve a model over HTTP with OpenAI's API: /v1/models, "
+                     "/v1/completions, /v1/chat/completions (streaming as server-sent "
+                     "events), /health, /metrics (Prometheus) and a chat page at /.")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"HF model directory or alias (default {DEFAULT_MODEL}); also the "
+                        "model name clients send")
+    p.add_argument("--plugin", action="append", help="plugin name to use (repeatable)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 (default: "
+                        "$INFERGRAFT_API_KEY if set, else no key)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="sequences decoded together at most (default: the planner's)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued beyond the batch before new ones get 503 "
+                        "(default 256)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="context length: prompt + completion tokens (default: the model's)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+
+
+def _imports():
+    try:
+        import uvicorn
+
+        from ..serving.app import create_app
+        from ..serving.async_engine import AsyncEngine
+    except ImportError as e:
+        raise ServeSetupError(f"infergraft serve needs the serve extra ({e.name} is "
+                              "missing): pip install 'infergraft[serve]'") from e
+    return uvicorn, create_app, AsyncEngine
+
+
+def _check(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ServeSetupError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting < 1:
+        raise ServeSetupError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise ServeSetupError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+
+
+def run(args) -> int:
+    """The ``serve`` command."""
+    _check(args)
+    uvicorn, create_app, AsyncEngine = _imports()  # before the model loads: fail fast
+    api_key = args.api_key or os.environ.get("INFERGRAFT_API_KEY") or None
+    first = os.environ.get("RANK", "0") == "0"
+    engine = build(args.model, plugins=args.plugin or None, dtype=args.dtype,
+                   device=args.device, max_seq_len=args.max_seq_len,
+                   max_batch_size=args.max_batch_size, progress=first)
+    if engine.ranks is not None and not first:
+        # rank 0 admits and aborts requests; this rank applies the same at each step
+        AsyncEngine.follow(engine)
+        return 0
+    aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    app = create_app(aengine, args.model, api_key=api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=GRACE_S, lifespan="on")
+    server = uvicorn.Server(config)
+    print(f"infergraft serve: {args.model} on http://{args.host}:{args.port} (max batch "
+          f"{engine.plan.max_batch_size}, max_seq_len {engine.plan.max_seq_len}, max waiting "
+          f"{args.max_waiting}{', API key required' if api_key else ''})", file=sys.stderr,
+          flush=True)
+    # uvicorn re-raises the signal it stopped on once it has shut down; under the default
+    # SIGTERM action that would kill the process (exit 143) after a clean shutdown
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        asyncio.run(server.serve())
+    except SystemExit as e:  # uvicorn's startup failure: the engine is shut down already
+        if server.started:
+            raise
+        raise ServeSetupError(f"the server did not start on {args.host}:{args.port} "
+                              f"(uvicorn's log above says why: the port in use?)") from e
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
