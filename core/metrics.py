@@ -1,6 +1,7 @@
 """Per-request latency metrics (TTFT, TPOT, ITL) and run-level percentiles."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional, Sequence
 
@@ -51,4 +52,5 @@ def percentiles(values: Sequence[float], qs=(50, 90, 99)) -> dict[str, float]:
     if not values:
         return {f"p{q}": float("nan") for q in qs}
     s = sorted(values)
-    return {f"p{q}": s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))] for q in qs}
+    # nearest rank: the smallest value with at least q% of the values at or below it
+    return {f"p{q}": s[min(len(s) - 1, max(0, math.ceil(q * len(s) / 100) - 1))] for q in qs}
