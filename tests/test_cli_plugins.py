@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from test_broken_plugins import entry_point_installer, future_module
+from test_broken_entry_points import entry_point_installer, future_module
 
 from infergraft.core.cli import main
 from infergraft.core.hookspecs import CONTRACT_VERSION, hookimpl

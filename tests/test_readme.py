@@ -3,6 +3,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 from infergraft import core
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
 
@@ -35,3 +37,18 @@ def test_ten_line_plugin_example_registers_and_builds(tmp_path):
     got = [c.token_ids for c in engine.generate(prompts, max_new_tokens=6)]
     assert got == [c.token_ids for c in plain.generate(prompts, max_new_tokens=6)]
     assert all(got)
+
+
+@pytest.mark.slow
+def test_the_python_api_blocks_run_on_the_demo_model(capsys):
+    """The README's first two Python blocks, as written, one after the other."""
+    api, asynchronous = _blocks("python")[:2]
+    assert "core.build(\"smollm2-135m\")" in api and "AsyncEngine" in asynchronous
+    namespace = {}
+    exec(compile(api, "README: Python API", "exec"), namespace)
+    assert "Paris" in namespace["done"][0].text
+    seq = namespace["seq"]
+    assert seq.finished and len(seq.logprobs) == len(seq.output_ids) > 0
+    capsys.readouterr()
+    exec(compile(asynchronous, "README: asynchronous", "exec"), namespace)
+    assert "Paris" in capsys.readouterr().out
