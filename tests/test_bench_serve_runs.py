@@ -9,6 +9,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from infergraft.core.cli import main as cli_main
 from infergraft.core.tools.serve_workload import FIRST_ID
 
@@ -148,7 +150,8 @@ def test_bench_serve_against_infergraft_serve_with_a_tiny_model(tmp_path, capsys
     with serving(model, "--max-batch-size", "8") as server:
         rc = cli_main(["bench", "serve", "--base-url", server.url, "--num-prompts", "8",
                        "--prompt-len", "16", "--output-len", "8", "--sweep-rates", "inf,4",
-                       "--goodput", "ttft:60000", "--out", str(tmp_path / "o")])
+                       "--goodput", "ttft:60000", "--out", str(tmp_path / "o"),
+                       "--offline-model", str(model), "--offline-max-batch-size", "8"])
         out = capsys.readouterr().out
         assert rc == 0, out + server.output()
         served = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
@@ -165,3 +168,10 @@ def test_bench_serve_against_infergraft_serve_with_a_tiny_model(tmp_path, capsys
             assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
         assert run["good_requests"] == 8 and run["output_throughput"] > 0
     assert data["runs"][0]["peak_concurrency"] == 8  # inf: all at once
+    # the rate-inf run again in-process: the same requests, the same token counts
+    offline = data["offline"]
+    assert offline["rate_compared"] == "inf" and offline["completed"] == 8
+    assert offline["total_output_tokens"] == 8 * 8 and offline["total_input_tokens"] == 8 * 16
+    assert offline["server_over_offline"] == pytest.approx(
+        data["runs"][0]["output_throughput"] / offline["output_throughput"])
+    assert 0 < offline["ttft_ms"]["p50"] <= offline["ttft_ms"]["p99"]

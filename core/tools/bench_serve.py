@@ -25,8 +25,9 @@ from ..errors import InfergraftError, PlanError
 from .bench_cli import _out, _positive
 from .provenance import provenance
 from .serve_client import benchmark
+from .serve_offline import offline_summary
 from .serve_report import jsonable, plot
-from .serve_workload import DATASETS, DEFAULT_LENS, FIRST_ID, SLO_METRICS
+from .serve_workload import DATASETS, DEFAULT_LENS, FIRST_ID, SLO_METRICS, make_requests
 
 
 # Flag types: argparse reports their ArgumentTypeError as "argument --flag: ..." and exits
@@ -128,6 +129,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=_out, default=".bench", help="folder for serve.json, serve.png")
     p.add_argument("--api-key", default=None,
                    help="sent as a bearer token (default: $INFERGRAFT_API_KEY, $OPENAI_API_KEY)")
+    p.add_argument("--offline-model", default=None, metavar="DIR|ALIAS",
+                   help="then run the rate-inf (or first) run's requests through this model "
+                        "in-process, and report the server's output throughput over its")
+    p.add_argument("--offline-plugin", action="append", default=None, metavar="P",
+                   help="plugins of the offline engine (repeatable; build it as the server's)")
+    p.add_argument("--offline-max-batch-size", type=_positive, default=None, metavar="B")
+    p.add_argument("--offline-dtype", default=None, metavar="D")
 
 
 def resolve(args):
@@ -165,17 +173,39 @@ def run(args) -> int:
 
 def measure(args) -> int:
     model, runs = asyncio.run(benchmark(args))
+    offline = None if args.offline_model is None else _offline(args, runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(jsonable({
         "benchmark": "serve", "base_url": args.base_url, "model": model,
         "dataset": args.dataset, "args": _arguments(args),
         "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(), "runs": runs,
+        **({} if offline is None else {"offline": offline}),
     }), indent=2))
     plotted = plot(runs, out / "serve.png", f"{model}, {args.dataset} at {args.base_url}")
     print(f"\nwrote {out / 'serve.json'}" + (f" and {out / 'serve.png'}" if plotted else
           " (no serve.png: matplotlib is not installed; pip install 'infergraft[bench]')"))
     return 0 if any(r["completed"] for r in runs) else 1
+
+
+def _offline(args, runs) -> dict:
+    """The rate-inf run's requests (the first run's without one) through an in-process
+    engine of ``--offline-model``, and the server's output throughput over its."""
+    from ..build import build
+
+    i = next((k for k, rate in enumerate(args.rates) if math.isinf(rate)), 0)
+    requests = make_requests(args.dataset, args.num_prompts, args.prompt_len,
+                             args.output_len, args.vocab_size, seed=f"{args.seed}:{i}")
+    longest = max(len(r.prompt) + r.output_len for r in requests)
+    print(f"offline: {len(requests)} requests through {args.offline_model} ...",
+          file=sys.stderr)
+    engine = build(args.offline_model, plugins=args.offline_plugin, dtype=args.offline_dtype,
+                   max_batch_size=args.offline_max_batch_size, max_seq_len=longest)
+    summary = offline_summary(engine, requests, args.max_concurrency)
+    ratio = runs[i]["output_throughput"] / summary["output_throughput"]
+    print(f"offline output throughput {summary['output_throughput']:.1f} tok/s; served "
+          f"{runs[i]['output_throughput']:.1f} tok/s = {ratio:.1%} of it")
+    return dict(summary, rate_compared=args.rates[i], server_over_offline=ratio)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,53 @@
+"""``infergraft bench serve --offline-model M``: the served requests again, through an
+in-process engine, so that the server's cost (HTTP, streaming, the asynchronous engine's
+thread) shows as one ratio measured in the same run on the same machine.
+
+The offline run submits the same token-id prompts with the same output lengths, at most
+``--max-concurrency`` in flight (all at once without it), and steps the engine until every
+request has finished; its figures are summarised exactly as the served ones (TTFT from
+submission, ITL between a request's tokens).
+"""
+from __future__ import annotations
+
+import time
+
+from ..request import SamplingParams
+from .serve_workload import Record, summarise
+
+
+def offline_summary(engine, requests, max_concurrency: int | None) -> dict:
+    """The summary of ``requests`` (serve_workload.Request) run through ``engine``."""
+    _warm_up(engine, requests[0])
+    pending, live, records = list(requests), {}, []
+    cap = max_concurrency or len(requests)
+    start = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < cap:
+            r = pending.pop(0)
+            params = SamplingParams(max_new_tokens=r.output_len, ignore_eos=True)
+            live[engine.add_request(list(r.prompt), params)] = r
+        engine.step()
+        for seq in [s for s in live if s.finished]:
+            records.append(_record(seq, live.pop(seq)))
+    return summarise(records, time.perf_counter() - start)
+
+
+def _warm_up(engine, request) -> None:
+    # the first steps of a shape allocate, compile and capture: not what a run measures
+    seq = engine.add_request(list(request.prompt), SamplingParams(max_new_tokens=4,
+                                                                   ignore_eos=True))
+    while not seq.finished:
+        engine.step()
+
+
+def _record(seq, request) -> Record:
+    m = seq.metrics
+    rec = Record(len(request.prompt), request.output_len, usage_tokens=len(seq.output_ids),
+                 chunks=len(m.token_times))
+    if seq.finish_reason not in ("length", "stop") or not m.token_times:
+        rec.error = f"finished with {seq.finish_reason!r}: {seq.error}"
+        return rec
+    times = [t - m.arrival for t in m.token_times]
+    rec.ttft, rec.e2el = times[0], times[-1]
+    rec.itl = [b - a for a, b in zip(times, times[1:])]
+    return rec
