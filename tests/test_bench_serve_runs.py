@@ -151,7 +151,8 @@ def test_bench_serve_against_infergraft_serve_with_a_tiny_model(tmp_path, capsys
         rc = cli_main(["bench", "serve", "--base-url", server.url, "--num-prompts", "8",
                        "--prompt-len", "16", "--output-len", "8", "--sweep-rates", "inf,4",
                        "--goodput", "ttft:60000", "--out", str(tmp_path / "o"),
-                       "--offline-model", str(model), "--offline-max-batch-size", "8"])
+                       "--offline-model", str(model), "--offline-max-batch-size", "8",
+                       "--offline-hf"])
         out = capsys.readouterr().out
         assert rc == 0, out + server.output()
         served = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
@@ -175,3 +176,9 @@ def test_bench_serve_against_infergraft_serve_with_a_tiny_model(tmp_path, capsys
     assert offline["server_over_offline"] == pytest.approx(
         data["runs"][0]["output_throughput"] / offline["output_throughput"])
     assert 0 < offline["ttft_ms"]["p50"] <= offline["ttft_ms"]["p99"]
+    # and through HF's continuous batching: every request to its length, timed per token
+    hf = offline["hf"]
+    assert hf["completed"] == 8 and hf["total_output_tokens"] == 8 * 8, hf
+    assert 0 < hf["ttft_ms"]["p50"] <= hf["e2el_ms"]["p99"] <= hf["duration_s"] * 1e3
+    assert hf["served_over_hf"] == pytest.approx(
+        data["runs"][0]["output_throughput"] / hf["output_throughput"])

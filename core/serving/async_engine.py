@@ -5,6 +5,12 @@ callers submit requests and read their outputs as they come.
         async for out in aengine.generate("Hello", SamplingParams(max_new_tokens=8)):
             print(out.text, end="")        # a RequestOutput: the text since the last one
 
+``AsyncEngine.build(model, ...)`` builds the engine on the thread that will step it, as
+``infergraft serve`` does: on the CPU, OpenMP gives each thread that runs torch ops its own
+pool of workers, and a thread that steps an engine built by another runs beside the
+builder's idle pool, more threads than cores, where OpenMP's barriers stop spinning and
+sleep (docs/BENCHMARKS.md, "Serving").
+
 The thread and what it shares with the callers: ``engine_thread``; under torchrun with
 tp / pp, rank 0 runs the AsyncEngine and the other ranks ``AsyncEngine.follow(engine)``
 (``lockstep``: every rank's scheduler sees the same requests in the same order).
@@ -12,6 +18,7 @@ tp / pp, rank 0 runs the AsyncEngine and the other ranks ``AsyncEngine.follow(en
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -35,8 +42,7 @@ class AsyncEngine:
     step the engine under torchrun; in one process other threads may share it too."""
 
     def __init__(self, engine, max_waiting: int = 256):
-        if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 1:
-            raise InvalidRequestError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
+        _check_max_waiting(max_waiting)
         self.engine, self.max_waiting = engine, max_waiting
         link = Lockstep(engine)
         if link.rank != 0:
@@ -45,6 +51,28 @@ class AsyncEngine:
         self._inbox = Inbox()
         self._loop = EngineThread(engine, self._inbox, link)
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def build(cls, model, *, max_waiting: int = 256, **build_kwargs) -> "AsyncEngine":
+        """``core.build(model, **build_kwargs)`` on a new thread that then steps it: the
+        started AsyncEngine (blocks until it is built; what build raises is raised here)."""
+        from ..build import build
+
+        _check_max_waiting(max_waiting)  # before the model loads
+        built = concurrent.futures.Future()
+
+        def build_then_serve():
+            try:
+                aengine = cls(build(model, **build_kwargs), max_waiting=max_waiting)
+                aengine._thread = threading.current_thread()
+            except BaseException as e:
+                built.set_exception(e)
+                return
+            built.set_result(aengine)
+            aengine._loop.run()
+
+        threading.Thread(target=build_then_serve, daemon=True, name="infergraft-engine").start()
+        return built.result()
 
     @property
     def num_steps(self) -> int:
@@ -164,3 +192,8 @@ class AsyncEngine:
         with self._inbox.cond:
             self._inbox.aborts.append(request_id)
             self._inbox.cond.notify()
+
+
+def _check_max_waiting(max_waiting) -> None:
+    if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 1:
+        raise InvalidRequestError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")

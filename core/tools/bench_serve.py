@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from ..errors import InfergraftError, PlanError
 from .bench_cli import _out, _positive
 from .provenance import provenance
 from .serve_client import benchmark
+from .serve_hf import hf_offline_summary
 from .serve_offline import offline_summary
 from .serve_report import jsonable, plot
 from .serve_workload import DATASETS, DEFAULT_LENS, FIRST_ID, SLO_METRICS, make_requests
@@ -136,6 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plugins of the offline engine (repeatable; build it as the server's)")
     p.add_argument("--offline-max-batch-size", type=_positive, default=None, metavar="B")
     p.add_argument("--offline-dtype", default=None, metavar="D")
+    p.add_argument("--offline-hf", action="store_true",
+                   help="and through HF transformers' continuous batching (generate_batch) "
+                        "on the same model: the baseline, in the same run")
 
 
 def resolve(args):
@@ -191,6 +196,8 @@ def measure(args) -> int:
 def _offline(args, runs) -> dict:
     """The rate-inf run's requests (the first run's without one) through an in-process
     engine of ``--offline-model``, and the server's output throughput over its."""
+    import torch
+
     from ..build import build
 
     i = next((k for k, rate in enumerate(args.rates) if math.isinf(rate)), 0)
@@ -205,7 +212,22 @@ def _offline(args, runs) -> dict:
     ratio = runs[i]["output_throughput"] / summary["output_throughput"]
     print(f"offline output throughput {summary['output_throughput']:.1f} tok/s; served "
           f"{runs[i]['output_throughput']:.1f} tok/s = {ratio:.1%} of it")
-    return dict(summary, rate_compared=args.rates[i], server_over_offline=ratio)
+    out = dict(summary, rate_compared=args.rates[i], server_over_offline=ratio)
+    if args.offline_hf:
+        device, dtype = engine.device, getattr(torch, engine.plan.dtype)
+        del engine  # its weights and cache, before HF's
+        gc.collect()
+        try:
+            hf = hf_offline_summary(args.offline_model, requests, device, dtype)
+        except Exception as e:  # HF's side: the served and offline figures stand
+            out["hf"] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"HF continuous batching failed: {out['hf']['error']}", file=sys.stderr)
+            return out
+        hf["served_over_hf"] = runs[i]["output_throughput"] / hf["output_throughput"]
+        print(f"HF continuous batching (offline) {hf['output_throughput']:.1f} tok/s; "
+              f"served = {hf['served_over_hf']:.2f}x it")
+        out["hf"] = hf
+    return out
 
 
 def main(argv=None) -> int:

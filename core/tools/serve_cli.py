@@ -76,14 +76,19 @@ def run(args) -> int:
     uvicorn, create_app, AsyncEngine = _imports()  # before the model loads: fail fast
     api_key = args.api_key or os.environ.get("INFERGRAFT_API_KEY") or None
     first = os.environ.get("RANK", "0") == "0"
-    engine = build(args.model, plugins=args.plugin or None, dtype=args.dtype,
-                   device=args.device, max_seq_len=args.max_seq_len,
-                   max_batch_size=args.max_batch_size, progress=first)
-    if engine.ranks is not None and not first:
-        # rank 0 admits and aborts requests; this rank applies the same at each step
-        AsyncEngine.follow(engine)
-        return 0
-    aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    options = dict(plugins=args.plugin or None, dtype=args.dtype, device=args.device,
+                   max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+                   progress=first)
+    if first:  # built on the thread that steps it (AsyncEngine.build says why)
+        aengine = AsyncEngine.build(args.model, max_waiting=args.max_waiting, **options)
+    else:
+        engine = build(args.model, **options)
+        if engine.ranks is not None:
+            # rank 0 admits and aborts requests; this rank applies the same at each step
+            AsyncEngine.follow(engine)
+            return 0
+        aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    engine = aengine.engine
     app = create_app(aengine, args.model, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=GRACE_S, lifespan="on")

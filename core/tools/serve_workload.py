@@ -136,7 +136,9 @@ class Record:
     def tpot(self) -> float | None:
         """(E2E - TTFT) / (tokens - 1); None for a request of one token."""
         n = self.output_tokens
-        return (self.e2el - self.ttft) / (n - 1) if self.ok and n > 1 else None
+        if not self.ok or n < 2 or self.ttft is None:
+            return None
+        return (self.e2el - self.ttft) / (n - 1)
 
     def on_event(self, event: dict, t: float) -> None:
         """One SSE ``data:`` payload of a completions (or chat) stream, ``t`` s after sending."""
@@ -211,7 +213,7 @@ def summarise(records: list[Record], duration: float, slos: dict[str, float] | N
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "good_requests": good, "goodput": None if good is None else good / duration,
-        "ttft_ms": _stats_ms([r.ttft for r in done]),
+        "ttft_ms": _stats_ms([r.ttft for r in done if r.ttft is not None]),
         "tpot_ms": _stats_ms([r.tpot for r in done if r.tpot is not None]),
         "itl_ms": _stats_ms([x for r in done for x in r.itl]),
         "e2el_ms": _stats_ms([r.e2el for r in done]),
