@@ -31,7 +31,8 @@ def hf_offline_summary(path, requests, device, dtype) -> dict:
     from ..loading.source import ALIASES
 
     path = ensure_demo_model(path) if path in ALIASES else path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 device_map=str(device)).eval()
     _generate(model, [list(r.prompt) for r in requests[:2]], 4)
     groups = defaultdict(list)
     for r in requests:

@@ -4,7 +4,7 @@
 # (the wheels of fastapi, uvicorn and their dependencies in .whl/, see the device README).
 # 1) the serving and sampling tests on the GPU; 2) a random LLaMA-3-8B-shaped directory
 # (save_pretrained, bf16, no tokenizer); 3) infergraft serve on it and infergraft bench
-# serve against it: a rate sweep, then the rate-inf requests through our offline engine
+# serve against it: a rate sweep (inf, 32 and 8 requests/s), then the rate-inf requests through our offline engine
 # and through HF's continuous batching, in the same run.
 set -u
 OUT=${1:?OUT_DIR}
@@ -16,6 +16,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export INFERGRAFT_COMMIT=${INFERGRAFT_COMMIT:-$(git describe --always --dirty 2>/dev/null)}
 MODEL=/tmp/llama3-8b
+ig() { python3 -c 'import sys; from infergraft.core.cli import main; sys.exit(main())' "$@"; }
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sampling_params.py \
   tests/test_logits_processing.py tests/test_async_engine.py tests/test_engine_threads.py \
   > "$OUT/gpu_tests.txt" 2>&1 &
@@ -32,12 +33,13 @@ with torch.device("cuda"):
 model.save_pretrained(sys.argv[1])
 PY
 wait $TESTS; tail -3 "$OUT/gpu_tests.txt"
-infergraft serve --model "$MODEL" --plugin paged --max-batch-size 64 --max-seq-len 1024 \
+ig serve --model "$MODEL" --plugin paged --max-batch-size 64 --max-seq-len 1024 \
   --port 8000 > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 300); do curl -sf 127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-infergraft bench serve --base-url http://127.0.0.1:8000 --dataset fixed --prompt-len 512 \
-  --output-len 256 --num-prompts 256 --sweep-rates inf,64,16,4 \
+echo "server up after $SECONDS s"; tail -2 "$OUT/server.log"
+ig bench serve --base-url http://127.0.0.1:8000 --dataset fixed --prompt-len 512 \
+  --output-len 256 --num-prompts 192 --sweep-rates inf,32,8 \
   --offline-model "$MODEL" --offline-plugin paged --offline-max-batch-size 64 \
   --offline-dtype bfloat16 --offline-hf --out "$OUT/serve" 2>&1 | tail -60
 curl -s 127.0.0.1:8000/metrics | grep -E "^infergraft_(requests|generation|prompt|request_success)" > "$OUT/metrics.txt"
