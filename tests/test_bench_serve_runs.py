@@ -182,3 +182,32 @@ def test_bench_serve_against_infergraft_serve_with_a_tiny_model(tmp_path, capsys
     assert 0 < hf["ttft_ms"]["p50"] <= hf["e2el_ms"]["p99"] <= hf["duration_s"] * 1e3
     assert hf["served_over_hf"] == pytest.approx(
         data["runs"][0]["output_throughput"] / hf["output_throughput"])
+
+
+def test_a_model_without_tokenizer_streams_token_ids_and_bench_serve_times_them(tmp_path, capsys):
+    import httpx
+    import safetensors.torch
+    from serve_support import serving
+
+    from infergraft.core.testing.models import random_model, tiny_llama_config
+
+    model = tmp_path / "no-tokenizer"
+    hf = random_model(tiny_llama_config(), seed=4, scale=5.0)
+    hf.config.save_pretrained(model)
+    safetensors.torch.save_model(hf, str(model / "model.safetensors"))
+    with serving(model, "--max-batch-size", "4") as server:
+        body = {"model": str(model), "prompt": [11, 12, 13, 14], "max_tokens": 5,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith("data: {")]
+        ids = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+        assert len(ids) == 5 and all(c["text"] == "" for e in events for c in e["choices"])
+        rc = cli_main(["bench", "serve", "--base-url", server.url, "--num-prompts", "4",
+                       "--prompt-len", "8", "--output-len", "6", "--vocab-size", "256",
+                       "--out", str(tmp_path / "o")])
+        out = capsys.readouterr().out
+        assert rc == 0, out + server.output()
+    run = json.loads((tmp_path / "o" / "serve.json").read_text())["runs"][0]
+    assert run["completed"] == 4 and run["total_output_tokens"] == 24
+    assert 0 < run["ttft_ms"]["p50"] <= run["e2el_ms"]["p50"] and run["tpot_ms"]["p50"] > 0

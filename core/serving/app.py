@@ -199,7 +199,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
 
     async def events(req, rid, fan: Fanout, choices, use):
         writer = R.ChunkWriter(req.kind, rid, model_name, len(choices), req.include_usage,
-                               token_text)
+                               token_text, token_ids=engine.tokenizer is None)
         try:
             async for index, out in fan.outputs():
                 take(choices, index, out)

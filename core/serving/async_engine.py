@@ -25,7 +25,7 @@ import time
 
 from ..errors import InfergraftError, InvalidRequestError
 from ..request import SamplingParams, check_request
-from .engine_thread import EngineThread, Inbox, RequestOutput, Submission
+from .engine_thread import EngineThread, Inbox, RequestOutput, Submission, engine_stats
 from .lockstep import Lockstep, follow
 
 __all__ = ["AsyncEngine", "QueueFullError", "RequestOutput"]
@@ -137,21 +137,7 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         """Gauges and counters for /metrics (waits for the step in progress, if any)."""
-        e, loop = self.engine, self._loop
-        with e.lock:
-            cache = e.cache.stats()
-            running, waiting = len(e.scheduler.running), len(e.scheduler.waiting)
-        with self._inbox.cond:
-            waiting += len(self._inbox.intake) + self._inbox.taken
-        if cache.get("blocks_total"):
-            usage = cache["blocks_used"] / cache["blocks_total"]
-        else:  # a row per sequence
-            usage = cache["sequences"] / e.plan.max_batch_size
-        return {"requests_running": running, "requests_waiting": waiting,
-                "kv_cache_usage_ratio": min(1.0, float(usage)),
-                "prompt_tokens_total": loop.prompt_tokens_total,
-                "generation_tokens_total": loop.generation_tokens_total,
-                "num_preemptions": e.scheduler.num_preemptions}
+        return engine_stats(self.engine, self._inbox, self._loop)
 
     @staticmethod
     def follow(engine) -> int:

@@ -232,3 +232,21 @@ def send(outs: list, abort) -> None:
 def _put_all(items) -> None:
     for queue, out in items:
         queue.put_nowait(out)
+
+
+def engine_stats(engine, inbox: Inbox, loop: EngineThread) -> dict:
+    """Gauges and counters for /metrics (waits for the step in progress, if any)."""
+    with engine.lock:
+        cache = engine.cache.stats()
+        running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+    with inbox.cond:
+        waiting += len(inbox.intake) + inbox.taken
+    if cache.get("blocks_total"):
+        usage = cache["blocks_used"] / cache["blocks_total"]
+    else:  # a row per sequence
+        usage = cache["sequences"] / engine.plan.max_batch_size
+    return {"requests_running": running, "requests_waiting": waiting,
+            "kv_cache_usage_ratio": min(1.0, float(usage)),
+            "prompt_tokens_total": loop.prompt_tokens_total,
+            "generation_tokens_total": loop.generation_tokens_total,
+            "num_preemptions": engine.scheduler.num_preemptions}

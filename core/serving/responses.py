@@ -107,8 +107,12 @@ class ChunkWriter:
     """The server-sent events of one streamed response, choice by choice as outputs come."""
 
     def __init__(self, kind: str, rid: str, model: str, n: int, include_usage: bool,
-                 token_text: Callable[[int], str]):
+                 token_text: Callable[[int], str], token_ids: bool = False):
+        """``token_ids``: each completions chunk carries its tokens' ids (vLLM's
+        ``token_ids`` field), and a chunk goes out for every new token even without text:
+        what a model without a tokenizer streams."""
         self.kind, self.include_usage, self.token_text = kind, include_usage, token_text
+        self.token_ids = token_ids
         self.head = _head(kind, rid, now(), model, True)
         self.offsets = [0] * n  # completions' text_offset, per choice
         self.started = [False] * n  # chat: the role goes in a choice's first chunk
@@ -137,13 +141,15 @@ class ChunkWriter:
                 events += self._chunk({"index": index, "delta": {}, "logprobs": None,
                                        "finish_reason": finish})
             return events
-        if out.text or entries or finish:
+        if out.text or entries or finish or (self.token_ids and out.token_ids):
             lp = None
             if entries is not None:
                 lp = completion_logprobs(entries, self.token_text, self.offsets[index])
                 self.offsets[index] += sum(len(t) for t in lp["tokens"])
-            events += self._chunk({"index": index, "text": out.text, "logprobs": lp,
-                                   "finish_reason": finish})
+            choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": finish}
+            if self.token_ids:
+                choice["token_ids"] = list(out.token_ids)
+            events += self._chunk(choice)
         return events
 
     def usage(self, use: dict) -> str:

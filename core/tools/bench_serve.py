@@ -223,6 +223,10 @@ def _offline(args, runs) -> dict:
             out["hf"] = {"error": f"{type(e).__name__}: {e}"}
             print(f"HF continuous batching failed: {out['hf']['error']}", file=sys.stderr)
             return out
+        if not hf["completed"]:
+            print(f"HF continuous batching failed: {hf['first_error']}", file=sys.stderr)
+            out["hf"] = hf
+            return out
         hf["served_over_hf"] = runs[i]["output_throughput"] / hf["output_throughput"]
         print(f"HF continuous batching (offline) {hf['output_throughput']:.1f} tok/s; "
               f"served = {hf['served_over_hf']:.2f}x it")

@@ -1,5 +1,6 @@
 """``infergraft serve``: the OpenAI-compatible HTTP server (core/serving/app.py) on
-uvicorn, over an AsyncEngine stepping the model on its own thread.
+uvicorn, over an engine stepping in a process of its own (serving/engine_process.py; under
+torchrun, an AsyncEngine on its own thread of rank 0).
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the running requests finish (30 s
 at most, then they are aborted), shuts the engine down and exits 0 (Ctrl-C: 130). Under
@@ -79,7 +80,11 @@ def run(args) -> int:
     options = dict(plugins=args.plugin or None, dtype=args.dtype, device=args.device,
                    max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                    progress=first)
-    if first:  # built on the thread that steps it (AsyncEngine.build says why)
+    if "WORLD_SIZE" not in os.environ:  # the engine in a process of its own (GIL)
+        from ..serving.engine_process import EngineProcess
+
+        aengine = EngineProcess.launch(args.model, max_waiting=args.max_waiting, **options)
+    elif first:  # built on the thread that steps it (AsyncEngine.build says why)
         aengine = AsyncEngine.build(args.model, max_waiting=args.max_waiting, **options)
     else:
         engine = build(args.model, **options)

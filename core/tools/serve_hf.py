@@ -56,7 +56,8 @@ def _generate(model, prompts: list[list[int]], max_new_tokens: int) -> list:
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
                               pad_token_id=0)
-    with torch.inference_mode():
+    # no inference_mode: HF's manager thread updates its own tensors outside it
+    with torch.no_grad():
         try:
             out = model.generate_batch(inputs=prompts, generation_config=config,
                                        record_timestamps=True)

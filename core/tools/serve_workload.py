@@ -115,8 +115,8 @@ class Record:
     """One request as the client saw it: times in seconds from when it was sent."""
     prompt_len: int
     output_len: int  # asked
-    ttft: float | None = None  # to the first chunk with text
-    itl: list = attrs.field(factory=list)  # between chunks with text
+    ttft: float | None = None  # to the first chunk with text (or token ids)
+    itl: list = attrs.field(factory=list)  # between such chunks
     e2el: float | None = None
     chunks: int = 0
     usage_tokens: int | None = None  # the server's usage.completion_tokens
@@ -149,8 +149,9 @@ class Record:
         if event.get("usage"):
             self.usage_tokens = event["usage"].get("completion_tokens", self.usage_tokens)
         for choice in event.get("choices") or ():
+            # a chunk with text, or with token ids (a server whose model has no tokenizer)
             text = choice.get("text") or (choice.get("delta") or {}).get("content")
-            if text:
+            if text or choice.get("token_ids"):
                 if self.ttft is None:
                     self.ttft = t
                 else:
