@@ -94,6 +94,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def last_kind(self) -> str | None:
+        """The kind of the step scheduled last ("prefill", "decode"; None: nothing ran)."""
+        return self._last_kind
+
     def schedule(self) -> Step | None:
         step = self._schedule()
         self._last_kind = step.kind if step else None

@@ -84,7 +84,10 @@ def test_concurrent_requests_each_get_their_solo_output_and_are_counted(engine):
     assert stats == {"requests_running": 0, "requests_waiting": 0, "kv_cache_usage_ratio": 0.0,
                      "prompt_tokens_total": sum(len(p) for p, _ in calls + [logged]),
                      "generation_tokens_total": total,
-                     "num_preemptions": engine.scheduler.num_preemptions}
+                     "num_preemptions": engine.scheduler.num_preemptions, "num_steps": steps,
+                     "num_prefill_steps": stats["num_prefill_steps"],
+                     "step_seconds_total": stats["step_seconds_total"]}
+    assert 1 <= stats["num_prefill_steps"] < steps and stats["step_seconds_total"] > 0
 
 
 def test_text_deltas_add_up_to_the_final_text_and_stop_strings_trim_it(text_engine):

@@ -61,8 +61,8 @@ def test_built_and_stepped_on_one_thread_with_the_outputs_of_a_plain_engine(hf, 
     assert outs == [_alone(plain, p) for p in prompts]
 
 
-def _alone(engine, prompt) -> list[int]:
-    seq = engine.add_request(prompt, GREEDY)
+def _alone(engine, prompt, params=GREEDY) -> list[int]:
+    seq = engine.add_request(prompt, params)
     while not seq.finished:
         engine.step()
     return seq.output_ids
@@ -80,3 +80,25 @@ def test_what_the_build_raises_is_raised_to_the_caller(tmp_path):
             break
         time.sleep(0.01)
     assert threading.active_count() == before
+
+
+def test_a_lagging_consumer_gets_fewer_outputs_holding_every_token(hf):
+    engine = core.build(hf, max_seq_len=96, max_batch_size=4)
+    params = core.SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=1)
+    prompt = random_prompt(7, 256, seed=2)
+
+    async def slow_reader():
+        async with AsyncEngine(engine) as aengine:
+            outs = []
+            async for out in aengine.generate(prompt, params):
+                outs.append(out)
+                await asyncio.sleep(0.05)  # several steps pile up meanwhile
+            return outs
+
+    outs = asyncio.run(slow_reader())
+    ids = [t for o in outs for t in o.token_ids]
+    assert len(outs) < 24 and ids == _alone(core.build(hf, max_seq_len=96, max_batch_size=4),
+                                            prompt, params)
+    assert [r.token_id for o in outs for r in o.logprobs] == ids
+    assert outs[-1].finished and outs[-1].completion_tokens == 24
+    assert not any(o.finished for o in outs[:-1])

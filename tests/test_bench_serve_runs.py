@@ -169,6 +169,8 @@ def test_bench_serve_against_infergraft_serve_with_a_tiny_model(tmp_path, capsys
             assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
         assert run["good_requests"] == 8 and run["output_throughput"] > 0
     assert data["runs"][0]["peak_concurrency"] == 8  # inf: all at once
+    steps = data["runs"][0]["engine"]  # the server's own counters over the run
+    assert 8 <= steps["num_steps"] and 1 <= steps["num_prefill_steps"] < steps["num_steps"]
     # the rate-inf run again in-process: the same requests, the same token counts
     offline = data["offline"]
     assert offline["rate_compared"] == "inf" and offline["completed"] == 8

@@ -25,7 +25,8 @@ import time
 
 from ..errors import InfergraftError, InvalidRequestError
 from ..request import SamplingParams, check_request
-from .engine_thread import EngineThread, Inbox, RequestOutput, Submission, engine_stats
+from .engine_thread import (EngineThread, Inbox, RequestOutput, Submission, coalesce,
+                            engine_stats)
 from .lockstep import Lockstep, follow
 
 __all__ = ["AsyncEngine", "QueueFullError", "RequestOutput"]
@@ -106,7 +107,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = await req.queue.get()
+                out = coalesce(await req.queue.get(), req.queue)
                 finished = out.finished
                 yield out
         finally:

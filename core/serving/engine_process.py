@@ -22,7 +22,7 @@ import time
 from ..errors import InfergraftError, InvalidRequestError
 from ..request import SamplingParams, check_request
 from .async_engine import QueueFullError, _check_max_waiting
-from .engine_thread import RequestOutput
+from .engine_thread import RequestOutput, coalesce
 from .engine_worker import worker_main
 
 _ids = itertools.count()
@@ -85,9 +85,10 @@ class EngineProcess:
         try:
             while not finished:
                 out = await queue.get()
-                if isinstance(out, Exception):
+                if isinstance(out, Exception):  # refused: the only item its queue gets
                     finished = True
                     raise out
+                out = coalesce(out, queue)
                 finished = out.finished
                 yield out
         finally:
@@ -114,7 +115,7 @@ class EngineProcess:
 
     def stats(self) -> dict:
         """The engine's gauges and counters as of its last step."""
-        return {k: v for k, v in self._stats.items() if k != "num_steps"}
+        return dict(self._stats)
 
     def _submit(self, prompt, params, request_id):
         params = SamplingParams() if params is None else params

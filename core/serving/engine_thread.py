@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Optional
 
 import attrs
@@ -42,6 +43,19 @@ class RequestOutput:
     completion_tokens: int  # so far
     metrics: Optional[RequestMetrics] = None  # on the last output
     error: Optional[str] = None  # why, when finish_reason is "error"
+
+
+def coalesce(out: RequestOutput, queue) -> RequestOutput:
+    """``out`` and the outputs its queue holds already, as one: a consumer that lags (the
+    HTTP side streaming hundreds of requests) gets fewer, larger outputs instead of a
+    backlog, as vLLM's output collector merges them."""
+    while not out.finished and not queue.empty():
+        nxt = queue.get_nowait()
+        lp = None if out.logprobs is None and nxt.logprobs is None else \
+            [*(out.logprobs or ()), *(nxt.logprobs or ())]
+        out = attrs.evolve(nxt, text=out.text + nxt.text,
+                           token_ids=[*out.token_ids, *nxt.token_ids], logprobs=lp)
+    return out
 
 
 def last_output(req, reason: str, error: str | None = None) -> RequestOutput:
@@ -82,6 +96,7 @@ class EngineThread:
         self.seqs: dict = {}  # request id -> Sequence (lockstep.apply's view of them)
         self.fail: list = []  # (request id, why) for the next broadcast
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.num_prefill_steps, self.step_seconds = 0, 0.0
 
     def run(self) -> None:
         # the current CUDA device is the thread's own, and Triton launches on it
@@ -145,8 +160,11 @@ class EngineThread:
     def _step(self) -> None:
         engine = self.engine
         self.num_steps += 1
+        start = time.perf_counter()
         try:
             engine.step()
+            self.step_seconds += time.perf_counter() - start
+            self.num_prefill_steps += engine.scheduler.last_kind == "prefill"
         # The engine preempted the step's sequences (they would be recomputed): end them
         # with "error" instead, so that a step that fails every time cannot loop forever.
         # A scheduler that raised ran no sequence: then every request ends.
@@ -249,4 +267,6 @@ def engine_stats(engine, inbox: Inbox, loop: EngineThread) -> dict:
             "kv_cache_usage_ratio": min(1.0, float(usage)),
             "prompt_tokens_total": loop.prompt_tokens_total,
             "generation_tokens_total": loop.generation_tokens_total,
-            "num_preemptions": engine.scheduler.num_preemptions}
+            "num_preemptions": engine.scheduler.num_preemptions,
+            "num_steps": loop.num_steps, "num_prefill_steps": loop.num_prefill_steps,
+            "step_seconds_total": loop.step_seconds}

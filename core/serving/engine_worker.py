@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 from .engine_thread import EngineThread, Inbox, Submission, engine_stats
 from .lockstep import Lockstep
 
 log = logging.getLogger("infergraft.serving")
+STATS_S = 0.05
 
 
 class EngineView:
@@ -42,9 +44,17 @@ class PipeSink:
 
     def __init__(self, conn, lock: threading.Lock, stats):
         self.conn, self.lock, self.stats = conn, lock, stats
+        self.last: dict = {}
+        self.last_at = 0.0
 
     def call_soon_threadsafe(self, _put_all, items) -> None:
-        self.post(("out", [out for _, out in items], self.stats()))
+        outs = [out for _, out in items]
+        # the stats walk the cache's block table: at most every STATS_S, and whenever a
+        # request ends (what /metrics shows of a client gone)
+        now = time.monotonic()
+        if now - self.last_at >= STATS_S or any(o.finished for o in outs):
+            self.last, self.last_at = self.stats(), now
+        self.post(("out", outs, self.last))
 
     def post(self, message) -> None:
         try:
@@ -69,8 +79,7 @@ def worker_main(conn, model, build_kwargs: dict, max_waiting: int) -> None:
         return
     inbox = Inbox()
     loop = EngineThread(engine, inbox, Lockstep(engine))
-    sink = PipeSink(conn, threading.Lock(),
-                    lambda: dict(engine_stats(engine, inbox, loop), num_steps=loop.num_steps))
+    sink = PipeSink(conn, threading.Lock(), lambda: engine_stats(engine, inbox, loop))
     sink.post(("ready", EngineView(engine.tokenizer, engine.spec, engine.plan), sink.stats()))
     reader = threading.Thread(target=_read, args=(conn, engine, inbox, sink, max_waiting),
                               daemon=True, name="infergraft-engine-reader")

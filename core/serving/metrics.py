@@ -16,7 +16,11 @@ GAUGES = {"requests_running": "Requests in the running batch.",
           "kv_cache_usage_ratio": "K/V cache in use, 0 to 1 (blocks or rows)."}
 COUNTERS = {"prompt_tokens": ("prompt_tokens_total", "Prompt tokens prefilled."),
             "generation_tokens": ("generation_tokens_total", "Tokens generated."),
-            "num_preemptions": ("num_preemptions", "Sequences preempted (recomputed later).")}
+            "num_preemptions": ("num_preemptions", "Sequences preempted (recomputed later)."),
+            "engine_steps": ("num_steps", "Engine steps taken (prefill and decode)."),
+            "engine_prefill_steps": ("num_prefill_steps",
+                                     "Engine steps that prefilled (decode tokens may ride)."),
+            "engine_step_seconds": ("step_seconds_total", "Seconds spent in engine steps.")}
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,

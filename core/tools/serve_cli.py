@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context length: prompt + completion tokens (default: the model's)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens one step feeds at most (default: the engine's)")
+    p.add_argument("--no-prefill-graphs", action="store_true",
+                   help="prefill prompts eagerly, with the running decode tokens riding "
+                        "along, instead of one captured prompt alone a step (CUDA)")
 
 
 def _imports():
@@ -79,7 +84,8 @@ def run(args) -> int:
     first = os.environ.get("RANK", "0") == "0"
     options = dict(plugins=args.plugin or None, dtype=args.dtype, device=args.device,
                    max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-                   progress=first)
+                   max_prefill_tokens=args.max_prefill_tokens, progress=first,
+                   prefill_graphs=False if args.no_prefill_graphs else None)
     if "WORLD_SIZE" not in os.environ:  # the engine in a process of its own (GIL)
         from ..serving.engine_process import EngineProcess
 

@@ -108,6 +108,31 @@ async def benchmark(args) -> tuple[str, list[dict]]:
         runs = []
         for i, rate in enumerate(args.rates):
             print(f"rate {rate:g} req/s: {args.num_prompts} requests ...", file=sys.stderr)
+            before = await engine_counters(client, args)
             runs.append(await run_rate(client, args, model, draw(args.num_prompts, i), rate))
+            after = await engine_counters(client, args)
+            if before and after:  # the server's own step counts over the run
+                runs[-1]["engine"] = {k: after[k] - before.get(k, 0) for k in after}
             print(table(runs[-1]))
     return model, runs
+
+
+ENGINE_COUNTERS = {"infergraft_engine_steps_total": "num_steps",
+                   "infergraft_engine_prefill_steps_total": "num_prefill_steps",
+                   "infergraft_engine_step_seconds_total": "step_seconds_total"}
+
+
+async def engine_counters(client, args) -> dict | None:
+    """An infergraft server's step counters from its /metrics (None from other servers)."""
+    root = args.base_url[:-3] if args.base_url.endswith("/v1") else args.base_url
+    try:
+        resp = await client.get(f"{root}/metrics", headers=_headers(args))
+        resp.raise_for_status()
+    except Exception:  # noqa: BLE001 -- not every server has them
+        return None
+    found = {}
+    for line in resp.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ENGINE_COUNTERS:
+            found[ENGINE_COUNTERS[name]] = float(value)
+    return found or None

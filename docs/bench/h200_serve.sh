@@ -2,10 +2,12 @@
 # The serving figures of docs/BENCHMARKS.md on one H200, in one device call:
 #   bash docs/bench/h200_serve.sh OUT_DIR
 # (the wheels of fastapi, uvicorn and their dependencies in .whl/, see the device README).
-# 1) the serving and sampling tests on the GPU; 2) a random LLaMA-3-8B-shaped directory
-# (save_pretrained, bf16, no tokenizer); 3) infergraft serve on it and infergraft bench
-# serve against it: a rate sweep (inf, 32 and 8 requests/s), then the rate-inf requests through our offline engine
-# and through HF's continuous batching, in the same run.
+# 1) the serving and sampling tests on the GPU (SKIP_TESTS=1: not); 2) a random
+# LLaMA-3-8B-shaped directory (save_pretrained, bf16, no tokenizer); 3) infergraft serve on
+# it and infergraft bench serve against it: a rate sweep (inf, 32 and 8 requests/s), then
+# the rate-inf requests through our offline engine and through HF's continuous batching
+# (SKIP_HF=1: not), in the same run; 4) with EAGER_PREFILL=1, a server without prefill
+# graphs at rate inf.
 set -u
 OUT=${1:?OUT_DIR}
 mkdir -p "$OUT"
@@ -36,17 +38,28 @@ with torch.device("cuda"):
 model.save_pretrained(sys.argv[1])
 PY
 [ -n "$TESTS" ] && { wait $TESTS; tail -3 "$OUT/gpu_tests.txt"; }
-# (python3 itself in the background, not a shell function, so that $! is the server)
-python3 -c 'import sys; from infergraft.core.cli import main; sys.exit(main())' serve \
-  --model "$MODEL" --plugin paged --max-batch-size 64 --max-seq-len 1024 --port 8000 \
-  > "$OUT/server.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 300); do curl -sf 127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-echo "server up after $SECONDS s"; tail -2 "$OUT/server.log"
-ig bench serve --base-url http://127.0.0.1:8000 --dataset fixed --prompt-len 512 \
-  --output-len 256 --num-prompts 192 --sweep-rates inf,32,8 \
-  --offline-model "$MODEL" --offline-plugin paged --offline-max-batch-size 64 \
-  --offline-dtype bfloat16 --offline-hf --out "$OUT/serve" > "$OUT/bench.txt" 2>&1
-grep -v "Loading weights\|req_" "$OUT/bench.txt" | tail -80
-curl -s 127.0.0.1:8000/metrics | grep -E "^infergraft_(requests|generation|prompt|request_success)" > "$OUT/metrics.txt"
-kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+# serve_and_bench NAME "SERVER FLAGS" "BENCH FLAGS": one server, one bench serve, then
+# SIGTERM (the server's exit status is printed)
+serve_and_bench() {
+  # (python3 itself in the background, not a shell function, so that $! is the server)
+  python3 -c 'import sys; from infergraft.core.cli import main; sys.exit(main())' serve \
+    --model "$MODEL" --plugin paged --max-batch-size 64 --max-seq-len 1024 --port 8000 $2 \
+    > "$OUT/server-$1.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 300); do curl -sf 127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+  echo "[$1] server up after $SECONDS s"
+  ig bench serve --base-url http://127.0.0.1:8000 --dataset fixed --prompt-len 512 \
+    --output-len 256 --num-prompts 192 $3 --out "$OUT/$1" > "$OUT/bench-$1.txt" 2>&1
+  grep -E "^rate|Output token|P50 TPOT|P50 ITL|P99 TTFT|offline|HF" "$OUT/bench-$1.txt"
+  curl -s 127.0.0.1:8000/metrics | grep -E "^infergraft_(engine|requests_|generation|request_success)" \
+    > "$OUT/metrics-$1.txt"
+  kill -TERM $server; wait $server; echo "[$1] server exit $?"
+}
+OFFLINE="--offline-model $MODEL --offline-plugin paged --offline-max-batch-size 64 --offline-dtype bfloat16"
+# the default server: a rate sweep, then the rate-inf requests through our offline engine
+# (and HF's continuous batching unless SKIP_HF=1)
+HF=--offline-hf; [ -n "${SKIP_HF:-}" ] && HF=
+serve_and_bench serve "" "--sweep-rates inf,32,8 $OFFLINE $HF"
+# prompts prefilled eagerly with the decode tokens riding along, at rate inf
+[ -n "${EAGER_PREFILL:-}" ] && serve_and_bench eager-prefill "--no-prefill-graphs" "--request-rate inf"
+true
