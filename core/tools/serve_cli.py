@@ -50,9 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="prompt tokens one step feeds at most (default: the engine's)")
-    p.add_argument("--no-prefill-graphs", action="store_true",
-                   help="prefill prompts eagerly, with the running decode tokens riding "
-                        "along, instead of one captured prompt alone a step (CUDA)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="replay a captured graph for a lone prompt's prefill, which then "
+                        "runs alone while the others wait (CUDA; default off: a server's "
+                        "prompts are prefilled with the running decode tokens riding along)")
 
 
 def _imports():
@@ -85,7 +86,7 @@ def run(args) -> int:
     options = dict(plugins=args.plugin or None, dtype=args.dtype, device=args.device,
                    max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                    max_prefill_tokens=args.max_prefill_tokens, progress=first,
-                   prefill_graphs=False if args.no_prefill_graphs else None)
+                   prefill_graphs=None if args.prefill_graphs else False)
     if "WORLD_SIZE" not in os.environ:  # the engine in a process of its own (GIL)
         from ..serving.engine_process import EngineProcess
 

@@ -6,7 +6,7 @@
 # LLaMA-3-8B-shaped directory (save_pretrained, bf16, no tokenizer); 3) infergraft serve on
 # it and infergraft bench serve against it: a rate sweep (inf, 32 and 8 requests/s), then
 # the rate-inf requests through our offline engine and through HF's continuous batching
-# (SKIP_HF=1: not), in the same run; 4) with EAGER_PREFILL=1, a server without prefill
+# (SKIP_HF=1: not), in the same run; 4) with PREFILL_GRAPHS=1, a server with prefill
 # graphs at rate inf.
 set -u
 OUT=${1:?OUT_DIR}
@@ -60,6 +60,6 @@ OFFLINE="--offline-model $MODEL --offline-plugin paged --offline-max-batch-size 
 # (and HF's continuous batching unless SKIP_HF=1)
 HF=--offline-hf; [ -n "${SKIP_HF:-}" ] && HF=
 serve_and_bench serve "" "--sweep-rates inf,32,8 $OFFLINE $HF"
-# prompts prefilled eagerly with the decode tokens riding along, at rate inf
-[ -n "${EAGER_PREFILL:-}" ] && serve_and_bench eager-prefill "--no-prefill-graphs" "--request-rate inf"
+# with prefill graphs (a lone prompt's prefill replayed alone), at rate inf
+[ -n "${PREFILL_GRAPHS:-}" ] && serve_and_bench prefill-graphs "--prefill-graphs" "--request-rate inf"
 true
