@@ -1,6 +1,7 @@
 """``infergraft serve``: the OpenAI-compatible HTTP server (core/serving/app.py) on
-uvicorn, over an engine stepping in a process of its own (serving/engine_process.py; under
-torchrun, an AsyncEngine on its own thread of rank 0).
+uvicorn, over an engine stepping in a process of its own on a GPU
+(serving/engine_process.py), else (the CPU, torchrun's rank 0) an AsyncEngine on its own
+thread.
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the running requests finish (30 s
 at most, then they are aborted), shuts the engine down and exits 0 (Ctrl-C: 130). Under
@@ -77,6 +78,12 @@ def _check(args) -> None:
         raise ServeSetupError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
 
 
+def _on_cuda(device) -> bool:
+    import torch
+
+    return str(device).startswith("cuda") if device else torch.cuda.is_available()
+
+
 def run(args) -> int:
     """The ``serve`` command."""
     _check(args)
@@ -87,7 +94,9 @@ def run(args) -> int:
                    max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                    max_prefill_tokens=args.max_prefill_tokens, progress=first,
                    prefill_graphs=None if args.prefill_graphs else False)
-    if "WORLD_SIZE" not in os.environ:  # the engine in a process of its own (GIL)
+    if "WORLD_SIZE" not in os.environ and _on_cuda(args.device):
+        # the engine in a process of its own: on a GPU the HTTP side's Python would hold
+        # up the launches; on a CPU a second process contends for the same few cores
         from ..serving.engine_process import EngineProcess
 
         aengine = EngineProcess.launch(args.model, max_waiting=args.max_waiting, **options)
