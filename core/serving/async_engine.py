@@ -26,7 +26,7 @@ import time
 from ..errors import InfergraftError, InvalidRequestError
 from ..request import SamplingParams, check_request
 from .engine_thread import (EngineThread, Inbox, RequestOutput, Submission, coalesce,
-                            engine_stats)
+                            engine_stats, refusal)
 from .lockstep import Lockstep, follow
 
 __all__ = ["AsyncEngine", "QueueFullError", "RequestOutput"]
@@ -78,7 +78,7 @@ class AsyncEngine:
     @property
     def num_steps(self) -> int:
         """Engine steps taken (under torchrun: what each follower's ``follow`` returns)."""
-        return self._loop.num_steps
+        return self._loop.counts.num_steps
 
     async def start(self) -> None:
         self._start()
@@ -147,25 +147,14 @@ class AsyncEngine:
         return follow(engine)
 
     def _submit(self, prompt, params, request_id) -> Submission:
-        engine, box = self.engine, self._inbox
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a core.SamplingParams (or None), got "
-                                      f"{type(params).__name__}")
-        ids = engine.encode(prompt)
-        check_request(ids, params, engine.plan.max_seq_len, engine.spec, engine.tokenizer)
-        rid = f"req-{next(_ids)}" if request_id is None else request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {rid!r}")
+        box = self._inbox
+        rid, ids, params = checked_request(self.engine, prompt, params, request_id)
         req = Submission(rid, ids, params, asyncio.get_running_loop(), asyncio.Queue(),
                          time.perf_counter())
         with box.cond:
-            if box.stop is not None or box.fatal is not None:
-                raise QueueFullError(box.fatal or "the server is shutting down")
-            waiting = len(box.intake) + box.taken + len(engine.scheduler.waiting)
-            if waiting >= self.max_waiting:
-                raise QueueFullError(f"{waiting} requests are waiting already "
-                                     f"(max_waiting={self.max_waiting})")
+            why = refusal(self.engine, box, self.max_waiting)
+            if why is not None:
+                raise QueueFullError(why)
             if rid in box.names:
                 raise InvalidRequestError(f"request_id {rid!r} is running already: give "
                                           "each running request its own id")
@@ -179,6 +168,21 @@ class AsyncEngine:
         with self._inbox.cond:
             self._inbox.aborts.append(request_id)
             self._inbox.cond.notify()
+
+
+def checked_request(engine, prompt, params, request_id) -> tuple[str, list, SamplingParams]:
+    """(request id, prompt ids, params) of a submission to ``engine`` (an Engine, or what
+    EngineProcess has of one), or the InvalidRequestError that names what is wrong."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a core.SamplingParams (or None), got "
+                                  f"{type(params).__name__}")
+    ids = engine.encode(prompt)
+    check_request(ids, params, engine.plan.max_seq_len, engine.spec, engine.tokenizer)
+    rid = f"req-{next(_ids)}" if request_id is None else request_id
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequestError(f"request_id must be a non-empty string, got {rid!r}")
+    return rid, ids, params
 
 
 def _check_max_waiting(max_waiting) -> None:

@@ -14,22 +14,27 @@ itself; what crosses the pipe is one message per step: that step's RequestOutput
 from __future__ import annotations
 
 import asyncio
-import itertools
 import multiprocessing
 import threading
 import time
+from typing import NamedTuple
 
 from ..errors import InfergraftError, InvalidRequestError
-from ..request import SamplingParams, check_request
-from .async_engine import QueueFullError, _check_max_waiting
-from .engine_thread import RequestOutput, coalesce
+from ..request import SamplingParams
+from .async_engine import QueueFullError, _check_max_waiting, checked_request
+from .engine_thread import RequestOutput, coalesce, send
 from .engine_worker import worker_main
-
-_ids = itertools.count()
 
 
 class EngineProcessError(InfergraftError, RuntimeError):
-    """The engine process died: the requests it ran end with finish_reason "error"."""
+    """The engine process exited before its engine was built (no error came back)."""
+
+
+class Target(NamedTuple):
+    """Where a request's outputs go: what engine_thread.send needs of a Submission."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
 
 
 class EngineProcess:
@@ -118,16 +123,7 @@ class EngineProcess:
         return dict(self._stats)
 
     def _submit(self, prompt, params, request_id):
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a core.SamplingParams (or None), got "
-                                      f"{type(params).__name__}")
-        view = self.engine
-        ids = view.encode(prompt)
-        check_request(ids, params, view.plan.max_seq_len, view.spec, view.tokenizer)
-        rid = f"req-{next(_ids)}" if request_id is None else request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {rid!r}")
+        rid, ids, params = checked_request(self.engine, prompt, params, request_id)
         if self._fatal is not None or self._stopping:
             raise QueueFullError(self._fatal or "the server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
@@ -135,7 +131,7 @@ class EngineProcess:
             if rid in self._live:
                 raise InvalidRequestError(f"request_id {rid!r} is running already: give "
                                           "each running request its own id")
-            self._live[rid] = (asyncio.get_running_loop(), queue)
+            self._live[rid] = Target(asyncio.get_running_loop(), queue)
         self._post(("submit", rid, ids, params, time.perf_counter()))
         return rid, queue
 
@@ -164,20 +160,14 @@ class EngineProcess:
                 return
 
     def _deliver(self, outs) -> None:
-        by_loop: dict = {}
+        """RequestOutputs, or (request id, exception) refusals, to their requests' queues."""
+        pairs = []
         with self._live_lock:
             for out in outs:
                 rid, item = (out.request_id, out) if isinstance(out, RequestOutput) else out
-                target = self._live.get(rid)
-                if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # its event loop closed: nobody reads these
-                for _, item in items:
-                    if isinstance(item, RequestOutput) and not item.finished:
-                        self._post(("abort", item.request_id))
+                if rid in self._live:
+                    pairs.append((self._live[rid], item))
+        send(pairs, lambda rid: self._post(("abort", rid)))
 
     def _lost(self) -> None:
         """The pipe closed without "stopped": the process died; end what ran."""
@@ -187,8 +177,3 @@ class EngineProcess:
             rids = list(self._live)
         self._deliver([RequestOutput(rid, "", [], None, True, "error", 0, 0, error=self._fatal)
                        for rid in rids])
-
-
-def _put_all(items) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)

@@ -89,14 +89,32 @@ class Inbox:
     fatal: Optional[str] = None  # why the loop stopped for good (a rank went away)
 
 
+@attrs.define
+class StepCounts:
+    """Engine steps taken, the prefill steps among them, and the seconds spent in them:
+    /metrics' ``infergraft_engine_*`` counters, and bench serve's offline run's."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    step_seconds_total: float = 0.0
+
+    def step(self, engine) -> None:
+        """``engine.step()``, counted (a step that raises counts, untimed)."""
+        self.num_steps += 1
+        start = time.perf_counter()
+        engine.step()
+        self.step_seconds_total += time.perf_counter() - start
+        self.num_prefill_steps += engine.scheduler.last_kind == "prefill"
+
+
 class EngineThread:
     def __init__(self, engine, inbox: Inbox, link):
         self.engine, self.inbox, self.link = engine, inbox, link
         self.live: dict[str, Submission] = {}  # in the engine, by request id
         self.seqs: dict = {}  # request id -> Sequence (lockstep.apply's view of them)
         self.fail: list = []  # (request id, why) for the next broadcast
-        self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
-        self.num_prefill_steps, self.step_seconds = 0, 0.0
+        self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.counts = StepCounts()
 
     def run(self) -> None:
         # the current CUDA device is the thread's own, and Triton launches on it
@@ -159,12 +177,8 @@ class EngineThread:
 
     def _step(self) -> None:
         engine = self.engine
-        self.num_steps += 1
-        start = time.perf_counter()
         try:
-            engine.step()
-            self.step_seconds += time.perf_counter() - start
-            self.num_prefill_steps += engine.scheduler.last_kind == "prefill"
+            self.counts.step(engine)
         # The engine preempted the step's sequences (they would be recomputed): end them
         # with "error" instead, so that a step that fails every time cannot loop forever.
         # A scheduler that raised ran no sequence: then every request ends.
@@ -234,7 +248,8 @@ class EngineThread:
 
 def send(outs: list, abort) -> None:
     """(Submission, RequestOutput) pairs to their queues, one hand-over per event loop;
-    ``abort(request_id)`` for a request whose event loop has closed."""
+    ``abort(request_id)`` for a request whose event loop has closed. Anything with
+    ``loop`` and ``queue`` stands for a Submission; an item may be an exception (a refusal)."""
     by_loop: dict = {}
     for req, out in outs:
         by_loop.setdefault(req.loop, []).append((req.queue, out))
@@ -243,13 +258,24 @@ def send(outs: list, abort) -> None:
             loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # its event loop is closed: nobody reads these any more
             for _, out in items:
-                if not out.finished:
+                if isinstance(out, RequestOutput) and not out.finished:
                     abort(out.request_id)
 
 
 def _put_all(items) -> None:
     for queue, out in items:
         queue.put_nowait(out)
+
+
+def refusal(engine, box: Inbox, max_waiting: int) -> str | None:
+    """Why a new request is refused now (under ``box.cond``): a shutdown, a dead loop, or
+    ``max_waiting`` requests accepted and not yet running; None if it is accepted."""
+    if box.stop is not None or box.fatal is not None:
+        return box.fatal or "the server is shutting down"
+    waiting = len(box.intake) + box.taken + len(engine.scheduler.waiting)
+    if waiting >= max_waiting:
+        return f"{waiting} requests are waiting already (max_waiting={max_waiting})"
+    return None
 
 
 def engine_stats(engine, inbox: Inbox, loop: EngineThread) -> dict:
@@ -267,6 +293,4 @@ def engine_stats(engine, inbox: Inbox, loop: EngineThread) -> dict:
             "kv_cache_usage_ratio": min(1.0, float(usage)),
             "prompt_tokens_total": loop.prompt_tokens_total,
             "generation_tokens_total": loop.generation_tokens_total,
-            "num_preemptions": engine.scheduler.num_preemptions,
-            "num_steps": loop.num_steps, "num_prefill_steps": loop.num_prefill_steps,
-            "step_seconds_total": loop.step_seconds}
+            "num_preemptions": engine.scheduler.num_preemptions, **attrs.asdict(loop.counts)}

@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 
-from .engine_thread import EngineThread, Inbox, Submission, engine_stats
+from .engine_thread import EngineThread, Inbox, Submission, engine_stats, refusal
 from .lockstep import Lockstep
 
 log = logging.getLogger("infergraft.serving")
@@ -103,7 +103,7 @@ def _read(conn, engine, box: Inbox, sink: PipeSink, max_waiting: int) -> None:
         with box.cond:
             if kind == "submit":
                 _, rid, ids, params, arrival = message
-                why = _refusal(engine, box, max_waiting)
+                why = refusal(engine, box, max_waiting)
                 if why is None:
                     box.names.add(rid)
                     box.intake.append(Submission(rid, ids, params, sink, None, arrival))
@@ -121,16 +121,6 @@ def _read(conn, engine, box: Inbox, sink: PipeSink, max_waiting: int) -> None:
                 pass
         if kind == "stop" and box.stop == "abort":
             return
-
-
-def _refusal(engine, box: Inbox, max_waiting: int) -> str | None:
-    """Why a submission is refused (under ``box.cond``), as AsyncEngine._submit says it."""
-    if box.stop is not None or box.fatal is not None:
-        return box.fatal or "the server is shutting down"
-    waiting = len(box.intake) + box.taken + len(engine.scheduler.waiting)
-    if waiting >= max_waiting:
-        return f"{waiting} requests are waiting already (max_waiting={max_waiting})"
-    return None
 
 
 def _sendable(e: BaseException) -> BaseException:

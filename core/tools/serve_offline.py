@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import time
 
+import attrs
+
 from ..request import SamplingParams
+from ..serving.engine_thread import StepCounts
 from .serve_workload import Record, summarise
 
 
@@ -20,22 +23,18 @@ def offline_summary(engine, requests, max_concurrency: int | None) -> dict:
     _warm_up(engine, requests[0])
     pending, live, records = list(requests), {}, []
     cap = max_concurrency or len(requests)
-    steps = {"num_steps": 0, "num_prefill_steps": 0, "step_seconds_total": 0.0}
+    counts = StepCounts()
     start = time.perf_counter()
     while pending or live:
         while pending and len(live) < cap:
             r = pending.pop(0)
             params = SamplingParams(max_new_tokens=r.output_len, ignore_eos=True)
             live[engine.add_request(list(r.prompt), params)] = r
-        began = time.perf_counter()
-        engine.step()
-        steps["step_seconds_total"] += time.perf_counter() - began
-        steps["num_steps"] += 1
-        steps["num_prefill_steps"] += engine.scheduler.last_kind == "prefill"
+        counts.step(engine)
         for seq in [s for s in live if s.finished]:
             records.append(_record(seq, live.pop(seq)))
     # the step counts are the server's /metrics infergraft_engine_* counters' counterparts
-    return dict(summarise(records, time.perf_counter() - start), engine=steps)
+    return dict(summarise(records, time.perf_counter() - start), engine=attrs.asdict(counts))
 
 
 def _warm_up(engine, request) -> None:
