@@ -31,6 +31,17 @@ def tiny_chat_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def wait_or_kill(proc, timeout: float) -> int:
+    """``proc``'s exit status once it exits; killed if it takes longer than ``timeout``."""
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class Cli:
     """``python -m infergraft.core.cli ARGS`` with its output read as it comes. One torch
     thread: on a busy 2-core machine two threads spin against each other (10x slower)."""
@@ -65,12 +76,7 @@ class Cli:
 
     def finish(self, timeout: float = 60.0) -> tuple[int, str, str]:
         """(returncode, stdout, stderr) once it exits; killed if it takes too long."""
-        try:
-            self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+        wait_or_kill(self.proc, timeout)
         for t in self._readers:
             t.join(5)
         return self.proc.returncode, self.out.decode(errors="replace"), self.err.decode(

@@ -4,6 +4,7 @@ it is imported, and kernels when they are defined, and each reads TRITON_INTERPR
 Set too late, CPU runs fail with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
 import os
 
+import pytest
 import torch  # importing torch does not import triton
 
 if not torch.cuda.is_available():
@@ -18,3 +19,19 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("INFERGRAFT_HYPOTHESIS", "repeatable"))
+
+
+@pytest.fixture
+def sampling_fails_at_seed_666(monkeypatch):
+    """The sampler raises, as NaN logits make it, in any step that samples a request
+    seeded 666; the other steps sample as usual."""
+    from infergraft.core.runner import sampler as sampler_module
+
+    real = sampler_module.sample
+
+    def failing(logits, seqs):
+        if any(s.params.seed == 666 for s in seqs):
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, seqs)
+
+    monkeypatch.setattr(sampler_module, "sample", failing)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cli_support import tiny_chat_model
+from cli_support import tiny_chat_model, wait_or_kill
 from prometheus_client.parser import text_string_to_metric_families
 
 HOST = "127.0.0.1"
@@ -96,13 +96,9 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            self.proc.wait(timeout)
+            return wait_or_kill(self.proc, timeout)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
             self._reader.join(5)
-        return self.proc.returncode
 
 
 @contextmanager

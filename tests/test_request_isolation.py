@@ -38,17 +38,10 @@ def test_a_stream_finished_by_another_call_still_sends_everything(tiny):
     assert first + [t for d in stream for t in d] == want
 
 
-def test_a_request_whose_sampling_fails_costs_the_others_nothing(tiny, monkeypatch):
+def test_a_request_whose_sampling_fails_costs_the_others_nothing(tiny,
+                                                                 sampling_fails_at_seed_666):
     good = random_prompt(7, 256, 5)
     want = _alone(tiny, good)
-    real = sampler_module.sample
-
-    def failing(logits, seqs):  # the request seeded 666 fails, like NaN logits would
-        if any(s.params.seed == 666 for s in seqs):
-            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return real(logits, seqs)
-
-    monkeypatch.setattr(sampler_module, "sample", failing)
     seq = tiny.add_request(good, core.SamplingParams(max_new_tokens=10))
     tiny.step()
     tiny.step()
