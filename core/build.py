@@ -14,7 +14,7 @@ from .errors import PlanError
 from .loading.packing import SlotPacker
 from .loading.source import resolve_source
 from .loading.weights import load_weights
-from .memory import (activation_bytes, check_fits, device_budget, prefill_step_tokens,
+from .memory import (activation_bytes, check_fits, device_budget, step_token_budget,
                      resolve_sizes, weight_bytes)
 from .plan import Plan
 from .plugin_manager import get_plugin_manager
@@ -64,16 +64,16 @@ def _weight_quantizer(quantizers):
 def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
           device_memory=None, cuda_graphs: bool | None = None,
-          prefill_graphs: bool | None = None, max_prefill_tokens: int | None = None,
+          prefill_graphs: bool | None = None, max_num_batched_tokens: int | None = None,
           **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine.
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
-    a ``max_prefill_tokens`` step must fit in (default: the free memory of a CUDA device;
+    a ``max_num_batched_tokens`` step must fit in (default: the free memory of a CUDA device;
     on the CPU the host's physical memory). ``cuda_graphs``: decode under CUDA graphs
     (default: on CUDA when the cache supports it); ``prefill_graphs``: a single fresh
     prompt's prefill too, per length bucket (default: with ``cuda_graphs`` when the cache
-    supports it). ``max_prefill_tokens``: prompt tokens one prefill step feeds at most
+    supports it). ``max_num_batched_tokens``: prompt tokens one prefill step feeds at most
     (default max(max_seq_len, 2048)); a longer prompt is prefilled in chunks, each step
     also carrying one decode token of every running sequence. ``plugins=["tp"]`` under
     torchrun: tensor parallel over the ranks (core/distributed/)."""
@@ -100,7 +100,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     rank = rank_setup(planner, spec, parallel)  # what this process runs of the plan
     device, run_spec = rank_device(device, parallel), rank.spec
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
-    prefill_tokens = prefill_step_tokens(max_prefill_tokens, max_seq_len)
+    prefill_tokens = step_token_budget(max_num_batched_tokens, max_seq_len)
     from infergraft.kernels import get_ops  # here, not at import: it imports triton
 
     ops = get_ops(device, kernels)
@@ -116,7 +116,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         kv_bytes_per_token=backend.bytes_per_token(run_spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(run_spec, dtype),
         options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window,
-        max_prefill_tokens=prefill_tokens,
+        max_num_batched_tokens=prefill_tokens,
         activation_bytes=activation_bytes(run_spec, dtype, prefill_tokens, max_batch_size))
     plan = _with_activations(pm.prepare_plan(plan, spec), plan, run_spec, dtype)
     budget, budget_source = device_budget(device, device_memory)
@@ -140,7 +140,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     if kv_quant is not None:
         opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
-    engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_prefill_tokens)
+    engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_num_batched_tokens)
     engine.ranks = rank.ranks
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = prefill_graphs_for(net, cache, plan, engine.decode_graphs,
@@ -152,8 +152,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
 def _with_activations(plan, before, spec, dtype):
     """``plan`` (from the prepare_plan hooks) with its activation bytes recounted for its
     batch and prefill step, unless a hook set them itself (they differ from ``before``)."""
-    prefill_tokens = prefill_step_tokens(plan.max_prefill_tokens, plan.max_seq_len)
+    prefill_tokens = step_token_budget(plan.max_num_batched_tokens, plan.max_seq_len)
     counted = plan.activation_bytes
     if counted == before.activation_bytes:  # a hook may have changed the batch or the step
         counted = activation_bytes(spec, dtype, prefill_tokens, plan.max_batch_size)
-    return attrs.evolve(plan, max_prefill_tokens=prefill_tokens, activation_bytes=counted)
+    return attrs.evolve(plan, max_num_batched_tokens=prefill_tokens, activation_bytes=counted)

@@ -22,20 +22,20 @@ from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
 from .runner.sampler import sample_each
-from .scheduler import Scheduler, default_prefill_tokens, step_tokens
+from .scheduler import Scheduler, default_batched_tokens, step_tokens
 from .streaming import RequestStream, abort_requests, raise_failed
 
 Prompt = Union[str, list]
 
 
 class Engine:
-    def __init__(self, model, cache, tokenizer, plan, spec, max_prefill_tokens=None):
+    def __init__(self, model, cache, tokenizer, plan, spec, max_num_batched_tokens=None):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.plan, self.spec = plan, spec
         self.device = torch.device(plan.device)
         # tokens one prefill step feeds at most (longer prompts go in chunks)
-        self.scheduler = Scheduler(cache, plan.max_batch_size, max_prefill_tokens=(
-            max_prefill_tokens or default_prefill_tokens(plan.max_seq_len)))
+        self.scheduler = Scheduler(cache, plan.max_batch_size, max_num_batched_tokens=(
+            max_num_batched_tokens or default_batched_tokens(plan.max_seq_len)))
         eos = set(spec.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -19,7 +19,7 @@ import torch
 
 from ._moved import moved_names
 from .errors import PlanError
-from .scheduler import default_prefill_tokens
+from .scheduler import default_batched_tokens
 from .units import (KVSizes, activations_label, element_bytes, fmt_bytes,  # noqa: F401
                     kv_bytes_per_token, parse_bytes)
 
@@ -60,12 +60,12 @@ def resolve_sizes(spec, max_seq_len, max_batch_size) -> tuple[int, int]:
                              else max_batch_size, hint)
 
 
-def prefill_step_tokens(max_prefill_tokens, max_seq_len: int) -> int:
-    """Tokens one prefill step feeds at most: ``max_prefill_tokens``, or the engine's
-    default (``scheduler.default_prefill_tokens``) for None."""
-    if max_prefill_tokens is None:
-        return default_prefill_tokens(max_seq_len)
-    return positive_int("max_prefill_tokens", max_prefill_tokens, " (or None for the default)")
+def step_token_budget(max_num_batched_tokens, max_seq_len: int) -> int:
+    """Tokens one prefill step feeds at most: ``max_num_batched_tokens``, or the engine's
+    default (``scheduler.default_batched_tokens``) for None."""
+    if max_num_batched_tokens is None:
+        return default_batched_tokens(max_seq_len)
+    return positive_int("max_num_batched_tokens", max_num_batched_tokens, " (or None for the default)")
 
 
 def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size: int) -> int:
@@ -147,7 +147,7 @@ class MemoryPlan(KVSizes):
     budget_source: str = ""
     sliding_window: Optional[int] = None  # the model's attention window, if any
     activation_bytes: int = 0  # the largest step's transient tensors (activation_bytes())
-    max_prefill_tokens: Optional[int] = None  # that step's prefill tokens
+    max_num_batched_tokens: Optional[int] = None  # that step's prefill tokens
 
     @property
     def window_tokens(self) -> Optional[int]:
@@ -188,7 +188,7 @@ class MemoryPlan(KVSizes):
 
     @property
     def activation_label(self) -> str:
-        return activations_label(self.max_prefill_tokens)
+        return activations_label(self.max_num_batched_tokens)
 
     @property
     def fits(self) -> bool:
@@ -226,7 +226,7 @@ class MemoryPlan(KVSizes):
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
     def refusal(self) -> str:
-        n = self.max_prefill_tokens
+        n = self.max_num_batched_tokens
         step = f" ({n}-token prefill steps)" if n else ""
         return (f"{self.model} does not fit: weights {fmt_bytes(self.weight_bytes)} + K/V "
                 f"{fmt_bytes(self.kv_bytes_total)} ({self.max_batch_size} sequences x "
@@ -237,7 +237,7 @@ class MemoryPlan(KVSizes):
                 f"sequences that fits is {self.max_batch_that_fits}"
                 + (f" ({self.max_batch_with_window} with one prompt at full length and the "
                    f"rest in their {self.window_tokens}-token window)" if self.window_tokens else "")
-                + ". Lower max_batch_size, max_seq_len or max_prefill_tokens, store K/V as "
+                + ". Lower max_batch_size, max_seq_len or max_num_batched_tokens, store K/V as "
                 "int8 (plugins=['paged', 'kv-int8']), or use a smaller dtype")
 
 
@@ -245,12 +245,12 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                 kv_quantizer=None, max_seq_len: Optional[int] = None,
                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, budget: Optional[int] = None,
                 budget_source: str = "", weight_quantizer=None,
-                max_prefill_tokens: Optional[int] = None) -> MemoryPlan:
+                max_num_batched_tokens: Optional[int] = None) -> MemoryPlan:
     """The memory plan of ``spec`` (weights from ``spec.param_count``, packed by
-    ``weight_quantizer`` when given; activations of a ``max_prefill_tokens`` step, by
-    default the engine's: ``scheduler.default_prefill_tokens(max_seq_len)``)."""
+    ``weight_quantizer`` when given; activations of a ``max_num_batched_tokens`` step, by
+    default the engine's: ``scheduler.default_batched_tokens(max_seq_len)``)."""
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
-    step = prefill_step_tokens(max_prefill_tokens, max_seq_len)
+    step = step_token_budget(max_num_batched_tokens, max_seq_len)
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
                       kv_dtype=kv_dtype.replace("torch.", ""),
@@ -260,7 +260,7 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                       budget=budget, budget_source=budget_source,
                       sliding_window=getattr(spec, "sliding_window", None),
                       activation_bytes=activation_bytes(spec, dtype, step, max_batch_size),
-                      max_prefill_tokens=step)
+                      max_num_batched_tokens=step)
 
 
 def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -> None:
@@ -275,7 +275,7 @@ def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -
                      budget=budget, budget_source=source,
                      sliding_window=getattr(plan, "sliding_window", None),
                      activation_bytes=activations,
-                     max_prefill_tokens=getattr(plan, "max_prefill_tokens", None))
+                     max_num_batched_tokens=getattr(plan, "max_num_batched_tokens", None))
     if plan.weight_bytes + kv_device_bytes + activations > budget:
         msg = mem.refusal()
         if kv_device_bytes != plan.kv_bytes_total:  # a backend sized its pool otherwise

@@ -47,7 +47,7 @@ class Plan(KVSizes):
     kv_bytes_per_token: int
     options: tuple[tuple[str, Any], ...] = ()
     sliding_window: int | None = None  # the model's attention window (caches may hold less)
-    max_prefill_tokens: int | None = None  # tokens one prefill step feeds at most
+    max_num_batched_tokens: int | None = None  # tokens one prefill step feeds at most
     activation_bytes: int = 0  # that step's transient tensors (core.memory.activation_bytes)
 
     def rows(self) -> list[tuple[str, str]]:
@@ -68,8 +68,8 @@ class Plan(KVSizes):
             (f"KV per sequence{each}", fmt_bytes(self.kv_bytes_per_sequence)),
             (f"KV total{each}", fmt_bytes(self.kv_bytes_total)),
         ]
-        if self.max_prefill_tokens:
-            rows.append((activations_label(self.max_prefill_tokens),
+        if self.max_num_batched_tokens:
+            rows.append((activations_label(self.max_num_batched_tokens),
                          fmt_bytes(self.activation_bytes)))
         if self.sliding_window:
             rows.append(("sliding window",

@@ -5,7 +5,7 @@ running sequences; finished sequences leave (and free their cache) between steps
 new requests join a running batch without waiting for it to drain; the running sequences'
 decode tokens ride in the admission step too (one each), unless the admitted prompt
 could replay a captured prefill graph (``prefill_alone``), which takes it alone. A prompt
-longer than ``max_prefill_tokens`` is prefilled in chunks of that size (its cache
+longer than ``max_num_batched_tokens`` is prefilled in chunks of that size (its cache
 reserved whole at admission), one chunk per step, and the decode tokens ride in each, so
 the running sequences' tokens keep coming every step; where the cache cannot take both,
 chunk steps and decode steps alternate. Waiting prompts that fit whole in what a chunk
@@ -29,8 +29,8 @@ from .errors import InfergraftError
 from .request import Sequence, Status
 
 
-def default_prefill_tokens(max_seq_len: int) -> int:
-    """Tokens one prefill step feeds at most when ``max_prefill_tokens`` is not given: a
+def default_batched_tokens(max_seq_len: int) -> int:
+    """Tokens one prefill step feeds at most when ``max_num_batched_tokens`` is not given: a
     whole ``max_seq_len`` prompt, and no fewer than 2048 (the engine and the memory
     planner both use this, so the planned step is the one that runs)."""
     return max(max_seq_len, 2048)
@@ -68,10 +68,10 @@ def step_tokens(step: Step) -> list[int]:
 
 
 class Scheduler:
-    def __init__(self, cache, max_batch_size: int, max_prefill_tokens: int):
+    def __init__(self, cache, max_batch_size: int, max_num_batched_tokens: int):
         self.cache = cache
         self.max_batch_size = max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order (oldest first)
         self.num_preemptions = 0
@@ -112,7 +112,7 @@ class Scheduler:
             # the decode tokens riding along; when the cache cannot take both, chunk
             # steps and decode steps alternate
             seq = chunked[0]
-            n = min(seq.num_prefill_tokens - seq.num_computed_tokens, self.max_prefill_tokens)
+            n = min(seq.num_prefill_tokens - seq.num_computed_tokens, self.max_num_batched_tokens)
             riders = self._riders(decoding, [seq], [n])
             alternate = not decoding or self._last_kind != "prefill"
             if riders or (alternate and self.cache.can_append([seq.id], [n])):
@@ -135,10 +135,10 @@ class Scheduler:
 
     def _chunk_step(self, riders, seq, n) -> Step:
         """A chunk of ``seq`` (with ``riders``), and whole waiting prompts that fit in what
-        the chunk leaves of ``max_prefill_tokens`` (vLLM-style: running work first)."""
+        the chunk leaves of ``max_num_batched_tokens`` (vLLM-style: running work first)."""
         base_ids = [s.id for s in riders] + [seq.id]
         base_counts = [1] * len(riders) + [n]
-        admitted, counts = self._admit(self.max_prefill_tokens - n, base_ids, base_counts)
+        admitted, counts = self._admit(self.max_num_batched_tokens - n, base_ids, base_counts)
         self.running.extend(admitted)
         return Step("prefill", riders + [seq] + admitted, base_counts + counts)
 
@@ -159,7 +159,7 @@ class Scheduler:
         (a chunk in progress) may be a chunk itself. ``budget``: tokens left for them."""
         admitted, counts = [], []
         whole_only = budget is not None
-        budget = self.max_prefill_tokens if budget is None else budget
+        budget = self.max_num_batched_tokens if budget is None else budget
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             n = seq.num_tokens

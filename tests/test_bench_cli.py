@@ -57,11 +57,11 @@ def test_bench_refuses_a_batch_that_never_decodes_whole(tmp_path, capsys):
     # last starts; a step that takes all four prompts times it
     args = ["--model", "tiny", "--device", "cpu", "--batches", "4", "--prompt-len", "8",
             "--new-tokens", "3", "--systems", "infergraft", "--out", str(tmp_path)]
-    with pytest.raises(PlanError, match="never decoded whole.*--max-prefill-tokens"):
-        main(args + ["--max-prefill-tokens", "8"])
-    assert cli_main(["bench"] + args + ["--max-prefill-tokens", "8"]) == 2  # a message, no trace
+    with pytest.raises(PlanError, match="never decoded whole.*--max-num-batched-tokens"):
+        main(args + ["--max-num-batched-tokens", "8"])
+    assert cli_main(["bench"] + args + ["--max-num-batched-tokens", "8"]) == 2  # a message, no trace
     assert "never decoded whole" in capsys.readouterr().err
-    assert main(args + ["--max-prefill-tokens", "32"]) == 0
+    assert main(args + ["--max-num-batched-tokens", "32"]) == 0
     capsys.readouterr()
 
 
@@ -88,7 +88,7 @@ BAD_FLAGS = [  # (flags over a good tiny run, what the message must say)
     (["--new-tokens", "1"], "at least 2"),  # infergraft alone
     (["--new-tokens", "-2"], "positive integer"),
     (["--prompt-len", "0"], "positive integer"),
-    (["--max-prefill-tokens", "0"], "positive integer"),
+    (["--max-num-batched-tokens", "0"], "positive integer"),
     (["--device", "bogus"], "not a device name"),
     (["--device", "cuda:99"], "not available here"),
     (["--out", "/dev/null/x"], "not a writable directory"),
@@ -146,7 +146,7 @@ def test_tpot_of_a_batch_admitted_over_several_steps():
     from infergraft.core.testing.models import random_model, tiny_llama_config
 
     hf = random_model(tiny_llama_config())
-    engine = core.build(hf, max_prefill_tokens=8, dtype=torch.float32, device="cpu")
+    engine = core.build(hf, max_num_batched_tokens=8, dtype=torch.float32, device="cpu")
     prompts = random_prompts(4, 8, hf.config.vocab_size)  # one prompt a step
     seqs = [engine.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True))
             for p in prompts]

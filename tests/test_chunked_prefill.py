@@ -1,4 +1,4 @@
-"""Chunked prefill: prompts longer than ``max_prefill_tokens`` are fed in chunks that
+"""Chunked prefill: prompts longer than ``max_num_batched_tokens`` are fed in chunks that
 carry the running sequences' decode tokens (alternating with decode steps where the cache
 is short); the tokens are the same as with whole prompts (the CPU runs the torch references; parity with HF is checked elsewhere)."""
 import pytest
@@ -30,7 +30,7 @@ def test_chunks_give_the_tokens_of_whole_prompts(case):
     hf = random_model(config(), seed=5, scale=5.0)
     prompts = [random_prompt(n, 256, 200 + n) for n in LENGTHS]
     whole = core.build(hf, plugins=plugins, **options, **KW)
-    chunked = core.build(hf, plugins=plugins, max_prefill_tokens=8, **options, **KW)
+    chunked = core.build(hf, plugins=plugins, max_num_batched_tokens=8, **options, **KW)
     want = [c.token_ids for c in whole.generate(prompts, max_new_tokens=30)]
     mixed, schedule = [], chunked.scheduler.schedule
 
@@ -50,7 +50,7 @@ def test_chunks_give_the_tokens_of_whole_prompts(case):
 
 def test_running_sequences_keep_decoding_while_a_long_prompt_chunks():
     hf = random_model(tiny_llama_config(), seed=6)
-    engine = core.build(hf, max_prefill_tokens=8, **KW)
+    engine = core.build(hf, max_num_batched_tokens=8, **KW)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     short = engine.add_request(random_prompt(4, 256, 1), params)
     engine.step()  # its prefill: first token
@@ -81,7 +81,7 @@ def test_a_waiting_prompt_joins_the_last_short_chunk():
     tokens in chunks of 8 end with a 2-token chunk, and a 5-token prompt that arrived
     meanwhile is prefilled in that step (not after it)."""
     hf = random_model(tiny_llama_config(), seed=6)
-    engine = core.build(hf, max_prefill_tokens=8, **KW)
+    engine = core.build(hf, max_num_batched_tokens=8, **KW)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     long = engine.add_request(random_prompt(50, 256, 2), params)
     engine.step()  # admitted: its first chunk
@@ -104,8 +104,8 @@ def test_a_waiting_prompt_joins_the_last_short_chunk():
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_bad_prefill_budget_is_refused(bad):
     hf = random_model(tiny_llama_config(), seed=6)
-    with pytest.raises(PlanError, match="max_prefill_tokens must be an integer >= 1"):
-        core.build(hf, max_prefill_tokens=bad, **KW)
+    with pytest.raises(PlanError, match="max_num_batched_tokens must be an integer >= 1"):
+        core.build(hf, max_num_batched_tokens=bad, **KW)
 
 
 def test_an_admission_step_runs_alone_where_a_prefill_graph_would_take_it():
@@ -136,7 +136,7 @@ def _run_arrivals(arrivals, budget, case):
     plugins, options = {"contiguous": ([], {}),
                         "paged-tight": (["paged"], dict(block_size=4, num_blocks=16))}[case]
     hf = _MODEL.setdefault("m", random_model(tiny_llama_config(), seed=5, scale=5.0))
-    engine = core.build(hf, plugins=plugins, max_prefill_tokens=budget, **options,
+    engine = core.build(hf, plugins=plugins, max_num_batched_tokens=budget, **options,
                         max_seq_len=64, max_batch_size=4)  # paged: 64 tokens in all
     pending = sorted(((step, i, n, new) for i, (step, n, new) in enumerate(arrivals)))
     seqs, step = {}, 0

@@ -47,7 +47,7 @@ def test_llama2_7b_kv_is_half_a_mib_per_token_and_1_gib_per_2048_tokens():
     assert mem.kv_bytes_per_sequence == GiB
     assert mem.weight_bytes == 6_738_415_616 * 2  # LLaMA-2-7B's parameter count, fp16
     # the engine's default step at max_seq_len 2048: max(2048, 2048) tokens
-    assert mem.max_prefill_tokens == 2048
+    assert mem.max_num_batched_tokens == 2048
     assert mem.activation_bytes == llama2_7b_activations(2048, 1) == 236_121_600
     assert mem.total_bytes == mem.weight_bytes + GiB + mem.activation_bytes
     assert mem.max_batch_that_fits == (80 * GiB - mem.weight_bytes - mem.activation_bytes) \
@@ -76,20 +76,20 @@ def test_activation_bytes_follow_the_formula_and_grow_with_the_step():
     for bad in (0, -1, 2.5, True, None):
         with pytest.raises(PlanError, match="step_tokens must be an integer >= 1"):
             activation_bytes(spec, torch.float16, bad, 1)
-    with pytest.raises(PlanError, match="max_prefill_tokens must be an integer >= 1"):
-        plan_memory(spec, max_prefill_tokens=0)
+    with pytest.raises(PlanError, match="max_num_batched_tokens must be an integer >= 1"):
+        plan_memory(spec, max_num_batched_tokens=0)
 
 
 def test_plan_memory_defaults_to_the_engines_prefill_step():
     spec = _llama2_7b_spec()
     for seq_len, step in ((512, 2048), (2048, 2048), (4096, 4096)):
         mem = plan_memory(spec, dtype=torch.float16, max_seq_len=seq_len, max_batch_size=2)
-        assert mem.max_prefill_tokens == step
+        assert mem.max_num_batched_tokens == step
         assert mem.activation_bytes == llama2_7b_activations(step, 2)
     hf = random_model(tiny_llama_config(), seed=0)
     for asked, step in ((None, 2048), (100, 100)):
-        engine = core.build(hf, max_seq_len=256, max_batch_size=2, max_prefill_tokens=asked)
-        assert engine.plan.max_prefill_tokens == engine.scheduler.max_prefill_tokens == step
+        engine = core.build(hf, max_seq_len=256, max_batch_size=2, max_num_batched_tokens=asked)
+        assert engine.plan.max_num_batched_tokens == engine.scheduler.max_num_batched_tokens == step
         assert engine.plan.activation_bytes == \
             activation_bytes(engine.spec, torch.float32, step, 2)
         assert f"activations (a {step}-token step)" in str(engine.plan)
@@ -111,7 +111,7 @@ def test_plan_cli_reads_only_the_config(tmp_path, capsys):
     assert got["kv_bytes_per_token"] == MiB // 2 and got["kv_bytes_per_sequence"] == GiB
     assert got["kv_bytes_total"] == 4 * GiB and got["weight_bytes"] == 6_738_415_616 * 2
     act = llama2_7b_activations(2048, 4)
-    assert got["activation_bytes"] == act and got["max_prefill_tokens"] == 2048
+    assert got["activation_bytes"] == act and got["max_num_batched_tokens"] == 2048
     assert got["total_bytes"] == 6_738_415_616 * 2 + 4 * GiB + act
     assert got["max_batch_that_fits"] == 67 and got["fits"] is True
     # exit 1: the plan is printed, and does not fit
@@ -127,9 +127,9 @@ def test_plan_cli_reads_only_the_config(tmp_path, capsys):
     assert rows["activations (a 2048-token step)"].strip() == \
         fmt_bytes(llama2_7b_activations(2048, 8))
     assert main(["plan", str(tmp_path), "--dtype", "float16", "--max-seq-len", "2048",
-                 "--max-prefill-tokens", "512", "--json"]) == 0
+                 "--max-num-batched-tokens", "512", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["max_prefill_tokens"] == 512
+    assert got["max_num_batched_tokens"] == 512
     assert got["activation_bytes"] == llama2_7b_activations(512, 8)
     # int8 weights: the 32 layers' projections (qkv 12288, o 4096, gate_up 22016, down 4096
     # rows) at 1 byte + a float32 scale per row; embeddings, lm_head and norms at 2 bytes
@@ -150,8 +150,8 @@ def test_plan_cli_demo_alias_and_bad_input(capsys):
     assert "cannot read 'lots' as a size" in capsys.readouterr().err
     assert main(["plan", "/nonexistent/model"]) == 2
     assert "config.json" in capsys.readouterr().err
-    assert main(["plan", "smollm2-135m", "--max-prefill-tokens", "0"]) == 2
-    assert "max_prefill_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["plan", "smollm2-135m", "--max-num-batched-tokens", "0"]) == 2
+    assert "max_num_batched_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_sizes_must_be_positive_integers_or_none():
@@ -182,9 +182,9 @@ def test_build_refuses_what_does_not_fit_with_the_numbers():
     # the same budget fits a smaller batch, and a paged pool sized below the plan, with
     # 16-token prefill steps (the default 2048-token step alone needs over 5 MiB here)
     core.build(hf, max_seq_len=512, max_batch_size=2, device_memory="1MiB",
-               max_prefill_tokens=16)
+               max_num_batched_tokens=16)
     core.build(hf, plugins=["paged"], max_seq_len=512, max_batch_size=8, num_blocks=64,
-               device_memory="1MiB", max_prefill_tokens=16)
+               device_memory="1MiB", max_num_batched_tokens=16)
     with pytest.raises(PlanError, match="device_memory"):
         core.build(hf, max_seq_len=64, device_memory="a lot")
 
@@ -206,7 +206,7 @@ def test_plan_counts_windows_for_sliding_window_models(tmp_path, capsys):
     # 2 layers x 2 kv heads x 16 dims x 2 (K, V) x 2 bytes = 256 B per token
     tiny_mistral_config(sliding_window=64).save_pretrained(tmp_path)
     args = ["plan", str(tmp_path), "--dtype", "float16", "--max-seq-len", "512",
-            "--max-batch-size", "8", "--max-prefill-tokens", "64"]
+            "--max-batch-size", "8", "--max-num-batched-tokens", "64"]
     assert main(args + ["--device-memory", "2MiB", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     per_token, weights = got["kv_bytes_per_token"], got["weight_bytes"]
@@ -235,12 +235,12 @@ def test_build_refusal_of_a_window_model_says_what_its_windows_allow():
                    max_batch_size=4096, device_memory="2MiB")
 
 
-def _tiny_llama_budget(max_prefill_tokens=None):
+def _tiny_llama_budget(max_num_batched_tokens=None):
     """(model, weight bytes, K/V bytes, activation bytes) of the tiny LLaMA at 2 x 512
     tokens, float32, as the planner counts them."""
     cfg = tiny_llama_config()
     mem = plan_memory(_spec("llama", cfg), max_seq_len=512, max_batch_size=2,
-                      max_prefill_tokens=max_prefill_tokens)
+                      max_num_batched_tokens=max_num_batched_tokens)
     return random_model(cfg, seed=0), mem.weight_bytes, mem.kv_bytes_total, mem.activation_bytes
 
 
@@ -252,14 +252,14 @@ def test_build_refuses_a_budget_that_only_weights_and_kv_fit():
         core.build(hf, max_seq_len=512, max_batch_size=2, device_memory=budget)
     msg = str(e.value)
     assert f"+ activations {fmt_bytes(act)} (2048-token prefill steps)" in msg
-    assert "Lower max_batch_size, max_seq_len or max_prefill_tokens" in msg
+    assert "Lower max_batch_size, max_seq_len or max_num_batched_tokens" in msg
     assert "that fits is 0" in msg  # (budget - weights - activations) // K/V per sequence
     # 64-token steps: the same budget fits, and the engine steps as planned
-    _, _, _, small = _tiny_llama_budget(max_prefill_tokens=64)
+    _, _, _, small = _tiny_llama_budget(max_num_batched_tokens=64)
     assert weights + kv + small <= budget
     engine = core.build(hf, max_seq_len=512, max_batch_size=2, device_memory=budget,
-                        max_prefill_tokens=64)
-    assert engine.plan.activation_bytes == small and engine.scheduler.max_prefill_tokens == 64
+                        max_num_batched_tokens=64)
+    assert engine.plan.activation_bytes == small and engine.scheduler.max_num_batched_tokens == 64
     done = engine.generate([list(range(3, 103))], max_new_tokens=2)  # a 100-token prompt
     assert 1 <= len(done[0].token_ids) <= 2
 
@@ -268,13 +268,13 @@ def test_a_prepare_plan_hook_that_shrinks_the_step_shrinks_the_activations():
     class SmallSteps:
         @core.hookimpl
         def infergraft_prepare_plan(self, plan):
-            return attrs.evolve(plan, max_prefill_tokens=64)
+            return attrs.evolve(plan, max_num_batched_tokens=64)
 
     hf, weights, kv, act = _tiny_llama_budget()
-    _, _, _, small = _tiny_llama_budget(max_prefill_tokens=64)
+    _, _, _, small = _tiny_llama_budget(max_num_batched_tokens=64)
     engine = core.build(hf, plugins=[SmallSteps()], max_seq_len=512, max_batch_size=2,
                         device_memory=weights + kv + act // 2)
-    assert engine.plan.activation_bytes == small and engine.scheduler.max_prefill_tokens == 64
+    assert engine.plan.activation_bytes == small and engine.scheduler.max_num_batched_tokens == 64
 
 
 def test_plan_refuses_what_build_refuses_past_learned_positions():

@@ -97,9 +97,9 @@ def seq(prompt_len: int, max_new_tokens: int = 8) -> Sequence:
     return s
 
 
-def make(num_blocks=64, block_size=4, max_batch_size=4, max_prefill_tokens=64, **kw):
+def make(num_blocks=64, block_size=4, max_batch_size=4, max_num_batched_tokens=64, **kw):
     cache = FakeCache(num_blocks, block_size, **kw)
-    return Scheduler(cache, max_batch_size, max_prefill_tokens), cache
+    return Scheduler(cache, max_batch_size, max_num_batched_tokens), cache
 
 
 def run(sched, cache):
@@ -125,7 +125,7 @@ def test_admission_is_first_come_first_served():
 
 
 def test_a_long_prompt_is_chunked_and_decode_tokens_ride_along():
-    sched, cache = make(max_prefill_tokens=8)
+    sched, cache = make(max_num_batched_tokens=8)
     short = seq(3)
     sched.add(short)
     run(sched, cache)
@@ -144,7 +144,7 @@ def test_a_long_prompt_is_chunked_and_decode_tokens_ride_along():
 
 
 def test_chunks_alternate_with_decode_steps_when_both_do_not_fit_one_step():
-    sched, cache = make(block_size=4, max_prefill_tokens=4, fast_blocks=4)
+    sched, cache = make(block_size=4, max_num_batched_tokens=4, fast_blocks=4)
     short, long = seq(4), seq(12)  # short: 1 block, 2 with its next token; long: 3
     sched.add(short)
     run(sched, cache)

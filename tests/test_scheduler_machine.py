@@ -106,7 +106,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not chunks, "a prefilling sequence in a decode step"
         else:
             assert step.kind == "prefill" and chunks
-            assert sum(n for _, n in chunks) <= sched.max_prefill_tokens, counts
+            assert sum(n for _, n in chunks) <= sched.max_num_batched_tokens, counts
             if riders and sched.prefill_alone is not None:
                 assert not sched.prefill_alone([s for s, _ in chunks], [n for _, n in chunks])
         for s, n in chunks:  # the next chunk, where the last one ended: [fed, fed + n)

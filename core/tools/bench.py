@@ -97,8 +97,8 @@ def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
                 raise PlanError(
                     f"batch {len(seqs)} never decoded whole: its prompts took more steps to "
                     f"admit than the {new_tokens} new tokens last; give more new tokens "
-                    f"(--new-tokens) or more prompt tokens a step (--max-prefill-tokens, "
-                    f"build's max_prefill_tokens)")
+                    f"(--new-tokens) or more prompt tokens a step (--max-num-batched-tokens, "
+                    f"build's max_num_batched_tokens)")
             itls += itl[min(WARMUP_STEPS, len(itl) - 1):]
     return statistics.median(ttfts), statistics.median(itls), percentiles(itls)
 

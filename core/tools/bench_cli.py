@@ -34,9 +34,9 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
 
 
 def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
-                plugins=(), max_prefill_tokens: int | None = None):
+                plugins=(), max_num_batched_tokens: int | None = None):
     """(hf_model, engine) on the same weights; ``plugins`` added to the engine's (the
-    paged cache on CUDA), e.g. ("int8",); ``max_prefill_tokens``: the engine's prompt
+    paged cache on CUDA), e.g. ("int8",); ``max_num_batched_tokens``: the engine's prompt
     tokens a step (None: its default)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -55,7 +55,7 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return hf, build(hf, plugins=engine_plugins(device, plugins) or None,
                      dtype=dtype, device=device, max_batch_size=max_batch_size,
-                     max_seq_len=max_seq_len, max_prefill_tokens=max_prefill_tokens)
+                     max_seq_len=max_seq_len, max_num_batched_tokens=max_num_batched_tokens)
 
 
 def markdown_table(results, bw: float) -> str:
@@ -190,7 +190,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"HF system, {min_new_tokens('infergraft')} without")
     p.add_argument("--systems", type=_systems, default=None,
                    help=f"comma list of {','.join(SYSTEMS)} (static on CUDA only)")
-    p.add_argument("--max-prefill-tokens", type=_positive, default=None,
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                    help="prompt tokens our engine admits a step (default: the engine's, "
                         "max(prompt + new tokens, 2048)); a batch is timed only once all of "
                         "it decodes, so a large batch needs its prompts admitted in time")
@@ -232,7 +232,7 @@ def measure(args) -> int:
     gpu, dtype, batches = args.device.startswith("cuda"), args.dtype, args.batches
     prompt_len, new_tokens = args.prompt_len, args.new_tokens
     hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,
-                             args.plugins, args.max_prefill_tokens)
+                             args.plugins, args.max_num_batched_tokens)
     print(engine.plan, file=sys.stderr)
     results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, args.systems,
                                 log=lambda m: print(m, file=sys.stderr))

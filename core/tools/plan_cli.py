@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight storage (auto: the weights dtype; int8: the int8 quantizer)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-prefill-tokens", type=int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one prefill step feeds at most, as core.build takes it "
                         "(default: max(max_seq_len, 2048))")
     p.add_argument("--device-memory", default=None,
@@ -117,7 +117,7 @@ def run(args) -> int:
     mem = plan_memory(spec, model=name, dtype=dtype, kv_quantizer=kv_quant,
                       weight_quantizer=weight_quant,
                       max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-                      max_prefill_tokens=args.max_prefill_tokens,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
                       budget=budget, budget_source=source)
     mem = attrs.evolve(mem, weight_bytes=mem.weight_bytes - not_held * element_bytes(dtype))
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context length: prompt + completion tokens (default: the model's)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--max-prefill-tokens", type=int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens one step feeds at most (default: the engine's)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="replay a captured graph for a lone prompt's prefill, which then "
@@ -92,7 +92,7 @@ def run(args) -> int:
     first = os.environ.get("RANK", "0") == "0"
     options = dict(plugins=args.plugin or None, dtype=args.dtype, device=args.device,
                    max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-                   max_prefill_tokens=args.max_prefill_tokens, progress=first,
+                   max_num_batched_tokens=args.max_num_batched_tokens, progress=first,
                    prefill_graphs=None if args.prefill_graphs else False)
     if "WORLD_SIZE" not in os.environ and _on_cuda(args.device):
         # the engine in a process of its own: on a GPU the HTTP side's Python would hold
