@@ -158,12 +158,21 @@ def make_parser() -> argparse.ArgumentParser:
     from .tools.bench_cli import add_arguments, run as run_bench
     add_arguments(b)
     b.set_defaults(func=run_bench)
-    # `bench serve`: an optional subcommand, so that plain `bench FLAGS` parses as before
+    # `bench serve`, `bench throughput`: optional subcommands, so that plain `bench FLAGS`
+    # parses as before
     from .tools.bench_serve import add_arguments as serve_bench_arguments, run as run_serve_bench
-    bs = b.add_subparsers(dest="bench_command", metavar="serve").add_parser(
+    from .tools.bench_throughput import add_arguments as throughput_arguments, \
+        run as run_throughput
+    bench_sub = b.add_subparsers(dest="bench_command", metavar="{serve,throughput}")
+    bs = bench_sub.add_parser(
         "serve", help="serving benchmark of an OpenAI-compatible server (as vllm bench serve)")
     serve_bench_arguments(bs)
     bs.set_defaults(func=run_serve_bench)
+    bt = bench_sub.add_parser(
+        "throughput", help="offline throughput of our engine beside HF's continuous "
+                           "batching and the compute floor (as vllm bench throughput)")
+    throughput_arguments(bt)
+    bt.set_defaults(func=run_throughput)
     m = sub.add_parser("plan", help="memory plan of a model (no weights loaded)")
     from .tools.plan_cli import add_arguments as plan_arguments, run as run_plan
     plan_arguments(m)

@@ -2,7 +2,8 @@
 
 Decode is memory-bound: a step reads every weight and the live K/V once, so the floor
 for TPOT is (weight bytes + K/V bytes) / copy bandwidth, the bandwidth measured here in
-the same run. Times are medians after warm-up runs of identical shapes.
+the same run. Times are medians after warm-up runs of identical shapes. ``matmul_rate``
+is the compute roofline of ``infergraft bench throughput``, measured the same way.
 """
 from __future__ import annotations
 
@@ -45,13 +46,11 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
-    """Bytes per second of a large device copy, counting bytes read plus written: the best
-    of ``repeats`` copies (the limit the hardware reaches, as STREAM reports it). On CUDA
-    each copy is timed by events around it: host timing adds its sync latency."""
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+def best_seconds(device, fn, repeats: int) -> float:
+    """The shortest of ``repeats`` timed ``fn()`` calls after an untimed one (the limit the
+    hardware reaches, as STREAM reports it). On CUDA each call is timed by events around
+    it: host timing adds its sync latency."""
+    fn()
     times = []
     cuda = torch.device(device).type == "cuda"
     for _ in range(repeats):
@@ -59,15 +58,33 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            dst.copy_(src)
+            fn()
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
         else:
             t = time.perf_counter()
-            dst.copy_(src)
+            fn()
             times.append(time.perf_counter() - t)
-    return 2 * nbytes / min(times)
+    return min(times)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Bytes per second of a large device copy, counting bytes read plus written: the best
+    of ``repeats`` copies (``best_seconds``)."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / best_seconds(device, lambda: dst.copy_(src), repeats)
+
+
+def matmul_rate(device, dtype, n: int, repeats: int = 5) -> float:
+    """FLOP/s of an n x n x n ``dtype`` matmul (n^3 multiply-adds: 2 n^3 FLOPs), the best
+    of ``repeats`` (``best_seconds``): the compute roofline, as copy_bandwidth is the
+    memory one."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / best_seconds(device, lambda: torch.matmul(a, b, out=out), repeats)
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -211,11 +211,24 @@ def resolve(args):
     args.new_tokens = args.new_tokens or (64 if gpu else 32)
     args.systems = args.systems or (list(SYSTEMS) if gpu else ["infergraft", "hf-eager"])
     check_systems(args.systems, args.new_tokens, args.device)
-    try:  # the names build will be given, resolved as it resolves them
-        select_plugins(get_plugin_manager(), engine_plugins(args.device, args.plugins))
-    except InfergraftError as e:
-        raise PlanError(f"--plugins {','.join(args.plugins)}: {e}") from None
+    check_plugins(args.device, args.plugins)
     return args
+
+
+def check_plugins(device, plugins) -> None:
+    """PlanError naming --plugins for a plugin list build would refuse, resolved as it
+    resolves the names it will be given (``engine_plugins``)."""
+    try:
+        select_plugins(get_plugin_manager(), engine_plugins(device, plugins))
+    except InfergraftError as e:
+        raise PlanError(f"--plugins {','.join(plugins)}: {e}") from None
+
+
+def describe_device(device) -> str:
+    """The GPU's name on CUDA, else the host's processor (or machine)."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 def engine_plugins(device, plugins) -> list[str]:
@@ -229,14 +242,14 @@ def run(args) -> int:
 
 
 def measure(args) -> int:
-    gpu, dtype, batches = args.device.startswith("cuda"), args.dtype, args.batches
+    dtype, batches = args.dtype, args.batches
     prompt_len, new_tokens = args.prompt_len, args.new_tokens
     hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,
                              args.plugins, args.max_num_batched_tokens)
     print(engine.plan, file=sys.stderr)
     results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, args.systems,
                                 log=lambda m: print(m, file=sys.stderr))
-    device_name = torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine()
+    device_name = describe_device(args.device)
     title = f"{args.model} {str(dtype)[6:]} on {device_name}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -99,13 +99,34 @@ def _vocab(text: str) -> int:
     return n
 
 
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload's flags, shared with ``bench throughput``: --dataset, --num-prompts,
+    --prompt-len, --output-len (``resolve_workload`` fills in the lengths' defaults)."""
+    p.add_argument("--dataset", choices=DATASETS, default="fixed")
+    p.add_argument("--num-prompts", type=_positive, default=100)
+    p.add_argument("--prompt-len", type=_positive, default=None,
+                   help="prompt tokens (the mean for uniform and sharegpt-like; the shared "
+                        "prefix for prefix); default " +
+                        ", ".join(f"{d} {p}" for d, (p, _) in DEFAULT_LENS.items()))
+    p.add_argument("--output-len", type=_positive, default=None,
+                   help="output tokens (the mean for uniform and sharegpt-like); default " +
+                        ", ".join(f"{d} {o}" for d, (_, o) in DEFAULT_LENS.items()))
+
+
+def resolve_workload(args):
+    """``args`` with the dataset's default prompt and output lengths where none was given."""
+    lens = DEFAULT_LENS[args.dataset]
+    args.prompt_len = args.prompt_len or lens[0]
+    args.output_len = args.output_len or lens[1]
+    return args
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", type=_base_url, required=True,
                    help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is optional)")
     p.add_argument("--model", default=None,
                    help="the model name to ask for (default: the first that /v1/models lists)")
-    p.add_argument("--dataset", choices=DATASETS, default="fixed")
-    p.add_argument("--num-prompts", type=_positive, default=100)
+    add_workload_arguments(p)
     p.add_argument("--request-rate", type=_rate, default=None,
                    help="requests a second, or inf (default): all sent at once")
     p.add_argument("--burstiness", type=_positive_float, default=1.0,
@@ -116,13 +137,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SLOs a request must all meet to count, e.g. ttft:500 tpot:50 e2el:5000")
     p.add_argument("--sweep-rates", type=_rates, default=None,
                    help="comma list of rates, one run each, e.g. 1,2,4,8,inf")
-    p.add_argument("--prompt-len", type=_positive, default=None,
-                   help="prompt tokens (the mean for uniform and sharegpt-like; the shared "
-                        "prefix for prefix); default " +
-                        ", ".join(f"{d} {p}" for d, (p, _) in DEFAULT_LENS.items()))
-    p.add_argument("--output-len", type=_positive, default=None,
-                   help="output tokens (the mean for uniform and sharegpt-like); default " +
-                        ", ".join(f"{d} {o}" for d, (_, o) in DEFAULT_LENS.items()))
     p.add_argument("--vocab-size", type=_vocab, default=32000,
                    help="prompt token ids are drawn below it: at most the served model's "
                         "vocabulary (default 32000, which LLaMA-2, Mistral, GPT-2, SmolLM2, "
@@ -154,9 +168,7 @@ def resolve(args):
                         f"each of {', '.join(SLO_METRICS)} at most once")
     args.goodput = slos or None
     args.rates = args.sweep_rates or [args.request_rate or math.inf]
-    lens = DEFAULT_LENS[args.dataset]
-    args.prompt_len = args.prompt_len or lens[0]
-    args.output_len = args.output_len or lens[1]
+    resolve_workload(args)
     args.api_key = args.api_key or os.environ.get("INFERGRAFT_API_KEY") or \
         os.environ.get("OPENAI_API_KEY")
     return args

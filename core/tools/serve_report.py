@@ -17,7 +17,7 @@ def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def _fmt(value) -> str:
+def fmt(value) -> str:
     if value is None:
         return "-"
     return f"{value:.2f}" if isinstance(value, float) else str(value)
@@ -28,7 +28,7 @@ def table(run: dict) -> str:
     rows = [" Serving Benchmark Result ".center(WIDTH, "=")]
 
     def line(label: str, value) -> None:
-        rows.append(f"{label + ':':<40}{_fmt(value):<10}")
+        rows.append(f"{label + ':':<40}{fmt(value):<10}")
 
     line("Request rate (req/s)", rate_label(run["request_rate"]))
     line("Burstiness", run["burstiness"])

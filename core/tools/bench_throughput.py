@@ -1,0 +1,197 @@
+"""``infergraft bench throughput`` (also ``python -m infergraft.core.tools.bench_throughput``):
+offline throughput of our engine beside HF transformers' continuous batching on the same
+weights, and the workload's compute floor, in one run (as ``vllm bench throughput``).
+
+``--num-prompts`` requests of a ``bench serve`` dataset (token-id prompts below the model's
+vocabulary, ``ignore_eos``, exact output lengths) are submitted to the engine all at once
+(``add_request``) and stepped until every one has finished, after a short warm-up
+(serve_offline.py); then the same requests through HF's continuous batching (serve_hf.py),
+unless ``--no-hf``. The matmul rate the floor is taken at is measured first, in the same
+run (throughput_report.py says what the floor counts). Prints a table of both systems and
+the floor; writes ``throughput.json`` (every argument, the commit and switches, the
+device, both summaries, the floor) and ``throughput.png`` to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import InfergraftError, PlanError
+from .bench import matmul_rate
+from .bench_cli import (SHAPES, _device, _dtype, _model, _names, _out, _positive,
+                        check_plugins, describe_device, load_models)
+from .bench_serve import add_workload_arguments, resolve_workload
+from .provenance import provenance
+from .serve_hf import hf_summary
+from .serve_offline import offline_summary
+from .serve_report import jsonable
+from .serve_workload import make_requests
+from .throughput_report import compute_floor, plot, table
+
+MAX_BATCH = 256  # the default batch's cap, as vLLM's max_num_seqs
+MATMUL_N = {"cuda": 8192, "cpu": 1024}  # the floor's matmul: n x n x n, by device type
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=_model, default="smollm2-135m",
+                   help=f"alias, local dir, or a random shape: {', '.join(SHAPES)}")
+    add_workload_arguments(p)
+    p.add_argument("--max-batch-size", type=_positive, default=None,
+                   help=f"sequences our engine decodes together at most (default: "
+                        f"--num-prompts, at most {MAX_BATCH}: every request in one batch)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                   help="tokens one engine step carries at most (default: the engine's)")
+    p.add_argument("--max-seq-len", type=_positive, default=None,
+                   help="our engine's context length (default: the longest request's "
+                        "prompt + output)")
+    p.add_argument("--dtype", type=_dtype, default=None,
+                   help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--device", type=_device,
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--plugins", type=_names, default="",
+                   help="comma list of plugins for our engine, e.g. int8 (the paged cache "
+                        "is added on CUDA)")
+    p.add_argument("--no-hf", action="store_true",
+                   help="skip HF transformers' continuous batching (the baseline)")
+    p.add_argument("--seed", type=int, default=0, help="the prompts")
+    p.add_argument("--out", type=_out, default=".bench",
+                   help="folder for throughput.json, throughput.png")
+
+
+def vocab_size(model: str) -> int:
+    """The vocabulary prompts are drawn below: a random shape's, else its config.json's."""
+    if model in SHAPES:
+        return SHAPES[model]["vocab_size"]
+    from ..loading.source import spec_of
+
+    return spec_of(model)[1].vocab_size
+
+
+def resolve(args):
+    """``args`` with defaults filled in and ``args.requests`` drawn; PlanError for flags
+    that do not go together (the types check each flag alone)."""
+    args.dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda")
+                                else torch.float32)
+    check_plugins(args.device, args.plugins)
+    resolve_workload(args)
+    args.requests = make_requests(args.dataset, args.num_prompts, args.prompt_len,
+                                  args.output_len, vocab_size(args.model), seed=args.seed)
+    longest = max(len(r.prompt) + r.output_len for r in args.requests)
+    if args.max_seq_len is not None and args.max_seq_len < longest:
+        raise PlanError(f"--max-seq-len {args.max_seq_len} is shorter than the longest "
+                        f"request of --dataset {args.dataset} ({longest} tokens, prompt + "
+                        f"output): give at least {longest}, or leave it out")
+    args.max_seq_len = args.max_seq_len or longest
+    args.max_batch_size = args.max_batch_size or min(args.num_prompts, MAX_BATCH)
+    return args
+
+
+def _arguments(args) -> dict:
+    """Every flag of ``bench throughput`` as resolved, for the JSON."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    return {k: str(v) if isinstance(v, torch.dtype) else v
+            for k, v in vars(args).items() if k in vars(p.parse_args([]))}
+
+
+def run(args) -> int:
+    """``infergraft bench throughput``: a bad flag raises PlanError before any model is
+    built."""
+    return measure(resolve(args))
+
+
+def measure(args) -> int:
+    device, requests = torch.device(args.device), args.requests
+    # 1) The floor's matmul rate, before the models take the device's memory
+    n = MATMUL_N.get(device.type, MATMUL_N["cpu"])
+    rate = matmul_rate(device, args.dtype, n)
+    measured = f"{str(args.dtype)[6:]} {n}^3 torch.matmul on {device}, best of 5"
+    print(f"matmul rate {rate / 1e12:.3f} TFLOP/s ({measured})", file=sys.stderr)
+    # 2) Both models on the same weights: HF's random shape or checkpoint, ours built from it
+    hf, engine = load_models(args.model, device, args.dtype, args.max_batch_size,
+                             args.max_seq_len, args.plugins, args.max_num_batched_tokens)
+    if args.no_hf:
+        del hf
+    print(engine.plan, file=sys.stderr)
+    print(f"infergraft: {len(requests)} requests at once ...", file=sys.stderr)
+    ours = offline_summary(engine, requests, None)
+    config = {"max_batch_size": engine.plan.max_batch_size,
+              "max_seq_len": engine.plan.max_seq_len,
+              "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+              "cache_backend": engine.plan.cache_backend}
+    floor = compute_floor(engine.spec, requests, rate, measured)
+    # 3) HF after ours, our weights and cache freed first
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rows = {"infergraft": ours}
+    hf_row = None if args.no_hf else _hf(hf, requests)
+    if hf_row is not None and "completed" in hf_row:
+        rows["HF CB"] = hf_row
+    for s in rows.values():
+        s["over_floor"] = s["output_throughput"] / floor["output_throughput"]
+    _write(args, config, ours, hf_row, floor, rows)
+    return 0 if ours["completed"] == len(requests) else 1
+
+
+def _hf(hf, requests) -> dict:
+    """HF's summary, or {"error": ...} when its side failed (ours stands)."""
+    print(f"HF continuous batching: {len(requests)} requests at once ...", file=sys.stderr)
+    try:
+        return hf_summary(hf, requests)
+    except Exception as e:  # HF's side: our figures and the floor stand
+        print(f"HF continuous batching failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _write(args, config, ours, hf_row, floor, rows) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = describe_device(args.device)
+    (out / "throughput.json").write_text(json.dumps(jsonable({
+        "benchmark": "throughput", "model": args.model, "dataset": args.dataset,
+        "args": _arguments(args), "device": device, "engine_config": config,
+        "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(),
+        "infergraft": ours, "hf": hf_row, "floor": floor,
+    }), indent=2))
+    print(table(rows, floor))
+    if hf_row is not None and "error" in hf_row:
+        print(f"HF continuous batching failed: {hf_row['error']}")
+    title = (f"{args.model} {str(args.dtype)[6:]} on {device}, {args.num_prompts} x "
+             f"{args.dataset} ({args.prompt_len} + {args.output_len})")
+    plotted = plot(rows, floor, out / "throughput.png", title)
+    print(f"\nwrote {out / 'throughput.json'}" + (f" and {out / 'throughput.png'}" if plotted
+          else " (no throughput.png: matplotlib is not installed; "
+               "pip install 'infergraft[bench]')"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="infergraft bench throughput", description=__doc__)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        resolve(args)
+    except PlanError as e:  # a bad flag: usage and exit 2, as argparse's own errors
+        p.error(str(e))
+    except InfergraftError as e:  # the model's config.json refused (vocab_size)
+        return _failed(e)
+    try:
+        return measure(args)
+    except InfergraftError as e:
+        return _failed(e)
+
+
+def _failed(e: InfergraftError) -> int:
+    print(f"infergraft bench throughput: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

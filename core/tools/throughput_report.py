@@ -1,0 +1,146 @@
+"""How ``infergraft bench throughput`` judges and shows a run: the workload's compute floor,
+the table of our engine beside HF's continuous batching, and the plot.
+
+The compute floor is the output throughput at which the workload's FLOPs would take the
+device's matmul rate (``bench.matmul_rate``, measured in the same run at the run's
+dtype). Counted, from the model's shapes (``ModelSpec``), per request of P prompt and O
+output tokens:
+- the layers' matmuls (qkv, o, gate_up or fc_in, down): 2 FLOPs a weight for each of the
+  P + O - 1 tokens fed through the model (the last output token is sampled, never fed);
+- the LM head: 2 H V FLOPs for each of the O rows sampled from (one a token, the prompt's
+  last position giving the first);
+- attention: QK^T and PV, 4 q_size FLOPs a layer for each key a fed token attends to (its
+  position + 1, at most the sliding window): the causal triangle, no padding.
+Not counted: norms, rotary, softmax, SiLU, the embedding lookup, biases. Every prompt
+token is counted as computed, so a cache that reuses a shared prefix (the ``prefix``
+dataset) can beat the floor. Decode steps of a small batch are bound by memory (every
+weight read a step), not compute: there ours / floor is far below 1 by nature.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .serve_report import SECTIONS, fmt
+
+LABEL, COLUMN = 34, 14
+QUANTILES = ("p50", "p90", "p99")
+
+
+def workload_flops(spec, requests) -> dict:
+    """{matmul, lm_head, attention, total}: the FLOPs of ``requests``
+    (serve_workload.Request) on a model of ``spec``, counted as the module says."""
+    h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    layer_weights = h * (q + 2 * kv) + q * h + h * i * (3 if spec.gated_mlp else 2)
+    fed = sum(len(r.prompt) + r.output_len - 1 for r in requests)
+    sampled = sum(r.output_len for r in requests)
+    keys = sum(_keys_attended(len(r.prompt) + r.output_len - 1, spec.sliding_window)
+               for r in requests)
+    out = {"matmul": 2 * spec.num_layers * layer_weights * fed,
+           "lm_head": 2 * h * spec.vocab_size * sampled,
+           "attention": 4 * spec.num_layers * q * keys}
+    return dict(out, total=sum(out.values()))
+
+
+def _keys_attended(tokens: int, window: int | None) -> int:
+    """Sum over positions 0..tokens-1 of the keys each attends to: min(pos + 1, window)."""
+    w = min(tokens, window or tokens)
+    return w * (w + 1) // 2 + (tokens - w) * w
+
+
+def compute_floor(spec, requests, rate: float, measured: str) -> dict:
+    """The floor of ``requests`` at ``rate`` FLOP/s (``measured``: how the rate was
+    measured): its FLOPs, seconds and throughputs."""
+    flops = workload_flops(spec, requests)
+    seconds = flops["total"] / rate
+    out_tokens = sum(r.output_len for r in requests)
+    in_tokens = sum(len(r.prompt) for r in requests)
+    return {"matmul_flops_per_s": rate, "rate_measured": measured, "flops": flops,
+            "duration_s": seconds,
+            "output_throughput": out_tokens / seconds,
+            "total_token_throughput": (in_tokens + out_tokens) / seconds,
+            "request_throughput": len(requests) / seconds}
+
+
+def table(rows: dict[str, dict], floor: dict) -> str:
+    """Each system's summary (serve_workload.summarise, ``over_floor`` added) in a column,
+    the floor's throughputs beside them, then how the floor was reached."""
+    names = [*rows, "compute floor"]
+    width = LABEL + COLUMN * len(names)
+    lines = [" Throughput Benchmark Result ".center(width, "="),
+             " " * LABEL + "".join(f"{n:>{COLUMN}}" for n in names)]
+
+    def line(label: str, key, floor_value=None) -> None:
+        values = [s.get(key) if isinstance(key, str) else key(s) for s in rows.values()]
+        lines.append(f"{label:<{LABEL}}" + "".join(f"{fmt(v):>{COLUMN}}" for v in values) +
+                     f"{fmt(floor_value):>{COLUMN}}")
+
+    line("Successful requests", "completed")
+    line("Failed requests", "failed")
+    line("Benchmark duration (s)", "duration_s", floor["duration_s"])
+    line("Total input tokens", "total_input_tokens")
+    line("Total generated tokens", "total_output_tokens")
+    line("Request throughput (req/s)", "request_throughput", floor["request_throughput"])
+    line("Output token throughput (tok/s)", "output_throughput", floor["output_throughput"])
+    line("Total token throughput (tok/s)", "total_token_throughput",
+         floor["total_token_throughput"])
+    line("Output tok/s / compute floor", lambda s: _percent(s.get("over_floor")))
+    for key, short, title in SECTIONS[:3]:  # TTFT, TPOT, ITL
+        lines.append(f" {title} ".center(width, "-"))
+        for q in QUANTILES:
+            line(f"{q.upper()} {short} (ms)", lambda s, k=key, q=q: (s.get(k) or {}).get(q))
+    lines.append("=" * width)
+    steps = next((s["engine"] for s in rows.values() if s.get("engine")), None)
+    if steps:
+        lines.append(f"engine steps: {steps['num_steps']} ({steps['num_prefill_steps']} with "
+                     f"prompt tokens), {steps['step_seconds_total']:.2f} s in them")
+    f = floor["flops"]
+    lines.append(f"compute floor: {f['total'] / 1e9:.2f} GFLOP (matmuls "
+                 f"{f['matmul'] / 1e9:.2f}, LM head {f['lm_head'] / 1e9:.2f}, attention "
+                 f"{f['attention'] / 1e9:.2f}) at {floor['matmul_flops_per_s'] / 1e12:.3f} "
+                 f"TFLOP/s ({floor['rate_measured']})")
+    for name, s in rows.items():
+        if s.get("first_error"):
+            lines.append(f"{name} first error: {s['first_error']}")
+    return "\n".join(lines)
+
+
+def _percent(x) -> str | None:
+    return None if x is None else f"{x:.1%}"
+
+
+def plot(rows: dict[str, dict], floor: dict, path: Path, title: str) -> bool:
+    """Output and total token throughput of each system and the floor (bars), and TTFT,
+    TPOT, ITL P50/P90/P99 of each system (log scale); False (nothing written) when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (thr, lat) = plt.subplots(1, 2, figsize=(11, 4))
+    bars = {**rows, "compute floor": floor}
+    for k, key in enumerate(("output_throughput", "total_token_throughput")):
+        xs = [j + 0.4 * k for j in range(len(bars))]
+        thr.bar(xs, [s.get(key) or 0 for s in bars.values()], width=0.4,
+                label=key.replace("_throughput", " tok/s").replace("_token", ""))
+    thr.set_xticks([j + 0.2 for j in range(len(bars))], list(bars))
+    thr.set(yscale="log", ylabel="tokens / s", title="throughput")
+    thr.legend(fontsize=8)
+    labels = [f"{short} {q.upper()}" for _, short, _ in SECTIONS[:3] for q in QUANTILES]
+    step = 0.8 / max(1, len(rows))
+    for k, (name, s) in enumerate(rows.items()):  # one colour a system
+        ys = [(s.get(key) or {}).get(q) for key, _, _ in SECTIONS[:3] for q in QUANTILES]
+        lat.bar([j + step * k for j in range(len(labels))],
+                [math.nan if y is None else y for y in ys], width=step, label=name)
+    lat.set_xticks([j + 0.4 - step / 2 for j in range(len(labels))], labels, rotation=45,
+                   fontsize=8)
+    lat.set(yscale="log", ylabel="latency (ms)", title="latency percentiles")
+    lat.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
