@@ -35,6 +35,7 @@ OPS = {
     "gelu": "gelu",
     "kv_write_int8": "kv_write",
     "paged_attention": "paged_attention",
+    "varlen_attention": "varlen_attention",
     "int8_linear": "int8_linear",
     "embed_sum_sq": "embedding",
     "logits_argmax": "greedy",

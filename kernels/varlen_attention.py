@@ -1,0 +1,341 @@
+"""Varlen paged attention: a whole mixed step (prompt chunks and decode tokens) in one launch.
+
+Sequence ``b`` owns query rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q (q_len_b of
+them, 0 for a padding sequence); rows from ``cu_seqlens_q[B]`` to T are padding (CUDA-graph
+buckets) and come out zero. ``context_lens[b]`` counts its tokens after this step, whose
+K/V are already in the cache, so its row i sits at position ``context_lens[b] - q_len_b + i``
+and sees keys at positions ``<= `` its own (and ``> pos - W`` with a sliding window ``W``).
+Cache layout, GQA and int8 K/V as ``paged_attention``: token ``p`` at
+``cache[block_tables[b, p // BS], p % BS]``, query head ``h`` reads kv head
+``h // (Hq // Hkv)``, ``k = k_int8 * k_scale``.
+
+The Triton path (as vLLM's unified Triton attention): a program per (query tile, kv head,
+split) takes BLOCK_Q tokens of one sequence x the GROUP query heads of its kv head, so a
+tl.dot tile has BLOCK_M = BLOCK_Q x GROUP rows. Sequence b's tiles start at
+``cu[b] // BLOCK_Q + b``, so ``cdiv(T, BLOCK_Q) + B`` programs cover any step of T rows:
+the grid comes from shapes only, and each program finds its sequence by binary search
+over ``cu_seqlens_q``. Beside prompts and chunks in 64-row tiles, B more programs take the
+sequences of a few tokens (decode) in 16-row ones, all in the one launch
+(``varlen_plan.varlen_plan``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
+from .paged_attention import MERGE_ELEMS, _merge_splits
+from .paged_plan import _sm_count, counters_for
+from .varlen_plan import check_args, tile_counts, varlen_plan
+
+
+def varlen_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                           scale: float, window: int | None = None, k_scale=None, v_scale=None,
+                           *, counters=None):
+    # q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, MB] int;
+    # cu_seqlens_q: [B + 1] int32; context_lens: [B] int; k_scale, v_scale: [NB, BS, Hkv]
+    quant = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, window,
+                       k_scale, v_scale)
+    bs = k_cache.shape[1]
+    cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    assert cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] <= q.shape[0], \
+        f"cu_seqlens_q must rise from 0 to at most T={q.shape[0]}, got {cu}"
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    for b, n in enumerate(lens):
+        q0, qlen = cu[b], cu[b + 1] - cu[b]
+        if qlen == 0:
+            continue
+        assert n >= qlen, f"sequence {b}: context_lens {n} < its {qlen} query rows"
+        prefix = n - qlen
+        # keys from the first one its first query sees; whole blocks gathered, then cut
+        start = max(0, prefix - window + 1) if window else 0
+        blocks = block_tables[b, start // bs:-(-n // bs)].long()
+        cut = slice(start % bs, start % bs + n - start)
+        k = k_cache[blocks].flatten(0, 1)[cut]                          # [L, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[cut]
+        if quant:
+            k = k.float() * k_scale[blocks].flatten(0, 1)[cut][..., None]
+            v = v.float() * v_scale[blocks].flatten(0, 1)[cut][..., None]
+        mask, causal = None, False
+        if qlen > 1 and prefix == 0 and (not window or window >= n):
+            causal = True  # a fresh prompt: the square causal mask
+        elif qlen > 1:
+            qpos = torch.arange(prefix, n, device=q.device)[:, None]    # [Q, 1]
+            kpos = torch.arange(start, n, device=q.device)[None, :]     # [1, L]
+            mask = kpos <= qpos
+            if window:
+                mask = mask & (kpos > qpos - window)                   # [Q, L]
+        o = F.scaled_dot_product_attention(
+            q[q0:q0 + qlen].float().transpose(0, 1), k.float().transpose(0, 1),
+            v.float().transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True)                                           # [Hq, Q, D]
+        out[q0:q0 + qlen] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _find_seq(cu_ptr, tile, nseq, BLOCK_Q: tl.constexpr):
+        """The last b in [0, nseq] whose tiles start at or before ``tile`` (tile start of
+        b: cu[b] // BLOCK_Q + b, strictly rising in b); nseq: the padding rows' tiles."""
+        lo: tl.int32 = 0
+        hi = nseq + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(cu_ptr + mid) // BLOCK_Q + mid <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _attend_tile(
+        q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, sem_ptr,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_vb, stride_vs,
+        stride_ksb, stride_kss, stride_vsb, stride_vss, stride_ot, stride_oh,
+        scale, window, BS, D, hkv, tile, q0, qlen, j, length,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+        QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr):
+        """Tokens j * BLOCK_Q ... of one sequence (rows from q0, qlen of them, length tokens
+        after this step) x the GROUP query heads of kv head hkv, over this split's keys.
+        kc/vc/ks/vs point at kv head hkv, bt at the sequence's table row."""
+        sp, nsplit = tl.program_id(2), tl.num_programs(2)
+        hq = tl.num_programs(1) * GROUP
+        r = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        qi, g = r // GROUP, r % GROUP  # row r: token qi of the tile, query head g of the group
+        head = hkv * GROUP + g                                              # [M]
+        local = j * BLOCK_Q + qi                                            # [M]
+        rmask = (qi < BLOCK_Q) & (local < qlen)
+        tok = (q0 + local).to(tl.int64)
+        qpos = length - qlen + local                                        # [M]
+        wlo = tl.where(window > 0, qpos - window, -1)  # a row sees keys in (wlo, qpos]
+        # 1) the keys any row of the tile sees: [lo_t, hi_t), never below the first
+        # query's window (blocks there may be freed) nor past the context; split sp
+        # takes whole key tiles [lo_t + sp * P, lo_t + (sp + 1) * P), P from the actual
+        # span (a graph captured for a wide table still spreads short ones over S)
+        first = length - qlen + j * BLOCK_Q
+        hi_t = length - qlen + tl.minimum(j * BLOCK_Q + BLOCK_Q, qlen)
+        lo_t = tl.where(window > 0, tl.maximum(first - window + 1, 0), 0)
+        per = ((hi_t - lo_t + nsplit - 1) // nsplit + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = lo_t + sp * per
+        hi = tl.minimum(lo + per, hi_t)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)      # [M, D]
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.full([BLOCK_M], 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+        # 2) online softmax; a row may see none of a key tile (causal or window), so its
+        # max stays -inf and is read as 0 in the exponents
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            valid = pos < hi                                                # [N]
+            blk = tl.load(bt_ptr + pos // BS, mask=valid, other=0).to(tl.int64)
+            off = (pos % BS).to(tl.int64)
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
+                        mask=kv_mask, other=0)                              # [N, D]
+            v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
+                        mask=kv_mask, other=0)                              # [N, D]
+            kf = tl.trans(k.to(q.dtype))                                  # [D, N]
+            if IEEE:
+                s = tl.dot(q, kf, input_precision="ieee")                 # [M, N] f32
+            else:
+                s = tl.dot(q, kf)
+            if QUANT:
+                s = s * tl.load(ks_ptr + blk * stride_ksb + off * stride_kss, mask=valid,
+                                other=0.0)[None, :]
+            seen = valid[None, :] & (pos[None, :] <= qpos[:, None]) \
+                & (pos[None, :] > wlo[:, None])                               # [M, N]
+            s = tl.where(seen, s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(s - m_use[:, None])                                # [M, N]
+            l = l * alpha + tl.sum(p, 1)
+            if QUANT:
+                p = p * tl.load(vs_ptr + blk * stride_vsb + off * stride_vss, mask=valid,
+                                other=0.0)[None, :]
+            if IEEE:  # float32 K/V: exact float32 product
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [M, D]
+            else:  # 16-bit: p rounded to q's dtype, on tensor cores
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        md_mask = rmask[:, None] & dmask[None, :]
+        if SPLIT:
+            # 3) scratch rows (tok * Hq + head) * S + sp; a split a row sees nothing of
+            # stores m=-inf, l=0, acc=0, and weighs 0 in the merge
+            row = (tok * hq + head) * nsplit + sp                            # [M]
+            tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=md_mask)
+            tl.store(m_ptr + row, m, mask=rmask)
+            tl.store(l_ptr + row, l, mask=rmask)
+            if FUSED:
+                cnt = sem_ptr + tile * tl.num_programs(1) + hkv  # this (tile, kv head)
+                if last_to_arrive(cnt, nsplit):
+                    # last to finish: the other S - 1 partials are visible (acquire)
+                    h0 = hkv * GROUP
+                    t0 = (q0 + j * BLOCK_Q).to(tl.int64)
+                    for i in range(0, tl.minimum(BLOCK_Q, qlen - j * BLOCK_Q)):
+                        tt = t0 + i  # the tile's tokens, one at a time
+                        _merge_splits(acc_ptr, m_ptr, l_ptr, (tt * hq + h0) * nsplit, GROUP,
+                                      out_ptr + tt * stride_ot + h0 * stride_oh, stride_oh,
+                                      nsplit, D, BLOCK_H, BLOCK_S, BLOCK_D)
+                    tl.store(cnt, 0)  # zero again for the next call or graph replay
+        else:
+            # every row sees at least its own key (l > 0); rows past the tile's are masked
+            out = acc / tl.where(l > 0, l, 1.0)[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=md_mask)
+
+    @triton.jit
+    def _varlen_kernel(
+        q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+        acc_ptr, m_ptr, l_ptr, sem_ptr,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
+        stride_btb, stride_ot, stride_oh,
+        scale, window, num_tokens, nseq, n_long, short_max, BS, D,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SHORT_Q: tl.constexpr, SHORT_M: tl.constexpr, SHORT_N: tl.constexpr,
+        QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        # The first n_long programs take BLOCK_M-row tiles, the longest first (a sequence's
+        # last tiles see the most keys); with SHORT_M > 0, B more take one sequence of 1
+        # to SHORT_Q = short_max tokens each (decode tokens) in SHORT_M-row tiles, and the
+        # BLOCK_M tiles only the longer ones.
+        tile = tl.program_id(0)
+        hkv = tl.program_id(1).to(tl.int64)
+        kc, vc = kc_ptr + hkv * stride_kh, vc_ptr + hkv * stride_vh
+        ks, vs = ks_ptr + hkv * stride_ksh, vs_ptr + hkv * stride_vsh
+        if SHORT_M > 0:
+            if tile >= n_long:
+                b = tile - n_long
+                q0 = tl.load(cu_ptr + b)
+                qlen = tl.load(cu_ptr + b + 1) - q0
+                if (qlen > 0) & (qlen <= SHORT_Q):
+                    _attend_tile(
+                        q_ptr, kc, vc, ks, vs, bt_ptr + b.to(tl.int64) * stride_btb, out_ptr,
+                        acc_ptr, m_ptr, l_ptr, sem_ptr, stride_qt, stride_qh, stride_kb,
+                        stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb,
+                        stride_vss, stride_ot, stride_oh, scale, window, BS, D, hkv, tile, q0,
+                        qlen, 0, tl.load(lens_ptr + b).to(tl.int32), GROUP, SHORT_Q,
+                        SHORT_M, SHORT_N, BLOCK_D, BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED)
+                return
+        # the BLOCK_M tiles: sequence b's start at cu[b] // BLOCK_Q + b; the padding rows
+        # after cu[B] take the tiles past the last sequence's
+        t = n_long - 1 - tile
+        b = _find_seq(cu_ptr, t, nseq, BLOCK_Q)
+        q0 = tl.load(cu_ptr + b)
+        j = t - (q0 // BLOCK_Q + b)  # this program's tile of sequence b
+        if b == nseq:
+            if tl.program_id(2) == 0:  # zeros, once
+                r = tl.arange(0, BLOCK_M)
+                d = tl.arange(0, BLOCK_D)
+                pad = q0 + j * BLOCK_Q + r // GROUP
+                pmask = (r // GROUP < BLOCK_Q) & (pad < num_tokens)
+                tl.store(out_ptr + pad.to(tl.int64)[:, None] * stride_ot
+                         + (hkv * GROUP + r % GROUP)[:, None] * stride_oh + d[None, :],
+                         tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32).to(out_ptr.dtype.element_ty),
+                         mask=pmask[:, None] & (d < D)[None, :])
+            return
+        qlen = tl.load(cu_ptr + b + 1) - q0
+        # a spare tile of this sequence, or a sequence the short tiles took
+        if (j * BLOCK_Q >= qlen) | (qlen <= short_max):
+            return
+        _attend_tile(
+            q_ptr, kc, vc, ks, vs, bt_ptr + b.to(tl.int64) * stride_btb, out_ptr, acc_ptr,
+            m_ptr, l_ptr, sem_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_vb,
+            stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, stride_ot, stride_oh,
+            scale, window, BS, D, hkv, tile, q0, qlen, j, tl.load(lens_ptr + b).to(tl.int32),
+            GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED)
+
+    @triton.jit
+    def _varlen_combine_kernel(acc_ptr, m_ptr, l_ptr, cu_ptr, out_ptr, stride_ot, stride_oh,
+                               nseq, NSPLIT, D, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        # One program per (query row, kv head): merge its GROUP heads' splits. Padding
+        # rows (after cu[B]) the main kernel has zeroed.
+        t = tl.program_id(0).to(tl.int64)
+        h0 = tl.program_id(1).to(tl.int64) * GROUP
+        if t < tl.load(cu_ptr + nseq):
+            hq = tl.num_programs(1) * GROUP
+            _merge_splits(acc_ptr, m_ptr, l_ptr, (t * hq + h0) * NSPLIT, GROUP,
+                          out_ptr + t * stride_ot + h0 * stride_oh, stride_oh, NSPLIT, D,
+                          BLOCK_H, BLOCK_S, BLOCK_D)
+
+
+def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                            scale: float, window: int | None = None, k_scale=None, v_scale=None,
+                            *, num_splits: int | None = None, block_m: int | None = None,
+                            block_n: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None, fused_combine: bool = True,
+                            counters=None):
+    """Same contract as ``varlen_attention_torch``; returns a new [T, Hq, D] tensor.
+
+    One launch for the step (two with a second-kernel merge); the grid and every tile
+    from shapes only (``varlen_plan``), so a CUDA graph replays it with other lengths.
+    With S > 1 splits of each tile's keys (``num_splits``, automatic when None) the
+    partial softmaxes are merged by the last split of each (tile, kv head) to finish
+    (counted on ``counters``, a ``paged_plan.CounterPool``, or the shared one), or with
+    ``fused_combine=False`` (also when the counters would have to grow during a capture,
+    or S x D exceeds ``MERGE_ELEMS``) by a second kernel. ``block_m`` (rows of the dot
+    tile: tokens x query heads per kv head), ``block_n`` (keys per tile), ``num_warps``
+    and ``num_stages`` are tuning knobs."""
+    quant = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, window,
+                       k_scale, v_scale)
+    ntok, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    bsz, group = block_tables.shape[0], hq // hkv
+    plan = varlen_plan(ntok, bsz, hkv, group, block_tables.shape[1] * bs, window,
+                       _sm_count(q.device), head_dim=d, elem_bytes=q.element_size(),
+                       quant=quant, num_splits=num_splits, block_m=block_m, block_n=block_n,
+                       num_warps=num_warps, num_stages=num_stages)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if ntok == 0:
+        return out
+    if bsz == 0:  # no sequence: every row is padding
+        return out.zero_()
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+    cu_seqlens_q = cu_seqlens_q.contiguous()
+    ks, vs = (k_scale, v_scale) if quant else (k_cache, v_cache)  # unused when not QUANT
+    sks = ks.stride() if quant else (0, 0, 0)
+    svs = vs.stride() if quant else (0, 0, 0)
+    nsplit, block_d = plan["nsplit"], max(16, next_pow2(d))
+    short = plan["short_m"] > 0
+    tiles, _ = tile_counts(ntok, bsz, plan["block_q"], short)
+    block_s, sems = next_pow2(nsplit), None
+    if nsplit > 1:  # scratch: acc [T, Hq, S, D], m and l [T, Hq, S] (float32)
+        acc = torch.empty((ntok, hq, nsplit, d), dtype=torch.float32, device=q.device)
+        ml = torch.empty((2, ntok, hq, nsplit), dtype=torch.float32, device=q.device)
+        m, l = ml[0], ml[1]
+        if fused_combine and block_s * block_d <= MERGE_ELEMS:  # counters [tiles, Hkv]
+            sems = counters_for(counters, q.device, tiles * hkv)
+    else:
+        acc = m = l = out  # unused when not SPLIT
+    # a merge takes BLOCK_H of the GROUP heads at a time ([H, S, D] in registers)
+    block_h = min(next_pow2(group), max(1, MERGE_ELEMS // (block_s * block_d)))
+    _varlen_kernel[(tiles, hkv, nsplit)](
+        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out, acc, m, l,
+        out if sems is None else sems,  # counters unused when not FUSED
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        float(scale), int(window or 0), ntok, bsz, tiles - (bsz if short else 0),
+        plan["short_q"], bs, d,
+        GROUP=group, BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
+        SHORT_Q=plan["short_q"], SHORT_M=plan["short_m"], SHORT_N=plan["short_n"],
+        QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1, FUSED=sems is not None,
+        BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_S=block_s, **plan["tune"],
+        **pdl_launch(q.device))
+    if nsplit > 1 and sems is None:
+        _varlen_combine_kernel[(ntok, hkv)](
+            acc, m, l, cu_seqlens_q, out, out.stride(0), out.stride(1), bsz, nsplit, d,
+            GROUP=group, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+            **pdl_launch(q.device))
+    return out
