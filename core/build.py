@@ -4,6 +4,7 @@ The steps, in order, are the "How a build flows" section of docs/architecture.md
 from __future__ import annotations
 
 import time
+import warnings
 
 import attrs
 import torch
@@ -20,6 +21,7 @@ from .plan import Plan
 from .plugin_manager import get_plugin_manager
 from .runner.model import DecoderModel
 from .runner.model_runner import decode_graphs_for, prefill_graphs_for
+from .runner.step_graph import step_graphs_for
 from .selection import (DEFAULT_CACHE_BACKEND, DEFAULT_PLANNER, DTYPES, choose_policy,
                         resolve_device, resolve_dtype, select_plugins)
 from .units import element_bytes
@@ -64,22 +66,26 @@ def _weight_quantizer(quantizers):
 def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
           device_memory=None, cuda_graphs: bool | None = None,
-          prefill_graphs: bool | None = None, max_num_batched_tokens: int | None = None,
+          prefill_graphs: bool | None = None, step_graphs: bool | None = None,
+          max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
           **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine.
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
     a ``max_num_batched_tokens`` step must fit in (default: the free memory of a CUDA device;
     on the CPU the host's physical memory). ``cuda_graphs``: decode under CUDA graphs
-    (default: on CUDA when the cache supports it); ``prefill_graphs``: a single fresh
-    prompt's prefill too, per length bucket (default: with ``cuda_graphs`` when the cache
-    supports it). ``max_num_batched_tokens``: prompt tokens one prefill step feeds at most
-    (default max(max_seq_len, 2048)); a longer prompt is prefilled in chunks, each step
-    also carrying one decode token of every running sequence. ``plugins=["tp"]`` under
-    torchrun: tensor parallel over the ranks (core/distributed/)."""
+    (default: on CUDA when the cache supports it); ``step_graphs``: every other step too,
+    per token-count bucket (default: with ``cuda_graphs`` where the cache supports it: the
+    paged cache); ``prefill_graphs``: a single fresh prompt's prefill, per length bucket,
+    on caches without step graphs (default: with ``cuda_graphs`` where the cache supports
+    it: the contiguous one). ``max_num_batched_tokens``: tokens one step carries at most,
+    decode tokens and prompt chunks together (default ``scheduler.DEFAULT_BATCHED_TOKENS``);
+    longer prompts are split (``max_prefill_tokens``: its old name, deprecated).
+    ``plugins=["tp"]`` under torchrun: tensor parallel over the ranks (core/distributed/)."""
     t0 = time.perf_counter()
+    max_num_batched_tokens = _budget_alias(max_num_batched_tokens, max_prefill_tokens)
     for flag, value in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs),
-                        ("progress", progress)):
+                        ("step_graphs", step_graphs), ("progress", progress)):
         if value is not None and not isinstance(value, bool):
             raise PlanError(f"{flag} must be True, False or None (the default), got {value!r}")
     pm, sel = select_plugins(get_plugin_manager(), plugins)
@@ -100,7 +106,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     rank = rank_setup(planner, spec, parallel)  # what this process runs of the plan
     device, run_spec = rank_device(device, parallel), rank.spec
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
-    prefill_tokens = step_token_budget(max_num_batched_tokens, max_seq_len)
+    step_tokens = step_token_budget(max_num_batched_tokens, max_seq_len)
     from infergraft.kernels import get_ops  # here, not at import: it imports triton
 
     ops = get_ops(device, kernels)
@@ -116,8 +122,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         kv_bytes_per_token=backend.bytes_per_token(run_spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(run_spec, dtype),
         options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window,
-        max_num_batched_tokens=prefill_tokens,
-        activation_bytes=activation_bytes(run_spec, dtype, prefill_tokens, max_batch_size))
+        max_num_batched_tokens=step_tokens,
+        activation_bytes=activation_bytes(run_spec, dtype, step_tokens, max_batch_size))
     plan = _with_activations(pm.prepare_plan(plan, spec), plan, run_spec, dtype)
     budget, budget_source = device_budget(device, device_memory)
     kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
@@ -145,15 +151,29 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = prefill_graphs_for(net, cache, plan, engine.decode_graphs,
                                                prefill_graphs)
+    engine.runner.step_graphs = step_graphs_for(net, cache, plan, engine.decode_graphs,
+                                                plan.max_num_batched_tokens, step_graphs)
     engine.build_seconds = time.perf_counter() - t0
     return engine
+
+
+def _budget_alias(budget, old):
+    """``max_num_batched_tokens``, or the value given under its old name (warned)."""
+    if old is None:
+        return budget
+    if budget is not None and budget != old:
+        raise PlanError(f"max_prefill_tokens={old!r} and max_num_batched_tokens={budget!r} "
+                        "name the same step budget; give only max_num_batched_tokens")
+    warnings.warn("max_prefill_tokens is now max_num_batched_tokens (the step's token budget, "
+                  "decode tokens included)", DeprecationWarning, stacklevel=3)
+    return old
 
 
 def _with_activations(plan, before, spec, dtype):
     """``plan`` (from the prepare_plan hooks) with its activation bytes recounted for its
     batch and prefill step, unless a hook set them itself (they differ from ``before``)."""
-    prefill_tokens = step_token_budget(plan.max_num_batched_tokens, plan.max_seq_len)
+    step_tokens = step_token_budget(plan.max_num_batched_tokens, plan.max_seq_len)
     counted = plan.activation_bytes
     if counted == before.activation_bytes:  # a hook may have changed the batch or the step
-        counted = activation_bytes(spec, dtype, prefill_tokens, plan.max_batch_size)
-    return attrs.evolve(plan, max_num_batched_tokens=prefill_tokens, activation_bytes=counted)
+        counted = activation_bytes(spec, dtype, step_tokens, plan.max_batch_size)
+    return attrs.evolve(plan, max_num_batched_tokens=step_tokens, activation_bytes=counted)

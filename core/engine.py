@@ -33,7 +33,7 @@ class Engine:
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.plan, self.spec = plan, spec
         self.device = torch.device(plan.device)
-        # tokens one prefill step feeds at most (longer prompts go in chunks)
+        # tokens one step carries at most (longer prompts go in chunks)
         self.scheduler = Scheduler(cache, plan.max_batch_size, max_num_batched_tokens=(
             max_num_batched_tokens or default_batched_tokens(plan.max_seq_len)))
         eos = set(spec.eos_token_ids)
@@ -67,10 +67,7 @@ class Engine:
 
     @prefill_graphs.setter
     def prefill_graphs(self, graphs):
-        # a prompt the graphs can replay is admitted alone: decode riders would stop it
         self.runner.prefill_graphs = graphs
-        self.scheduler.prefill_alone = None if graphs is None else \
-            (lambda seqs, counts: graphs.bucket(seqs, counts) is not None)
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

@@ -61,7 +61,7 @@ def resolve_sizes(spec, max_seq_len, max_batch_size) -> tuple[int, int]:
 
 
 def step_token_budget(max_num_batched_tokens, max_seq_len: int) -> int:
-    """Tokens one prefill step feeds at most: ``max_num_batched_tokens``, or the engine's
+    """Tokens one step carries at most: ``max_num_batched_tokens``, or the engine's
     default (``scheduler.default_batched_tokens``) for None."""
     if max_num_batched_tokens is None:
         return default_batched_tokens(max_seq_len)
@@ -69,12 +69,12 @@ def step_token_budget(max_num_batched_tokens, max_seq_len: int) -> int:
 
 
 def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size: int) -> int:
-    """Upper bound of the transient bytes one forward step of ``step_tokens`` prefill
-    tokens holds at its peak: an estimate from the shapes, not a measurement.
+    """Upper bound of the transient bytes one forward step of ``step_tokens`` tokens (the
+    step's token budget: decode tokens and prompt chunks together) holds at its peak: an
+    estimate from the shapes, not a measurement.
 
     Counted, in ``dtype``: the tensors ``core.model.DecoderLayer.forward`` keeps alive
-    together (the formula below) for T = step_tokens + max_batch_size - 1 rows (one
-    decode token of every other running sequence may ride along a prefill step), plus
+    together (the formula below) for T = step_tokens rows, plus
     the LM head's logits and their float32 copy for max_batch_size rows (a step samples
     one row per sequence). Not counted: scratch inside kernels (attention workspace; the
     CPU's torch reference ops add float32 temporaries, the Triton kernels on CUDA none),
@@ -92,7 +92,7 @@ def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size:
     # the MLP (o output, attention output, gate_up and its activation: H + q + 3I, or
     # fc_in and its activation: H + q + 2I).
     per_row = 4 * h + max(3 * q + 3 * kv, 3 * h + q, h + q + mlp)
-    rows = step_tokens + max_batch_size - 1
+    rows = step_tokens
     e = element_bytes(dtype)
     logits_per_row = spec.vocab_size * (4 if e == 4 else e + 4)  # float32: no copy
     return rows * per_row * e + max_batch_size * logits_per_row
@@ -147,7 +147,7 @@ class MemoryPlan(KVSizes):
     budget_source: str = ""
     sliding_window: Optional[int] = None  # the model's attention window, if any
     activation_bytes: int = 0  # the largest step's transient tensors (activation_bytes())
-    max_num_batched_tokens: Optional[int] = None  # that step's prefill tokens
+    max_num_batched_tokens: Optional[int] = None  # that step's tokens
 
     @property
     def window_tokens(self) -> Optional[int]:

@@ -47,7 +47,7 @@ class Plan(KVSizes):
     kv_bytes_per_token: int
     options: tuple[tuple[str, Any], ...] = ()
     sliding_window: int | None = None  # the model's attention window (caches may hold less)
-    max_num_batched_tokens: int | None = None  # tokens one prefill step feeds at most
+    max_num_batched_tokens: int | None = None  # tokens one step carries at most
     activation_bytes: int = 0  # that step's transient tensors (core.memory.activation_bytes)
 
     def rows(self) -> list[tuple[str, str]]:

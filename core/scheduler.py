@@ -1,39 +1,43 @@
-"""Continuous batching: admit waiting requests while the cache has room, else decode.
+"""Continuous batching with token-budget steps (DeepSpeed-FastGen's Dynamic SplitFuse,
+vLLM's chunked prefill).
 
-Each step is either a prefill of newly admitted sequences or one decode token for
-running sequences; finished sequences leave (and free their cache) between steps, so
-new requests join a running batch without waiting for it to drain; the running sequences'
-decode tokens ride in the admission step too (one each), unless the admitted prompt
-could replay a captured prefill graph (``prefill_alone``), which takes it alone. A prompt
-longer than ``max_num_batched_tokens`` is prefilled in chunks of that size (its cache
-reserved whole at admission), one chunk per step, and the decode tokens ride in each, so
-the running sequences' tokens keep coming every step; where the cache cannot take both,
-chunk steps and decode steps alternate. Waiting prompts that fit whole in what a chunk
-leaves of the budget (its last, short chunk) join that step. The prompt samples its
-first token after its last chunk.
+Every step carries at most ``max_num_batched_tokens`` tokens: first the running
+sequences, oldest first (one token for each decoding sequence, the next chunk of a prompt
+still prefilling), then waiting prompts while the budget, the batch and the cache take
+them. A prompt longer than what the budget leaves is split: its first chunk fills the
+step and the rest follow in later steps (its cache is reserved whole at admission), so
+long prompts are fed in pieces and short ones fused, and the decoding sequences' tokens
+keep coming every step. A prompt samples its first token after its last chunk.
 
-When the cache runs short (a paged cache out of blocks, an offloaded one whose fast
-pool cannot hold every running sequence at once) the decode step takes the running
-sequences that fit, oldest first, and the others sit this step out (paused). Only when
-none fits is the newest running sequence preempted by recompute: its cache is freed and
-it goes back to the front of the waiting queue with its tokens so far, to be prefilled
-again (prompt + output) when there is room. No request is ever dropped.
+Running sequences left out of a step (for the budget or for the cache) go first in the
+next one (those that ran longest ago first), so none waits behind the others for long. When the cache runs short (a paged cache out of
+blocks, an offloaded one whose fast pool cannot hold every running sequence at once) the
+step takes the running sequences that fit and the others sit it out (paused), and no
+prompt is admitted. Only when none fits is the newest running sequence preempted by
+recompute: its cache is freed and it goes back to the front of the waiting queue with its
+tokens so far, to be prefilled again (prompt + output) when there is room. No request is
+ever dropped.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 
 import attrs
 
 from .errors import InfergraftError
 from .request import Sequence, Status
 
+#: the step token budget when ``max_num_batched_tokens`` is not given (docs/BENCHMARKS.md,
+#: "Token budget", has the sweep it comes from)
+DEFAULT_BATCHED_TOKENS = 2048
+
 
 def default_batched_tokens(max_seq_len: int) -> int:
-    """Tokens one prefill step feeds at most when ``max_num_batched_tokens`` is not given: a
-    whole ``max_seq_len`` prompt, and no fewer than 2048 (the engine and the memory
-    planner both use this, so the planned step is the one that runs)."""
-    return max(max_seq_len, 2048)
+    """Tokens one step carries at most when ``max_num_batched_tokens`` is not given (the
+    engine and the memory planner both use this, so the planned step is the one that
+    runs). ``max_seq_len`` no longer matters: a longer prompt is chunked."""
+    return DEFAULT_BATCHED_TOKENS
 
 
 class SchedulerError(InfergraftError, RuntimeError):
@@ -42,10 +46,10 @@ class SchedulerError(InfergraftError, RuntimeError):
 
 @attrs.frozen
 class Step:
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" (some sequence feeds prompt tokens) | "decode" (none does)
     seqs: list
-    # tokens each sequence feeds (decode: 1 each; prefill: a chunk or all, and 1 for each
-    # decoding sequence riding along: one that is not ``prefilling``)
+    # tokens each sequence feeds: 1 for a decoding sequence (one that is not
+    # ``prefilling``), the next chunk of its prompt for a prefilling one
     counts: list
 
 
@@ -76,9 +80,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order (oldest first)
         self.num_preemptions = 0
         self.num_paused = 0  # sequence-steps sat out because the cache was short
-        self._last_kind = None  # chunks alternate with decode steps when short of room
-        # (admitted, counts) -> True where the step should run alone (set by the engine)
-        self.prefill_alone = None
+        # running sequence id -> when it last ran (a tick per sequence run: ties never)
+        self._ticks = itertools.count()
+        self._last_ran: dict[int, int] = {}
+        self._last_kind = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -87,6 +92,7 @@ class Scheduler:
         """Run a sequence whose cache is already filled (a fork of a running one)."""
         seq.status = Status.RUNNING
         self.running.append(seq)
+        self._last_ran[seq.id] = next(self._ticks)
 
     def has_room(self) -> bool:
         return len(self.running) < self.max_batch_size
@@ -105,114 +111,82 @@ class Scheduler:
         return step
 
     def _schedule(self) -> Step | None:
-        chunked = [s for s in self.running if s.prefilling]  # oldest first
-        decoding = [s for s in self.running if not s.prefilling]
-        if chunked:
-            # the oldest prompt's next chunk (its cache was reserved at admission), with
-            # the decode tokens riding along; when the cache cannot take both, chunk
-            # steps and decode steps alternate
-            seq = chunked[0]
-            n = min(seq.num_prefill_tokens - seq.num_computed_tokens, self.max_num_batched_tokens)
-            riders = self._riders(decoding, [seq], [n])
-            alternate = not decoding or self._last_kind != "prefill"
-            if riders or (alternate and self.cache.can_append([seq.id], [n])):
-                return self._chunk_step(riders, seq, n)
-        if not chunked:
-            admitted, counts = self._admit()
-            if admitted:
-                self.running.extend(admitted)
-                riders = self._riders(decoding, admitted, counts)
-                return Step("prefill", riders + admitted, [1] * len(riders) + counts)
-        if decoding:
-            batch = self._decode_batch(decoding)
-            if not batch:  # every decoding sequence was preempted: admit or chunk again
-                return self._schedule()
-            return Step("decode", batch, [1] * len(batch))
-        if chunked:
-            raise SchedulerError(f"the cache cannot take the next {n}-token chunk of "
-                                 f"sequence {seq.id} (stats: {self.cache.stats()})")
-        return None
+        while True:
+            seqs, counts, short = self._running_part()
+            if not short:  # a cache that refused a running sequence takes no new prompt
+                admitted, more = self._admit(seqs, counts)
+                seqs, counts = seqs + admitted, counts + more
+            if seqs:
+                self._last_ran.update((s.id, next(self._ticks)) for s in seqs)
+                self.num_paused += short
+                kind = "prefill" if any(s.prefilling for s in seqs) else "decode"
+                return Step(kind, seqs, counts)
+            if not self.running:
+                return self._nothing_fits()
+            if len(self.running) == 1:
+                raise SchedulerError(f"the cache cannot extend its only sequence by "
+                                     f"{counts_needed(self.running[0])} token(s) "
+                                     f"(stats: {self.cache.stats()})")
+            self.preempt(self.running[-1])  # none fits: the newest makes room
 
-    def _chunk_step(self, riders, seq, n) -> Step:
-        """A chunk of ``seq`` (with ``riders``), and whole waiting prompts that fit in what
-        the chunk leaves of ``max_num_batched_tokens`` (vLLM-style: running work first)."""
-        base_ids = [s.id for s in riders] + [seq.id]
-        base_counts = [1] * len(riders) + [n]
-        admitted, counts = self._admit(self.max_num_batched_tokens - n, base_ids, base_counts)
-        self.running.extend(admitted)
-        return Step("prefill", riders + [seq] + admitted, base_counts + counts)
+    def _running_part(self) -> tuple[list[Sequence], list[int], int]:
+        """The running sequences this step takes (those that ran longest ago first, then
+        oldest first), their counts, and how many the cache refused."""
+        budget, seqs, counts, short = self.max_num_batched_tokens, [], [], 0
+        for s in sorted(self.running, key=lambda s: self._last_ran[s.id]):
+            if budget == 0:
+                break
+            n = min(counts_needed(s), budget)
+            if self.cache.can_append([*(x.id for x in seqs), s.id], [*counts, n]):
+                seqs.append(s)
+                counts.append(n)
+                budget -= n
+            else:
+                short += 1
+        return seqs, counts, short
 
-    def _riders(self, decoding, prefilling, counts) -> list[Sequence]:
-        """The decoding sequences that feed their token in this prefill step (admitted
-        prompts, or a chunk): all of them where the cache takes them too and the step
-        need not run alone, else none. ``prefill_alone`` is asked about chunk steps too;
-        the engine's answer for them is no (prefill graphs take fresh prompts only)."""
-        solo = self.prefill_alone
-        if not decoding or (solo is not None and solo(prefilling, counts)):
-            return []
-        ids = [s.id for s in decoding + prefilling]
-        return decoding if self.cache.can_append(ids, [1] * len(decoding) + counts) else []
-
-    def _admit(self, budget=None, base_ids=(), base_counts=()) -> tuple[list[Sequence], list[int]]:
-        """Waiting prompts for a prefill step, oldest first, while the batch, the cache
-        and the token budget take them; only the first of a step without ``base`` work
-        (a chunk in progress) may be a chunk itself. ``budget``: tokens left for them."""
+    def _admit(self, base: list[Sequence], base_counts: list[int]):
+        """Waiting prompts, oldest first, while the batch, the cache and what ``base``
+        leaves of the token budget take them; the last one may be a first chunk."""
         admitted, counts = [], []
-        whole_only = budget is not None
-        budget = self.max_num_batched_tokens if budget is None else budget
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+        budget = self.max_num_batched_tokens - sum(base_counts)
+        ids = [s.id for s in base]
+        while self.waiting and budget > 0 and \
+                len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             n = seq.num_tokens
-            if (admitted or whole_only) and sum(counts) + n > budget:
-                break
             take = min(n, budget)
             if not self.cache.can_allocate(n):
                 break
             self.cache.allocate(seq.id, n)
-            ids = [*base_ids, *(s.id for s in admitted), seq.id]
-            if not self.cache.can_append(ids, [*base_counts, *counts, take]):
+            if not self.cache.can_append([*ids, seq.id], [*base_counts, *counts, take]):
                 self.cache.free(seq.id)  # the step as a whole would not fit
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.num_prefill_tokens, seq.num_computed_tokens = n, 0
             admitted.append(seq)
+            ids.append(seq.id)
             counts.append(take)
-        if whole_only:
-            return admitted, counts
-        # nothing runs and nothing was admitted: no later step would differ, so waiting
-        # would spin forever (the cache refuses the prompt, or the step it would run)
-        if not admitted and self.waiting and not self.running:
-            n = self.waiting[0].num_tokens
-            what = "sequence" if not self.cache.can_allocate(n) else "sequence's prefill step"
-            raise SchedulerError(f"the cache cannot take a {n}-token {what} even with nothing "
-                                 f"running (stats: {self.cache.stats()})")
+            budget -= take
+        self.running.extend(admitted)
         return admitted, counts
 
-    def _decode_batch(self, decoding: list[Sequence]) -> list[Sequence]:
-        if self.cache.can_append([s.id for s in decoding], [1] * len(decoding)):
-            return decoding
-        while True:
-            batch = []
-            for seq in decoding:  # oldest first; the rest pause for this step
-                if self.cache.can_append([s.id for s in batch + [seq]], [1] * (len(batch) + 1)):
-                    batch.append(seq)
-            if batch:
-                self.num_paused += len(decoding) - len(batch)
-                return batch
-            if len(self.running) == 1:
-                raise SchedulerError(f"the cache cannot extend its only sequence by one token "
-                                     f"(stats: {self.cache.stats()})")
-            victim = self.running[-1]
-            self.preempt(victim)
-            decoding = [s for s in decoding if s is not victim]
-            if not decoding:
-                return []
+    def _nothing_fits(self) -> None:
+        """Nothing runs and nothing was admitted: no later step would differ, so waiting
+        would spin forever (the cache refuses the prompt, or the step it would run)."""
+        if not self.waiting:
+            return None
+        n = self.waiting[0].num_tokens
+        what = "sequence" if not self.cache.can_allocate(n) else "sequence's prefill step"
+        raise SchedulerError(f"the cache cannot take a {n}-token {what} even with nothing "
+                             f"running (stats: {self.cache.stats()})")
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the cache, requeue first, keep the tokens so far."""
         self.running.remove(seq)
         self.cache.free(seq.id)
+        self._last_ran.pop(seq.id, None)
         seq.status = Status.WAITING
         seq.num_prefill_tokens = seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -220,6 +194,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)  # first: a sequence that is not running stays as it was
+        self._last_ran.pop(seq.id, None)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.cache.free(seq.id)
 
@@ -232,3 +207,8 @@ class Scheduler:
                 if seq in self.waiting:
                     self.waiting.remove(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
+
+
+def counts_needed(seq: Sequence) -> int:
+    """Tokens a running sequence feeds next at most: the rest of its prompt, or one."""
+    return seq.num_prefill_tokens - seq.num_computed_tokens if seq.prefilling else 1

@@ -25,7 +25,7 @@ from .paged import HOLE, PagedBackend, PagedCache, check_kv_quantizer
 
 class OffloadCache(PagedCache):
     supports_cuda_graphs = False  # per-layer copy-stream waits stay outside graphs
-    supports_prefill_graphs = False
+    supports_step_graphs = False
 
     def __init__(self, spec, *, fast_blocks, num_blocks, device, **kw):
         super().__init__(spec, num_blocks=num_blocks, device=device, storage_blocks=fast_blocks, **kw)

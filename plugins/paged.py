@@ -12,6 +12,8 @@ kernels get; the decode kernel starts at ``length - W`` and never reads it).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
@@ -20,12 +22,11 @@ from infergraft.core.hookspecs import hookimpl
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
 from .paged_graph import PagedGraphInputs, PagedMeta
-from .paged_prefill import PagedPrefillAttention, riders_of
 
 HOLE = -1  # a table entry whose block went back to the pool (out of every later window)
 
 
-class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
+class PagedCache(PagedGraphInputs, KVCache):
     def __init__(self, spec, *, max_seq_len, block_size, num_blocks, device, dtype, ops,
                  kv_quantizer=None, storage_blocks=None):
         self.spec, self.ops, self.device, self.dtype = spec, ops, torch.device(device), dtype
@@ -145,17 +146,18 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
         tables = torch.tensor([p + [0] * (width - len(p)) for p in phys], dtype=torch.int32)
         positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, counts)])
         rows = torch.repeat_interleave(torch.arange(len(phys)), torch.tensor(counts))  # [T]
-        dev = self.device
-        bt = tables.to(dev)  # [B, max_blocks]
         decode = all(n == 1 for n in counts)
+        cu = None if decode else torch.tensor([0, *itertools.accumulate(counts)],
+                                              dtype=torch.int32)  # [B + 1]
+        dev = self.device
         return PagedMeta(positions.to(dev), tables[rows, positions // bs].to(dev),
                          (positions % bs).to(dev), starts, list(counts),
-                         [bt[i, :len(p)] for i, p in enumerate(phys)], bt,
+                         tables.to(dev),  # [B, max_blocks]
                          torch.tensor([st + n for st, n in zip(starts, counts)],
-                                      dtype=torch.int32).to(dev),
-                         decode, None if decode else riders_of(starts, counts, dev))
+                                      dtype=torch.int32).to(dev),  # [B]
+                         decode, None if cu is None else cu.to(dev))
 
-    fuses_rotary = True  # decode: RoPE and the K/V write in one kernel
+    fuses_rotary = True  # RoPE and the K/V write in one kernel
 
     def decode_kv_slots(self, layer, meta):
         if not meta.decode or self.quant:  # int8 K/V quantise on write
@@ -169,7 +171,7 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
         ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
         if k is None:  # written by the producer (decode_kv_slots), q rotated
             assert meta.decode and not self.quant, "K/V written ahead only at decode, not int8"
-        elif rope is not None and meta.decode and not self.quant:  # one kernel for both
+        elif rope is not None and not self.quant:  # one kernel for both
             q = self.ops.rotary_kv_write(q, k, v, *rope, kc, vc, meta.slot_block, meta.slot_offset)
         else:
             if rope is not None:
@@ -181,7 +183,10 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
         if meta.decode:  # q: [B, Hq, D], one token per sequence
             return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
                                             self.scale, self.window, ks, vs, counters=self.counters)
-        return self._prefill_attention(layer, q, k, v, meta)
+        # any mix of prompt chunks and decode tokens: q [T, Hq, D], one launch
+        return self.ops.varlen_attention(q, kc, vc, meta.block_tables, meta.cu_seqlens_q,
+                                         meta.context_lens, self.scale, self.window, ks, vs,
+                                         counters=self.counters)
 
     # -- hooks for backends built on this one (offload) -----------------------------------
     def _physical(self, blocks: list[int]) -> list[int]:
@@ -212,6 +217,16 @@ class PagedCache(PagedGraphInputs, PagedPrefillAttention, KVCache):
 
     def _live_blocks(self, seq_id) -> list[int]:
         return [b for b in self._tables[seq_id] if b != HOLE]
+
+    def _gather(self, layer, table, length):
+        """A sequence's K and V ([length, Hkv, D], self.dtype) from its storage blocks."""
+        hkv, d = self.spec.num_kv_heads, self.spec.head_dim
+        k = self.k[layer][table].reshape(-1, hkv, d)[:length]
+        v = self.v[layer][table].reshape(-1, hkv, d)[:length]
+        if self.quant:
+            k = (k.float() * self.k_scale[layer][table].reshape(-1, hkv, 1)[:length]).to(self.dtype)
+            v = (v.float() * self.v_scale[layer][table].reshape(-1, hkv, 1)[:length]).to(self.dtype)
+        return k, v
 
     def _dropped_tokens(self, seq_id) -> int:
         return self._tables[seq_id].count(HOLE) * self.block_size

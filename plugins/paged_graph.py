@@ -2,7 +2,8 @@
 
 A captured graph reads its inputs from fixed device buffers; these methods build those
 buffers once per bucket and refill them in place before each replay: decode per
-batch-size bucket, a fresh prompt's prefill per prompt-length bucket.
+batch-size bucket, any mixed step (prompt chunks and decode tokens) per token-count
+bucket.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import attrs
 import torch
 
 from infergraft.core.runner.cuda_graph import PinnedStaging
-from infergraft.core.runner.prefill_graph import check_fresh_prompt
 
 from .block_allocator import blocks_for
 
@@ -20,21 +20,21 @@ class PagedMeta:
     positions: torch.Tensor  # [T] absolute positions
     slot_block: torch.Tensor  # [T] storage block of each new token (-1: padding, not written)
     slot_offset: torch.Tensor  # [T] offset inside it
-    starts: list[int]  # tokens cached before this step
-    counts: list[int]  # new tokens this step
-    tables: list[torch.Tensor]  # per sequence: its storage blocks
-    block_tables: torch.Tensor | None  # [B, max_blocks] int32, padded with 0 (decode)
-    context_lens: torch.Tensor | None  # [B] int32, tokens after this step (decode)
+    starts: list[int]  # tokens cached before this step (empty in graph buffers)
+    counts: list[int]  # new tokens this step (likewise)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor  # [B] int32, tokens after this step
     decode: bool  # every sequence adds exactly one token
-    # prefill steps: decode tokens riding along (one token on a cached prefix), as
-    # (their rows in the step [R], their sequences' indices [R]) on the device, or None
-    riders: tuple | None = None
+    # other steps: each sequence's first row in the step's token dimension, [B + 1] int32
+    cu_seqlens_q: torch.Tensor | None = None
 
 
 class PagedGraphInputs:
     """Mixed into PagedCache (uses its `_advance`, tables and lengths)."""
 
     supports_cuda_graphs = True
+    supports_step_graphs = True
+    supports_prefill_graphs = False  # a fresh prompt is one more mixed step
 
     # -- decode: one token for each of B sequences ------------------------------------------
     def static_decode_meta(self, batch: int) -> PagedMeta:
@@ -48,7 +48,7 @@ class PagedGraphInputs:
         self._graph_buffers[batch] = (PinnedStaging(host, pin), flat, width)
         scalars, tables = _decode_views(flat, batch, width)
         positions, blocks, offsets, lens = scalars.unbind(0)  # views of one [4, B] tensor
-        return PagedMeta(positions, blocks, offsets, [], [], [], tables, lens, True)
+        return PagedMeta(positions, blocks, offsets, [], [], tables, lens, True)
 
     def prepare_decode_into(self, meta: PagedMeta, seq_ids) -> None:
         """One more token for each sequence (blocks grow as in ``prepare``); rows past
@@ -70,36 +70,59 @@ class PagedGraphInputs:
         tables[n:] = tables[n - 1]
         flat.copy_(host, non_blocking=True)  # positions, slots, lengths and tables at once
 
-    # -- prefill: one fresh prompt, padded to its length bucket -------------------------------
-    @property
-    def supports_prefill_graphs(self) -> bool:
-        # int8 K/V: a prefill attends over the dequantised cache (a gather sized per prompt)
-        return not self.quant
+    # -- any step of up to T tokens over up to S sequences ----------------------------------
+    def static_step_meta(self, tokens: int, seqs: int) -> PagedMeta:
+        """Metadata of a mixed step padded to ``tokens`` rows and ``seqs`` sequences;
+        ``prepare_step_into`` refills it. Padding rows are written nowhere (block -1) and
+        belong to no sequence; padding sequences feed no row and hold no key."""
+        width = blocks_for(self.max_seq_len, self.block_size)
+        host = torch.zeros(_step_slots(tokens, seqs, width), dtype=torch.long)
+        flat = host.to(self.device)
+        self._step_buffers = getattr(self, "_step_buffers", {})
+        self._step_buffers[tokens, seqs] = (PinnedStaging(host, self.device.type == "cuda"),
+                                            flat, width)
+        rows, cu, lens, tables = _step_views(flat, tokens, seqs, width)
+        positions, blocks, offsets = rows.unbind(0)
+        return PagedMeta(positions, blocks, offsets, [], [], tables, lens, False, cu)
 
-    def static_prefill_meta(self, length: int) -> PagedMeta:
-        """Metadata of a fresh prompt padded to ``length`` tokens; every row starts as
-        padding (block -1: its K/V are written nowhere) until ``prepare_prefill_into``."""
-        pin = self.device.type == "cuda"
-        host = torch.full((2, length), -1, dtype=torch.long, pin_memory=pin)
-        slots = host.to(self.device)
-        self._prefill_buffers = getattr(self, "_prefill_buffers", {})
-        self._prefill_buffers[length] = (host, slots)
-        positions = torch.arange(length, device=self.device)  # padding continues the prompt
-        blocks, offsets = slots.unbind(0)
-        # causal attention keeps the real rows (which come first) blind to the padding
-        return PagedMeta(positions, blocks, offsets, [0], [length], [], None, None, False)
+    def prepare_step_into(self, meta: PagedMeta, seq_ids, counts) -> None:
+        """Place ``counts[j]`` new tokens after each sequence (as ``prepare``) and write
+        where they go into ``meta``'s buffers."""
+        tokens, seqs = meta.positions.shape[0], meta.context_lens.shape[0]
+        staging, flat, width = self._step_buffers[tokens, seqs]
+        n, t, bs = len(seq_ids), sum(counts), self.block_size
+        if n > seqs or t > tokens:
+            raise ValueError(f"a step of {n} sequences and {t} tokens does not fit graph "
+                             f"buffers of {seqs} sequences and {tokens} tokens")
+        starts = torch.tensor(self._advance(seq_ids, counts))
+        host = staging.next()  # rewritten in full below
+        rows, cu, lens, tables = _step_views(host, tokens, seqs, width)
+        phys = [self._physical(self._tables[s]) for s in seq_ids]
+        tables[:n] = torch.tensor([p + [0] * (width - len(p)) for p in phys], dtype=torch.int32)
+        tables[n:] = 0
+        count_t = torch.tensor(counts)
+        cu[0], cu[1:n + 1], cu[n + 1:] = 0, count_t.cumsum(0), t
+        lens[:n], lens[n:] = starts + count_t, 0
+        seq_of = torch.repeat_interleave(torch.arange(n), count_t)  # [t] row -> sequence
+        pos = starts[seq_of] + torch.arange(t) - cu[:n].long()[seq_of]  # [t]
+        rows[0, :t], rows[1, :t], rows[2, :t] = pos, tables[seq_of, pos // bs], pos % bs
+        rows[0, t:], rows[1, t:], rows[2, t:] = 0, -1, 0
+        flat.copy_(host, non_blocking=True)
 
-    def prepare_prefill_into(self, meta: PagedMeta, seq_id, n: int) -> None:
-        """Sequence ``seq_id`` (allocated, still empty) takes its first ``n`` tokens
-        through ``meta``; rows ``n..`` stay padding."""
-        length = check_fresh_prompt(meta, seq_id, self._len[seq_id], n)
-        self._advance([seq_id], [n])
-        bs, host, slots = self.block_size, *self._prefill_buffers[length]
-        pos = torch.arange(n)
-        host[0, :n] = torch.tensor(self._physical(self._tables[seq_id]), dtype=torch.long)[pos // bs]
-        host[1, :n] = pos % bs
-        host[:, n:] = -1
-        slots.copy_(host, non_blocking=True)
+
+def _step_slots(tokens: int, seqs: int, width: int) -> int:
+    """int64 slots of a step's flat buffer: 3 rows of ``tokens``, then int32 values packed
+    two to a slot: cu [seqs + 1], lens [seqs], tables [seqs, width]."""
+    return 3 * tokens + -(-(2 * seqs + 1 + seqs * width) // 2)
+
+
+def _step_views(flat: torch.Tensor, tokens: int, seqs: int, width: int):
+    """rows [3, T] int64 (positions, blocks, offsets), cu [S + 1], lens [S] and tables
+    [S, width] (int32) inside one flat int64 buffer."""
+    small = flat[3 * tokens:].view(torch.int32)
+    cu, lens = small[:seqs + 1], small[seqs + 1:2 * seqs + 1]
+    tables = small[2 * seqs + 1:2 * seqs + 1 + seqs * width].view(seqs, width)
+    return flat[:3 * tokens].view(3, tokens), cu, lens, tables
 
 
 def _decode_views(flat: torch.Tensor, batch: int, width: int):

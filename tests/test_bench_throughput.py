@@ -95,6 +95,29 @@ def test_ours_stands_when_hf_fails_and_no_hf_leaves_it_out(tmp_path, capsys, mon
     assert data["hf"] is None and data["infergraft"]["total_output_tokens"] == 20
 
 
+def test_a_budget_sweep_runs_ours_once_per_budget_and_hf_on_the_first_requests(tmp_path,
+                                                                              capsys):
+    rc = cli_main(["bench", "throughput", "--model", "tiny", "--device", "cpu",
+                   "--num-prompts", "4", "--prompt-len", "10", "--output-len", "3",
+                   "--max-num-batched-tokens", "8,64", "--hf-num-prompts", "2",
+                   "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "infergraft (8 tok)" in out and "infergraft (64 tok)" in out
+    assert "HF CB (first 2)" in out
+    runs = json.loads((tmp_path / "throughput.json").read_text())["runs"]
+    small, large = runs["infergraft (8 tok)"], runs["infergraft (64 tok)"]
+    assert small["engine_config"]["max_num_batched_tokens"] == 8
+    assert large["engine_config"]["max_num_batched_tokens"] == 64
+    for s in (small, large):
+        assert s["completed"] == 4 and s["total_output_tokens"] == 12
+    # 40 prompt tokens: 8 a step (decode tokens included) take more steps than one of 64
+    assert large["engine"]["num_prefill_steps"] == 1
+    assert small["engine"]["num_prefill_steps"] >= 5 > large["engine"]["num_steps"] - 2
+    hf = runs["HF CB (first 2)"]
+    assert hf["completed"] == 2 and hf["num_prompts"] == 2 and hf["total_output_tokens"] == 6
+
+
 # 2) The workload and the floor, without a run
 def _resolved(*flags):
     p = bench_throughput.argparse.ArgumentParser()
@@ -175,6 +198,9 @@ BAD_FLAGS = [  # (flags over a good tiny run, what the message must say)
     (["--plugins", "foo"], "unknown plugin"),
     (["--seed", "a"], "invalid int"),
     (["--out", "/dev/null/x"], "not a writable directory"),
+    (["--max-num-batched-tokens", "64,64"], "distinct positive integers"),
+    (["--hf-num-prompts", "0"], "positive integer"),
+    (["--step-gaps"], "needs --device cuda"),
 ]
 
 
@@ -207,5 +233,6 @@ def test_help_lists_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--model", "--num-prompts", "--dataset", "--prompt-len", "--output-len",
                  "--out", "--max-batch-size", "--max-num-batched-tokens", "--max-seq-len",
-                 "--dtype", "--device", "--plugins", "--no-hf", "--seed"):
+                 "--dtype", "--device", "--plugins", "--no-hf", "--seed", "--hf-num-prompts",
+                 "--step-gaps"):
         assert flag in out, flag

@@ -1,6 +1,7 @@
-"""Chunked prefill: prompts longer than ``max_num_batched_tokens`` are fed in chunks that
-carry the running sequences' decode tokens (alternating with decode steps where the cache
-is short); the tokens are the same as with whole prompts (the CPU runs the torch references; parity with HF is checked elsewhere)."""
+"""Token-budget steps: each step carries the running sequences' decode tokens and prompt
+chunks, ``max_num_batched_tokens`` in all; long prompts are split, short ones fused
+(alternating with decode steps where the cache is short); the tokens are the same as with
+whole prompts (the CPU runs the torch references; parity with HF is checked elsewhere)."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,16 +33,19 @@ def test_chunks_give_the_tokens_of_whole_prompts(case):
     whole = core.build(hf, plugins=plugins, **options, **KW)
     chunked = core.build(hf, plugins=plugins, max_num_batched_tokens=8, **options, **KW)
     want = [c.token_ids for c in whole.generate(prompts, max_new_tokens=30)]
-    mixed, schedule = [], chunked.scheduler.schedule
+    steps, schedule = [], chunked.scheduler.schedule
 
-    def record():  # prefill steps that carry decode tokens (riders: nothing left to prefill)
+    def record():  # (decode tokens, prompt chunks) of every step
         step = schedule()
-        if step and step.kind == "prefill" and any(not s.prefilling for s in step.seqs):
-            mixed.append(step.counts)
+        if step:
+            steps.append(([n for s, n in zip(step.seqs, step.counts) if not s.prefilling],
+                          [n for s, n in zip(step.seqs, step.counts) if s.prefilling]))
         return step
     chunked.scheduler.schedule = record
     assert [c.token_ids for c in chunked.generate(prompts, max_new_tokens=30)] == want
-    assert mixed and all(c[:-1] == [1] * (len(c) - 1) for c in mixed), mixed
+    assert all(sum(d) + sum(c) <= 8 for d, c in steps), steps
+    assert any(d and c for d, c in steps), "no step carried decode tokens and a chunk"
+    assert any(len(c) > 1 for _, c in steps), "no step fused two prompts"
     if case == "llama-paged-preempting":  # preempted sequences are prefilled again in chunks
         assert chunked.scheduler.num_preemptions > 0
     chunked.cache.check_invariants()
@@ -61,11 +65,9 @@ def test_running_sequences_keep_decoding_while_a_long_prompt_chunks():
         before, fed = len(short.output_ids), long.num_computed_tokens
         engine.step()
         steps.append((long.num_computed_tokens - fed, len(short.output_ids) > before))
-    # 50 tokens in chunks of 8: 7 steps, each carrying short's decode token (the
-    # admission step too, unless it replays a prefill graph, alone: CUDA), never a step
-    # without a chunk
-    solo = engine.prefill_graphs is not None
-    assert steps == [(8, not solo)] + [(8, True)] * 5 + [(2, True)], steps
+    # 50 tokens beside short's decode token in 8-token steps: chunks of 7, never a step
+    # without short's token or without a chunk
+    assert steps == [(7, True)] * 7 + [(1, True)], steps
     assert long.metrics.ttft is not None and len(long.output_ids) == 1
     while engine.has_unfinished():
         engine.step()
@@ -108,22 +110,22 @@ def test_bad_prefill_budget_is_refused(bad):
         core.build(hf, max_num_batched_tokens=bad, **KW)
 
 
-def test_an_admission_step_runs_alone_where_a_prefill_graph_would_take_it():
-    """On CUDA a single fresh prompt replays a captured prefill graph, which takes no
-    decode tokens: the engine's ``prefill_alone`` (the graph runner's bucket test) keeps
-    such an admission step alone; the running sequence decodes in the next step."""
+def test_short_prompts_are_fused_with_the_decode_tokens_in_one_step():
     hf = random_model(tiny_llama_config(), seed=6)
     engine = core.build(hf, **KW)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     short = engine.add_request(random_prompt(4, 256, 1), params)
     engine.step()
-    asked = []
-    engine.scheduler.prefill_alone = lambda seqs, counts: asked.append(counts) or True
-    new = engine.add_request(random_prompt(6, 256, 2), params)
-    assert engine.step() == [new] and len(short.output_ids) == 1 and asked == [[6]]
-    engine.scheduler.prefill_alone = None  # two prompts together: short rides along
-    a, b = (engine.add_request(random_prompt(n, 256, n), params) for n in (3, 5))
-    assert set(engine.step()) == {short, new, a, b} and len(short.output_ids) == 2
+    a, b, c = (engine.add_request(random_prompt(n, 256, n), params) for n in (3, 5, 6))
+    assert set(engine.step()) == {short, a, b, c} and len(short.output_ids) == 2
+    while engine.has_unfinished():
+        engine.step()
+    for seq in (short, a, b, c):
+        alone = core.build(hf, **KW)
+        ref = alone.add_request(seq.prompt_ids, params)
+        while alone.has_unfinished():
+            alone.step()
+        assert ref.output_ids == seq.output_ids
 
 
 _MODEL: dict = {}

@@ -25,9 +25,9 @@ LLAMA2_7B_ROW = 4 * 4096 + max(6 * 4096, 4 * 4096, 2 * 4096 + 3 * 11008)  # 5760
 
 
 def llama2_7b_activations(step, batch, elem=2):
-    """step + batch - 1 rows of LLAMA2_7B_ROW, and batch rows of logits (32000 vocab) in
-    the model dtype and float32."""
-    return (step + batch - 1) * LLAMA2_7B_ROW * elem + batch * 32000 * (elem + 4)
+    """step rows of LLAMA2_7B_ROW (the step's budget holds its decode tokens too), and
+    batch rows of logits (32000 vocab) in the model dtype and float32."""
+    return step * LLAMA2_7B_ROW * elem + batch * 32000 * (elem + 4)
 
 
 def _spec(policy, cfg):
@@ -46,7 +46,7 @@ def test_llama2_7b_kv_is_half_a_mib_per_token_and_1_gib_per_2048_tokens():
     assert mem.kv_bytes_per_token == MiB // 2
     assert mem.kv_bytes_per_sequence == GiB
     assert mem.weight_bytes == 6_738_415_616 * 2  # LLaMA-2-7B's parameter count, fp16
-    # the engine's default step at max_seq_len 2048: max(2048, 2048) tokens
+    # the engine's default step: 2048 tokens
     assert mem.max_num_batched_tokens == 2048
     assert mem.activation_bytes == llama2_7b_activations(2048, 1) == 236_121_600
     assert mem.total_bytes == mem.weight_bytes + GiB + mem.activation_bytes
@@ -61,9 +61,8 @@ def test_activation_bytes_follow_the_formula_and_grow_with_the_step():
     assert fp16 == [llama2_7b_activations(step, 8) for step in (512, 2048, 4096)]
     assert fp16[0] < fp16[1] < fp16[2]
     assert fp16[2] - fp16[1] == 2048 * LLAMA2_7B_ROW * 2  # the rows alone grow
-    # one more sequence: one more row that may ride along, one more row of logits
-    assert activation_bytes(spec, torch.float16, 2048, 9) - fp16[1] == \
-        LLAMA2_7B_ROW * 2 + 32000 * 6
+    # one more sequence: one more row of logits (its decode token is in the step's budget)
+    assert activation_bytes(spec, torch.float16, 2048, 9) - fp16[1] == 32000 * 6
     # float32: the logits need no float32 copy
     assert activation_bytes(spec, torch.float32, 2048, 1) == \
         2048 * LLAMA2_7B_ROW * 4 + 32000 * 4
@@ -80,9 +79,9 @@ def test_activation_bytes_follow_the_formula_and_grow_with_the_step():
         plan_memory(spec, max_num_batched_tokens=0)
 
 
-def test_plan_memory_defaults_to_the_engines_prefill_step():
+def test_plan_memory_defaults_to_the_engines_step_budget():
     spec = _llama2_7b_spec()
-    for seq_len, step in ((512, 2048), (2048, 2048), (4096, 4096)):
+    for seq_len, step in ((512, 2048), (2048, 2048), (4096, 2048)):  # longer prompts chunk
         mem = plan_memory(spec, dtype=torch.float16, max_seq_len=seq_len, max_batch_size=2)
         assert mem.max_num_batched_tokens == step
         assert mem.activation_bytes == llama2_7b_activations(step, 2)

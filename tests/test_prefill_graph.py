@@ -1,4 +1,5 @@
-"""A fresh prompt's prefill through the captured-graph path (core/prefill_graph.py).
+"""A fresh prompt's prefill through the captured-graph path (core/prefill_graph.py), the
+contiguous cache's (the paged cache captures whole mixed steps instead: test_step_graph.py).
 
 Run eagerly on the CPU through the runner's static, padded buffers (``use_graphs=False``):
 the padded prefill must give the plain engine's logits, K/V and greedy tokens, write
@@ -40,14 +41,14 @@ def plain(hf, backend, max_seq_len=64, batch=2, **kw):
 
 
 def test_buckets_cover_prompts_up_to_max_seq_len(hf):
-    engine = plain(hf, "paged")
+    engine = plain(hf, "contiguous")
     r = PrefillGraphRunner(engine.model, engine.cache, 20, buckets=BUCKETS, use_graphs=False)
     assert r.buckets == [8, 16, 20]
     r = PrefillGraphRunner(engine.model, engine.cache, 64, buckets=BUCKETS, use_graphs=False)
     assert r.buckets == [8, 16, 32]  # longer prompts run eagerly
 
 
-@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+@pytest.mark.parametrize("backend", ["contiguous"])
 @pytest.mark.parametrize("n", [1, 5, 8, 13, 32])
 def test_padded_prefill_equals_eager(hf, backend, n):
     prompt = random_prompt(n, CFG.vocab_size, seed=n)
@@ -93,34 +94,31 @@ def _written(cache, before, seq_id):
     return {tuple(map(int, rc)) for rc in changed}, {(row, c) for c in range(n)}
 
 
-@pytest.mark.parametrize("backend", ["paged", "contiguous"])
-def test_padding_rows_write_nothing_and_others_are_unchanged(hf, backend):
-    # b's prompt (11 tokens, bucket 16) is prefilled while a is mid-decode: only b's own
-    # slots change, and both outputs match an engine without the graph path
+def test_padding_rows_write_nothing_and_others_are_unchanged(hf):
+    # b's prompt (11 tokens, bucket 16) is prefilled through the runner while a is
+    # mid-decode: only b's own slots change, and a's output matches an engine that never
+    # saw b (a step that carries a's token runs eagerly: the graph takes a prompt alone)
     a, b = random_prompt(9, CFG.vocab_size, 1), random_prompt(11, CFG.vocab_size, 2)
-    kw = dict(num_blocks=12) if backend == "paged" else {}
-    outs = []
-    for graphs, eng in ((True, with_prefill_graphs(hf, backend, **kw)[0]),
-                        (False, plain(hf, backend, **kw))):
-        sa = eng.add_request(a, SamplingParams(max_new_tokens=12))
-        for _ in range(4):
-            eng.step()
-        before = _k_storage(eng.cache)
-        sb = eng.add_request(b, SamplingParams(max_new_tokens=12))
-        eng.step()  # b's prefill: alone where the graph takes it, else a's token rides along
-        assert len(sb.output_ids) == 1 and len(sa.output_ids) == (4 if graphs else 5)
-        if graphs:
-            changed, own = _written(eng.cache, before, sb.id)
-            assert changed and changed <= own, f"wrote outside b's slots: {sorted(changed - own)}"
-        while eng.has_unfinished():
-            eng.step()
-        outs.append((sa.output_ids, sb.output_ids))
-        eng.cache.check_invariants()
-    assert outs[0] == outs[1]
+    eng, runner = with_prefill_graphs(hf, "contiguous")
+    ref = plain(hf, "contiguous")
+    sa, ra = (e.add_request(a, SamplingParams(max_new_tokens=12)) for e in (eng, ref))
+    for _ in range(4):
+        eng.step(), ref.step()
+    before = _k_storage(eng.cache)
+    eng.cache.allocate("b", len(b))
+    logits = runner.prefill("b", b)
+    changed, own = _written(eng.cache, before, "b")
+    assert changed and changed <= own, f"wrote outside b's slots: {sorted(changed - own)}"
+    torch.testing.assert_close(logits.cpu(), ref_logits(hf, b), rtol=1e-4, atol=1e-4)
+    eng.cache.free("b")
+    while eng.has_unfinished() or ref.has_unfinished():
+        eng.step(), ref.step()
+    assert sa.output_ids == ra.output_ids
+    eng.cache.check_invariants()
 
 
 def test_batched_and_long_prefills_run_eagerly(hf):
-    engine, runner = with_prefill_graphs(hf, "paged", batch=3)
+    engine, runner = with_prefill_graphs(hf, "contiguous", batch=3)
     prompts = [random_prompt(n, CFG.vocab_size, n) for n in (4, 6)]
     seqs = [engine.add_request(p, SamplingParams(max_new_tokens=3)) for p in prompts]
     engine.step()  # both admitted in one prefill step
@@ -132,26 +130,16 @@ def test_batched_and_long_prefills_run_eagerly(hf):
     assert runner.replays == 0 and len(long.output_ids) == 2
 
 
-def test_sliding_window_paged_prefill_equals_eager():
-    cfg = tiny_mistral_config(sliding_window=6)
-    hf = random_model(cfg, seed=3, scale=5.0)
-    prompt = random_prompt(13, cfg.vocab_size, 4)
-    engine, runner = with_prefill_graphs(hf, "paged")
-    got = engine.generate(prompt, max_new_tokens=10)[0].token_ids
-    assert runner.replays == 1
-    assert got == plain(hf, "paged").generate(prompt, max_new_tokens=10)[0].token_ids
-
-
 def test_which_caches_can_capture_a_prefill(hf):
     supported = PrefillGraphRunner.supported
-    assert supported(plain(hf, "paged").cache) and supported(plain(hf, "contiguous").cache)
+    assert supported(plain(hf, "contiguous").cache)
+    assert not supported(plain(hf, "paged").cache)  # it captures whole mixed steps instead
     # int8 K/V: the prefill attends over the dequantised cache, sized by the real length
     assert not supported(core.build(hf, plugins=["paged", "kv-int8"], max_seq_len=64).cache)
     assert not supported(core.build(hf, plugins=["kv-int8"], max_seq_len=64).cache)
     assert not supported(core.build(hf, plugins=["offload"], max_seq_len=64).cache)
     window = random_model(tiny_mistral_config(sliding_window=6), seed=1)
     assert not supported(plain(window, "contiguous").cache)  # ring buffer
-    assert supported(plain(window, "paged").cache)
 
 
 def test_prefill_graphs_need_decode_graphs(hf):
@@ -160,7 +148,7 @@ def test_prefill_graphs_need_decode_graphs(hf):
     assert core.build(hf, max_seq_len=64, device="cpu").prefill_graphs is None  # off on CPU
 
 
-@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+@pytest.mark.parametrize("backend", ["contiguous"])
 def test_prepare_prefill_into_refuses_what_a_bucket_cannot_take(hf, backend):
     cache = plain(hf, backend).cache
     meta = cache.static_prefill_meta(8)
@@ -175,7 +163,7 @@ def test_prepare_prefill_into_refuses_what_a_bucket_cannot_take(hf, backend):
 
 
 def test_capture_ahead_takes_the_buckets_of_given_lengths(hf):
-    engine, runner = with_prefill_graphs(hf, "paged")
+    engine, runner = with_prefill_graphs(hf, "contiguous")
     assert runner.capture([5, 8, 9, 30]) == [8, 16, 32]
     assert sorted(runner.inputs) == [8, 16, 32]
     with pytest.raises(ValueError, match=r"prompt lengths \[40\] have no prefill graph bucket"):
@@ -183,4 +171,4 @@ def test_capture_ahead_takes_the_buckets_of_given_lengths(hf):
     assert runner.capture() == [8, 16, 32]  # every bucket (already captured: nothing new)
     prompt = random_prompt(7, CFG.vocab_size, 9)
     got = engine.generate(prompt, max_new_tokens=4)[0].token_ids
-    assert runner.replays == 1 and got == plain(hf, "paged").generate(prompt, max_new_tokens=4)[0].token_ids
+    assert runner.replays == 1 and got == plain(hf, "contiguous").generate(prompt, max_new_tokens=4)[0].token_ids

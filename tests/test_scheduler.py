@@ -1,5 +1,6 @@
 """The scheduler alone, against a fake block cache (no model, no kernels): admission
-order, chunked prefill with decode tokens riding along, ``prefill_alone``, pausing and
+order, token-budget steps (decode tokens and prompt chunks together, short prompts fused,
+long ones split), who goes first after being left out, pausing and
 preemption when the cache runs short, abort, and the errors. The hypothesis state
 machine over the same fake is in test_scheduler_machine.py."""
 import pytest
@@ -124,53 +125,70 @@ def test_admission_is_first_come_first_served():
     assert run(sched, cache) == ("decode", [(c, 1)]) and list(sched.waiting) == [big, d]
 
 
-def test_a_long_prompt_is_chunked_and_decode_tokens_ride_along():
+def test_a_step_carries_decode_tokens_and_prompt_chunks_up_to_the_budget():
     sched, cache = make(max_num_batched_tokens=8)
     short = seq(3)
     sched.add(short)
     run(sched, cache)
     long, late = seq(20), seq(3)
     sched.add(long)
-    assert run(sched, cache) == ("prefill", [(short, 1), (long, 8)])
-    sched.add(late)  # fits whole only in what the last chunk leaves of the budget
-    assert run(sched, cache) == ("prefill", [(short, 1), (long, 8)])
-    assert not long.output_ids and long.num_computed_tokens == 16 and list(sched.waiting) == [late]
-    step = sched.schedule()
-    assert (step.kind, step.seqs, step.counts) == ("prefill", [short, long, late], [1, 4, 3])
-    assert step_tokens(step) == [short.output_ids[-1], *long.prompt_ids[16:], *late.prompt_ids]
+    # the decode token counts against the budget: the long prompt takes the other 7
+    assert run(sched, cache) == ("prefill", [(short, 1), (long, 7)])
+    sched.add(late)
+    assert run(sched, cache) == ("prefill", [(short, 1), (long, 7)])
+    assert not long.output_ids and long.num_computed_tokens == 14 and list(sched.waiting) == [late]
+    step = sched.schedule()  # long's last 6 tokens leave 1: late's first chunk
+    assert (step.kind, step.seqs, step.counts) == ("prefill", [short, long, late], [1, 6, 1])
+    assert step_tokens(step) == [short.output_ids[-1], *long.prompt_ids[14:], late.prompt_ids[0]]
     apply(sched, cache, step)
-    assert len(short.output_ids) == 4 and len(long.output_ids) == len(late.output_ids) == 1
+    assert len(short.output_ids) == 4 and len(long.output_ids) == 1 and not late.output_ids
+    assert run(sched, cache) == ("prefill", [(short, 1), (long, 1), (late, 2)])
     assert run(sched, cache) == ("decode", [(short, 1), (long, 1), (late, 1)])
 
 
-def test_chunks_alternate_with_decode_steps_when_both_do_not_fit_one_step():
+def test_short_prompts_are_fused_into_one_step():
+    sched, cache = make(max_batch_size=4, max_num_batched_tokens=16)
+    a, b, c, d = seq(5), seq(5), seq(5), seq(5)
+    for s in (a, b, c, d):
+        sched.add(s)
+    assert run(sched, cache) == ("prefill", [(a, 5), (b, 5), (c, 5), (d, 1)])
+    assert run(sched, cache) == ("prefill", [(a, 1), (b, 1), (c, 1), (d, 4)])
+
+
+def test_sequences_left_out_for_the_budget_go_first_next_step():
+    sched, cache = make(max_batch_size=3, max_num_batched_tokens=2)
+    a, b, c = seq(1), seq(1), seq(1)
+    for s in (a, b, c):
+        sched.add(s)
+    assert run(sched, cache) == ("prefill", [(a, 1), (b, 1)])
+    assert run(sched, cache) == ("decode", [(a, 1), (b, 1)])  # c waits: no budget left
+    assert list(sched.waiting) == [c]
+    sched.waiting.clear()  # c joins as a fork would: its cache already filled
+    cache.allocate(c.id, 1)
+    cache.len[c.id] = c.num_prefill_tokens = c.num_computed_tokens = 1
+    c.output_ids.append(token(c))
+    sched.adopt(c)
+    # three decoding, two tokens a step: each one left out goes first next time
+    assert [run(sched, cache) for _ in range(4)] == [
+        ("decode", [(a, 1), (b, 1)]), ("decode", [(c, 1), (a, 1)]),
+        ("decode", [(b, 1), (c, 1)]), ("decode", [(a, 1), (b, 1)])]
+    assert sched.num_paused == 0  # left out for the budget, not for the cache
+
+
+def test_a_chunk_the_cache_cannot_take_beside_the_decode_tokens_goes_first_next_step():
     sched, cache = make(block_size=4, max_num_batched_tokens=4, fast_blocks=4)
-    short, long = seq(4), seq(12)  # short: 1 block, 2 with its next token; long: 3
+    short, long = seq(3), seq(12)  # short: 1 block; long: 3, reserved whole
     sched.add(short)
     run(sched, cache)
     sched.add(long)
-    steps = [run(sched, cache) for _ in range(5)]
-    assert steps == [("prefill", [(long, 4)]), ("decode", [(short, 1)])] * 2 + \
-        [("prefill", [(long, 4)])]
-    assert len(long.output_ids) == 1 and len(short.output_ids) == 3
-    assert (sched.num_paused, sched.num_preemptions) == (0, 0)
-
-
-def test_prefill_alone_keeps_an_admitted_prompt_alone():
-    sched, cache = make()
-    old = seq(3)
-    sched.add(old)
-    run(sched, cache)
-    asked = []
-    sched.prefill_alone = lambda seqs, counts: asked.append((list(seqs), counts)) or True
-    new = seq(6)
-    sched.add(new)
-    assert run(sched, cache) == ("prefill", [(new, 6)]) and asked == [([new], [6])]
-    assert run(sched, cache) == ("decode", [(old, 1), (new, 1)])
-    sched.prefill_alone = lambda seqs, counts: False
-    late = seq(2)
-    sched.add(late)
-    assert run(sched, cache) == ("prefill", [(old, 1), (new, 1), (late, 2)])
+    # the step after the first cannot touch short's new block and long's three at once:
+    # whichever ran longest ago goes first, so chunk steps and decode steps alternate
+    steps = [run(sched, cache) for _ in range(7)]
+    assert steps == [("prefill", [(short, 1), (long, 3)])] + \
+        [("decode", [(short, 1)]), ("prefill", [(long, 4)])] * 2 + \
+        [("decode", [(short, 1)]), ("prefill", [(long, 1)])]
+    assert len(long.output_ids) == 1 and len(short.output_ids) == 5 and sched.num_paused == 4
+    assert sched.num_preemptions == 0
 
 
 def test_decode_pauses_what_the_cache_cannot_extend():

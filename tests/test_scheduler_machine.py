@@ -18,22 +18,16 @@ MAX_SEQ_LEN = 16
 MAX_LIVE = 8  # unfinished requests at a time
 
 
-def graph_bucket(cache):
-    """The engine's ``prefill_alone`` where prefill graphs exist: one fresh sequence."""
-    return lambda seqs, counts: len(seqs) == 1 and cache.length(seqs[0].id) == 0
-
-
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.integers(1, 4), spare=st.integers(0, 6),
                 fast=st.one_of(st.none(), st.integers(0, 6)), batch=st.integers(1, 4),
-                budget=st.integers(1, 12), alone=st.booleans())
-    def setup(self, block_size, spare, fast, batch, budget, alone):
+                budget=st.integers(1, 12))
+    def setup(self, block_size, spare, fast, batch, budget):
         # room for one sequence of MAX_SEQ_LEN at least: alone, every request fits
         full = -(-MAX_SEQ_LEN // block_size)
         fast_blocks = None if fast is None else full + fast
         self.cache = FakeCache(full + spare, block_size, MAX_SEQ_LEN, fast_blocks)
         self.sched = Scheduler(self.cache, batch, budget)
-        self.sched.prefill_alone = graph_bucket(self.cache) if alone else None
         self.added, self.finished = [], []
         self.queue = collections.deque()  # the waiting queue as it must be
         self.admitted = {}  # seq id -> admission number (a re-admission renumbers)
@@ -102,13 +96,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunks = [(s, n) for s, n in zip(seqs, counts) if s.prefilling]
         riders = [n for s, n in zip(seqs, counts) if not s.prefilling]
         assert riders == [1] * len(riders), f"decode counts {riders}"
-        if step.kind == "decode":
-            assert not chunks, "a prefilling sequence in a decode step"
-        else:
-            assert step.kind == "prefill" and chunks
-            assert sum(n for _, n in chunks) <= sched.max_num_batched_tokens, counts
-            if riders and sched.prefill_alone is not None:
-                assert not sched.prefill_alone([s for s, _ in chunks], [n for _, n in chunks])
+        assert sum(counts) <= sched.max_num_batched_tokens, counts
+        assert step.kind == ("prefill" if chunks else "decode"), (step.kind, counts)
         for s, n in chunks:  # the next chunk, where the last one ended: [fed, fed + n)
             assert s.num_computed_tokens == self.fed[s.id] and \
                 1 <= n <= s.num_prefill_tokens - self.fed[s.id], (s.id, n)

@@ -2,9 +2,11 @@
 
 The engine decides what runs (``scheduler.Step``: which sequences, how many tokens each,
 which token ids); the runner decides how: a decode step whose batch has a captured graph
-replays it (``cuda_graph``), a fresh prompt that fits a prefill bucket replays a prefill
-graph (``prefill_graph``), anything else runs eagerly through ``model.DecoderModel``
-after the cache places the new tokens (``cache.prepare``).
+replays it (``cuda_graph``), any other step within the largest token bucket replays a
+mixed-step graph (``step_graph``, caches that support it), a fresh prompt alone replays a
+prefill graph on caches that only support those (``prefill_graph``), anything else runs
+eagerly through ``model.DecoderModel`` after the cache places the new tokens
+(``cache.prepare``).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from ..errors import PlanError
 from .cuda_graph import CudaGraphRunner
 from .prefill_graph import PrefillGraphRunner
+from .step_graph import StepGraphRunner
 
 
 class ModelRunner:
@@ -20,6 +23,7 @@ class ModelRunner:
         self.model, self.cache, self.device = model, cache, device
         self.decode_graphs: CudaGraphRunner | None = None  # set by build() on CUDA
         self.prefill_graphs: PrefillGraphRunner | None = None  # likewise
+        self.step_graphs: StepGraphRunner | None = None  # likewise
 
     def replays_decode(self, step) -> bool:
         """True where ``step`` is a decode step whose batch size has a captured graph."""
@@ -34,6 +38,9 @@ class ModelRunner:
         seqs, counts = step.seqs, step.counts
         if replay:
             return self.decode_graphs.decode([s.id for s in seqs], tokens)  # [B, V]
+        steps = self.step_graphs
+        if steps is not None and step.kind == "prefill" and steps.bucket(counts) is not None:
+            return steps.run([s.id for s in seqs], counts, tokens)  # [B, V]
         graphs = self.prefill_graphs
         if step.kind == "prefill" and graphs is not None and graphs.bucket(seqs, counts):
             return graphs.prefill(seqs[0].id, tokens)  # [1, V]

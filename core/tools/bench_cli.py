@@ -40,8 +40,6 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
     tokens a step (None: its default)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ..build import build
-
     if name in SHAPES:
         cfg = LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, tie_word_embeddings=False)
         cfg.architectures = ["LlamaForCausalLM"]
@@ -53,9 +51,18 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
 
         path = ensure_demo_model(name) if name in ALIASES else name
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return hf, build(hf, plugins=engine_plugins(device, plugins) or None,
-                     dtype=dtype, device=device, max_batch_size=max_batch_size,
-                     max_seq_len=max_seq_len, max_num_batched_tokens=max_num_batched_tokens)
+    return hf, build_engine(hf, device, dtype, max_batch_size, max_seq_len, plugins,
+                            max_num_batched_tokens)
+
+
+def build_engine(hf, device, dtype, max_batch_size: int, max_seq_len: int, plugins=(),
+                 max_num_batched_tokens: int | None = None):
+    """Our engine on ``hf``'s weights, as ``load_models`` builds it."""
+    from ..build import build
+
+    return build(hf, plugins=engine_plugins(device, plugins) or None, dtype=dtype,
+                 device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                 max_num_batched_tokens=max_num_batched_tokens)
 
 
 def markdown_table(results, bw: float) -> str:

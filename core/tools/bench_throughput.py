@@ -24,14 +24,15 @@ import torch
 
 from ..errors import InfergraftError, PlanError
 from .bench import matmul_rate
-from .bench_cli import (SHAPES, _device, _dtype, _model, _names, _out, _positive,
-                        check_plugins, describe_device, load_models)
+from .bench_cli import (SHAPES, _batches, _device, _dtype, _model, _names, _out, _positive,
+                        build_engine, check_plugins, describe_device, load_models)
 from .bench_serve import add_workload_arguments, resolve_workload
 from .provenance import provenance
 from .serve_hf import hf_summary
 from .serve_offline import offline_summary
 from .serve_report import jsonable
 from .serve_workload import make_requests
+from .step_gaps import StepGaps
 from .throughput_report import compute_floor, plot, table
 
 MAX_BATCH = 256  # the default batch's cap, as vLLM's max_num_seqs
@@ -45,8 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=_positive, default=None,
                    help=f"sequences our engine decodes together at most (default: "
                         f"--num-prompts, at most {MAX_BATCH}: every request in one batch)")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
-                   help="tokens one engine step carries at most (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=_batches, default=None,
+                   help="tokens one engine step carries at most (default: the engine's); "
+                        "a comma list runs our engine once per budget (a sweep)")
+    p.add_argument("--hf-num-prompts", type=_positive, default=None,
+                   help="HF runs the first K requests only (default: all; HF is ~10x "
+                        "slower, so a 1000-request run takes it minutes per workload)")
+    p.add_argument("--step-gaps", action="store_true",
+                   help="CUDA: time the GPU's idle gaps between engine steps (step_gaps.py)")
     p.add_argument("--max-seq-len", type=_positive, default=None,
                    help="our engine's context length (default: the longest request's "
                         "prompt + output)")
@@ -89,6 +96,8 @@ def resolve(args):
                         f"output): give at least {longest}, or leave it out")
     args.max_seq_len = args.max_seq_len or longest
     args.max_batch_size = args.max_batch_size or min(args.num_prompts, MAX_BATCH)
+    if args.step_gaps and not args.device.startswith("cuda"):
+        raise PlanError("--step-gaps times CUDA-graph replays: it needs --device cuda")
     return args
 
 
@@ -113,32 +122,57 @@ def measure(args) -> int:
     rate = matmul_rate(device, args.dtype, n)
     measured = f"{str(args.dtype)[6:]} {n}^3 torch.matmul on {device}, best of 5"
     print(f"matmul rate {rate / 1e12:.3f} TFLOP/s ({measured})", file=sys.stderr)
-    # 2) Both models on the same weights: HF's random shape or checkpoint, ours built from it
+    # 2) Both models on the same weights: HF's random shape or checkpoint, ours built from
+    # it, once per token budget of a sweep
+    budgets = args.max_num_batched_tokens or [None]
     hf, engine = load_models(args.model, device, args.dtype, args.max_batch_size,
-                             args.max_seq_len, args.plugins, args.max_num_batched_tokens)
-    if args.no_hf:
-        del hf
+                             args.max_seq_len, args.plugins, budgets[0])
+    rows, config = {}, None
+    for i, budget in enumerate(budgets):
+        if i:
+            engine = build_engine(hf, device, args.dtype, args.max_batch_size,
+                                  args.max_seq_len, args.plugins, budget)
+        label, summary, config, floor = _ours(args, engine, rate, measured, len(budgets) > 1)
+        rows[label] = summary
+        del engine  # before the next is built: one engine's cache on the device at a time
+        _free(device)
+    # 3) HF after ours, on the first --hf-num-prompts requests
+    hf_requests = requests[:args.hf_num_prompts or len(requests)]
+    hf_row = None if args.no_hf else _hf(hf, hf_requests)
+    if hf_row is not None and "completed" in hf_row:
+        hf_row["num_prompts"] = len(hf_requests)
+        rows["HF CB" if len(hf_requests) == len(requests) else
+             f"HF CB (first {len(hf_requests)})"] = hf_row
+    for s in rows.values():
+        s["over_floor"] = s["output_throughput"] / floor["output_throughput"]
+    _write(args, config, rows, hf_row, floor)
+    return 0 if all(r["completed"] == len(requests) for k, r in rows.items()
+                    if not k.startswith("HF")) else 1
+
+
+def _ours(args, engine, rate, measured, sweep: bool):
+    """(row label, summary, engine config, floor) of one run of our engine."""
     print(engine.plan, file=sys.stderr)
-    print(f"infergraft: {len(requests)} requests at once ...", file=sys.stderr)
-    ours = offline_summary(engine, requests, None)
+    budget = engine.scheduler.max_num_batched_tokens
+    print(f"infergraft ({budget}-token steps): {len(args.requests)} requests at once ...",
+          file=sys.stderr)
+    gaps = []
+    ours = offline_summary(engine, args.requests, None, after_warm_up=(
+        (lambda: gaps.append(StepGaps(engine))) if args.step_gaps else None))
+    if gaps:
+        ours["step_gaps"] = gaps[0].summary()
     config = {"max_batch_size": engine.plan.max_batch_size,
-              "max_seq_len": engine.plan.max_seq_len,
-              "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+              "max_seq_len": engine.plan.max_seq_len, "max_num_batched_tokens": budget,
               "cache_backend": engine.plan.cache_backend}
-    floor = compute_floor(engine.spec, requests, rate, measured)
-    # 3) HF after ours, our weights and cache freed first
-    del engine
+    ours["engine_config"] = config
+    label = f"infergraft ({budget} tok)" if sweep else "infergraft"
+    return label, ours, config, compute_floor(engine.spec, args.requests, rate, measured)
+
+
+def _free(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rows = {"infergraft": ours}
-    hf_row = None if args.no_hf else _hf(hf, requests)
-    if hf_row is not None and "completed" in hf_row:
-        rows["HF CB"] = hf_row
-    for s in rows.values():
-        s["over_floor"] = s["output_throughput"] / floor["output_throughput"]
-    _write(args, config, ours, hf_row, floor, rows)
-    return 0 if ours["completed"] == len(requests) else 1
 
 
 def _hf(hf, requests) -> dict:
@@ -151,7 +185,7 @@ def _hf(hf, requests) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _write(args, config, ours, hf_row, floor, rows) -> None:
+def _write(args, config, rows, hf_row, floor) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = describe_device(args.device)
@@ -159,7 +193,7 @@ def _write(args, config, ours, hf_row, floor, rows) -> None:
         "benchmark": "throughput", "model": args.model, "dataset": args.dataset,
         "args": _arguments(args), "device": device, "engine_config": config,
         "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(),
-        "infergraft": ours, "hf": hf_row, "floor": floor,
+        "infergraft": next(iter(rows.values())), "runs": rows, "hf": hf_row, "floor": floor,
     }), indent=2))
     print(table(rows, floor))
     if hf_row is not None and "error" in hf_row:

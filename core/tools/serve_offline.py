@@ -18,9 +18,12 @@ from ..serving.engine_thread import StepCounts
 from .serve_workload import Record, summarise
 
 
-def offline_summary(engine, requests, max_concurrency: int | None) -> dict:
-    """The summary of ``requests`` (serve_workload.Request) run through ``engine``."""
+def offline_summary(engine, requests, max_concurrency: int | None, after_warm_up=None) -> dict:
+    """The summary of ``requests`` (serve_workload.Request) run through ``engine``;
+    ``after_warm_up()``, if given, is called once the warm-up is done."""
     _warm_up(engine, requests[0])
+    if after_warm_up is not None:
+        after_warm_up()
     pending, live, records = list(requests), {}, []
     cap = max_concurrency or len(requests)
     counts = StepCounts()
@@ -39,8 +42,9 @@ def offline_summary(engine, requests, max_concurrency: int | None) -> dict:
 
 def _warm_up(engine, request) -> None:
     # the first steps of a shape allocate, compile and capture: not what a run measures
-    seq = engine.add_request(list(request.prompt), SamplingParams(max_new_tokens=4,
-                                                                   ignore_eos=True))
+    # (at most the request's own output: its prompt + output fit max_seq_len)
+    seq = engine.add_request(list(request.prompt), SamplingParams(
+        max_new_tokens=min(4, request.output_len), ignore_eos=True))
     while not seq.finished:
         engine.step()
 

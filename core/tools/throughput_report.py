@@ -66,14 +66,15 @@ def table(rows: dict[str, dict], floor: dict) -> str:
     """Each system's summary (serve_workload.summarise, ``over_floor`` added) in a column,
     the floor's throughputs beside them, then how the floor was reached."""
     names = [*rows, "compute floor"]
-    width = LABEL + COLUMN * len(names)
+    col = max(COLUMN, 2 + max(map(len, names)))  # a sweep's labels name their budget
+    width = LABEL + col * len(names)
     lines = [" Throughput Benchmark Result ".center(width, "="),
-             " " * LABEL + "".join(f"{n:>{COLUMN}}" for n in names)]
+             " " * LABEL + "".join(f"{n:>{col}}" for n in names)]
 
     def line(label: str, key, floor_value=None) -> None:
         values = [s.get(key) if isinstance(key, str) else key(s) for s in rows.values()]
-        lines.append(f"{label:<{LABEL}}" + "".join(f"{fmt(v):>{COLUMN}}" for v in values) +
-                     f"{fmt(floor_value):>{COLUMN}}")
+        lines.append(f"{label:<{LABEL}}" + "".join(f"{fmt(v):>{col}}" for v in values) +
+                     f"{fmt(floor_value):>{col}}")
 
     line("Successful requests", "completed")
     line("Failed requests", "failed")
@@ -99,6 +100,13 @@ def table(rows: dict[str, dict], floor: dict) -> str:
                  f"{f['matmul'] / 1e9:.2f}, LM head {f['lm_head'] / 1e9:.2f}, attention "
                  f"{f['attention'] / 1e9:.2f}) at {floor['matmul_flops_per_s'] / 1e12:.3f} "
                  f"TFLOP/s ({floor['rate_measured']})")
+    for name, s in rows.items():
+        g = s.get("step_gaps") or {}
+        if "gap_ms" in g:
+            lines.append(f"{name}: GPU idle between steps {100 * g['idle_share']:.1f}% of "
+                         f"{g['span_ms'] / 1e3:.2f} s ({g['steps']} steps; gap P50/P99 "
+                         f"{g['gap_ms']['p50']:.2f}/{g['gap_ms']['p99']:.2f} ms, step "
+                         f"P50/P99 {g['busy_ms']['p50']:.2f}/{g['busy_ms']['p99']:.2f} ms)")
     for name, s in rows.items():
         if s.get("first_error"):
             lines.append(f"{name} first error: {s['first_error']}")

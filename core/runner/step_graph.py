@@ -1,0 +1,114 @@
+"""Mixed steps under CUDA graphs: one graph per token-count bucket, over the whole step.
+
+A token-budget step (decode tokens and prompt chunks together) launches a dozen kernels
+per layer from Python; replaying a captured graph removes that host work, which at a few
+hundred tokens can exceed the GPU's. A step of ``t`` tokens over ``n`` sequences runs in
+the smallest bucket ``T >= t``, captured for ``T`` rows and ``min(T, max_batch_size)``
+sequences: rows ``t..T-1`` are padding (token 0, written nowhere, attending to nothing)
+and sequences ``n..`` feed no row; only each sequence's last row goes through the LM head.
+The attention of the whole step is one varlen kernel launch, whose grid depends on the
+bucket's shapes alone, so the graph replays any mix of lengths.
+
+Needs a cache with ``supports_step_graphs`` (``static_step_meta``, ``prepare_step_into``);
+captured at build, largest bucket first, into the decode graphs' memory pool.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cuda_graph import PinnedStaging, capture_graph
+
+STEP_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
+                8192, 12288, 16384)
+
+
+class StepGraphRunner:
+    def __init__(self, model, cache, max_tokens: int, max_batch_size: int,
+                 buckets=STEP_BUCKETS, use_graphs: bool = True, share_pool_with=None):
+        self.model, self.cache, self.use_graphs = model, cache, use_graphs
+        self._pool_owner = share_pool_with  # keeps the shared pool alive (prefill_graph.py)
+        self.pool = getattr(share_pool_with, "pool", None)
+        self.device = next(iter(model.buffers())).device
+        self.max_batch_size = max_batch_size
+        self.buckets = sorted({b for b in buckets if b < max_tokens} | {max_tokens})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # T -> (pinned staging [T + S], device [T + S]: tokens, then each sequence's
+        # last row; the cache's meta)
+        self.inputs: dict[int, tuple] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # T -> [S, V] float32
+        self.replays = 0
+
+    @staticmethod
+    def supported(cache) -> bool:
+        return bool(getattr(cache, "supports_step_graphs", False))
+
+    def seqs_of(self, tokens: int) -> int:
+        """Sequences a bucket of ``tokens`` rows is captured for (each feeds >= 1 row)."""
+        return min(tokens, self.max_batch_size)
+
+    def bucket(self, counts) -> int | None:
+        """The bucket a step feeding ``counts`` tokens per sequence runs in, or None."""
+        t = sum(counts)
+        return next((b for b in self.buckets if b >= t and self.seqs_of(b) >= len(counts)),
+                    None)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for tokens in sorted(self.buckets, reverse=True):
+            self._capture(tokens)
+        if self.use_graphs:
+            torch.cuda.synchronize()
+
+    def _capture(self, tokens: int) -> None:
+        seqs = self.seqs_of(tokens)
+        host = torch.zeros(tokens + seqs, dtype=torch.long)
+        staging = PinnedStaging(host, self.device.type == "cuda")
+        dev = host.to(self.device)  # [T] tokens, then [S] the rows whose logits we need
+        meta = self.cache.static_step_meta(tokens, seqs)  # all rows padding until filled
+        self.inputs[tokens] = (staging, dev, meta)
+        if not self.use_graphs:
+            return
+        ids, index = dev[:tokens], dev[tokens:]
+        graph, self.logits[tokens] = capture_graph(  # logits [S, V]
+            lambda: self.model(ids, self.cache, meta, index), self.pool)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[tokens] = graph
+
+    @torch.inference_mode()
+    def run(self, seq_ids, counts, tokens: list[int]) -> torch.Tensor:
+        """One step: logits of each sequence's last fed row, [n, V] float32."""
+        length = self.bucket(counts)
+        staging, dev, meta = self.inputs[length]
+        n = len(seq_ids)
+        host = staging.next()
+        t = len(tokens)
+        host[:t] = torch.tensor(tokens, dtype=torch.long)
+        host[t:length] = 0  # padding token
+        host[length:length + n] = torch.tensor(counts).cumsum(0) - 1  # each one's last row
+        host[length + n:] = 0
+        dev.copy_(host, non_blocking=True)
+        self.cache.prepare_step_into(meta, seq_ids, counts)
+        self.replays += 1
+        if self.use_graphs:
+            self.graphs[length].replay()
+        else:
+            self.logits[length] = self.model(dev[:length], self.cache, meta, dev[length:])
+        return self.logits[length][:n]
+
+
+def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted):
+    """Mixed steps under CUDA graphs (default: with the decode graphs, where the cache can)."""
+    from ..errors import PlanError
+
+    if wanted is None:
+        wanted = decode_graphs is not None and StepGraphRunner.supported(cache)
+    if not wanted:
+        return None
+    if decode_graphs is None or not StepGraphRunner.supported(cache):
+        raise PlanError(f"step_graphs=True needs decode CUDA graphs and a cache that can "
+                        f"capture a mixed step (paged); got {plan.cache_backend}")
+    runner = StepGraphRunner(net, cache, max_tokens, plan.max_batch_size,
+                             share_pool_with=decode_graphs)
+    runner.capture()
+    return runner
