@@ -73,9 +73,9 @@ def _generate(model, requests) -> tuple[list, float]:
     # the tiny shape on 2 cores HF's throughput with either cache agreed within the noise).
     cuda = model.device.type == "cuda"
     cb = ContinuousBatchingConfig()
-    if not cuda:
-        cb.num_blocks = 2 * sum(-(-(len(r.prompt) + r.output_len) // cb.page_size)
-                                for r in requests)
+    if not cuda:  # tokens a block: page_size, block_size before transformers 5.2x
+        size = getattr(cb, "page_size", None) or getattr(cb, "block_size", None) or 256
+        cb.num_blocks = 2 * sum(-(-(len(r.prompt) + r.output_len) // size) for r in requests)
     # no inference_mode: HF's manager thread updates its own tensors outside it
     with torch.no_grad(), model.continuous_batching_context_manager(
             generation_config=config, block=True, timeout=5, warmup=cuda,
