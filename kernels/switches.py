@@ -96,6 +96,10 @@ SWITCHES = _switches(
     Switch("INFERGRAFT_ARGMAX_SPLIT", BOOL, "1", "import", "`0`",
            "`logits_argmax` walks each row on one program",
            changes_results=False, constant="greedy.SPLIT_ON"),
+    Switch("INFERGRAFT_STEP_GRAPHS", BOOL, "1", "build", "`0`",
+           "mixed steps (prompt chunks beside decode tokens) run eagerly instead of "
+           "replaying a CUDA graph per token bucket (`build(step_graphs=None)` only)",
+           changes_results=False),
 )
 
 

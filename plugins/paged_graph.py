@@ -77,6 +77,7 @@ class PagedGraphInputs:
         belong to no sequence; padding sequences feed no row and hold no key."""
         width = blocks_for(self.max_seq_len, self.block_size)
         host = torch.zeros(_step_slots(tokens, seqs, width), dtype=torch.long)
+        host[tokens:2 * tokens] = -1  # every row padding (the capture writes no K/V)
         flat = host.to(self.device)
         self._step_buffers = getattr(self, "_step_buffers", {})
         self._step_buffers[tokens, seqs] = (PinnedStaging(host, self.device.type == "cuda"),

@@ -101,8 +101,11 @@ def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted):
     """Mixed steps under CUDA graphs (default: with the decode graphs, where the cache can)."""
     from ..errors import PlanError
 
+    from infergraft.kernels import switches
+
     if wanted is None:
-        wanted = decode_graphs is not None and StepGraphRunner.supported(cache)
+        wanted = decode_graphs is not None and StepGraphRunner.supported(cache) \
+            and switches.value("INFERGRAFT_STEP_GRAPHS")
     if not wanted:
         return None
     if decode_graphs is None or not StepGraphRunner.supported(cache):
