@@ -132,8 +132,19 @@ class Scheduler:
     def _running_part(self) -> tuple[list[Sequence], list[int], int]:
         """The running sequences this step takes (those that ran longest ago first, then
         oldest first), their counts, and how many the cache refused."""
+        order = sorted(self.running, key=lambda s: self._last_ran[s.id])
+        seqs, counts, budget = [], [], self.max_num_batched_tokens
+        for s in order:  # what the budget takes, asking the cache once (O(B), not O(B^2))
+            if budget == 0:
+                break
+            seqs.append(s)
+            counts.append(min(counts_needed(s), budget))
+            budget -= counts[-1]
+        if self.cache.can_append([s.id for s in seqs], counts):
+            return seqs, counts, 0
+        # the cache is short: sequence by sequence, those that fit
         budget, seqs, counts, short = self.max_num_batched_tokens, [], [], 0
-        for s in sorted(self.running, key=lambda s: self._last_ran[s.id]):
+        for s in order:
             if budget == 0:
                 break
             n = min(counts_needed(s), budget)
@@ -150,25 +161,30 @@ class Scheduler:
         leaves of the token budget take them; the last one may be a first chunk."""
         admitted, counts = [], []
         budget = self.max_num_batched_tokens - sum(base_counts)
-        ids = [s.id for s in base]
         while self.waiting and budget > 0 and \
                 len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             n = seq.num_tokens
-            take = min(n, budget)
             if not self.cache.can_allocate(n):
                 break
             self.cache.allocate(seq.id, n)
-            if not self.cache.can_append([*ids, seq.id], [*base_counts, *counts, take]):
-                self.cache.free(seq.id)  # the step as a whole would not fit
-                break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.num_prefill_tokens, seq.num_computed_tokens = n, 0
             admitted.append(seq)
-            ids.append(seq.id)
-            counts.append(take)
-            budget -= take
+            counts.append(min(n, budget))
+            budget -= counts[-1]
+        # the step as a whole must fit too: asked once, and where it does not, the newest
+        # admissions go back (the same prompts as asking after each, at O(B) not O(B^2))
+        ids = [s.id for s in base]
+        while admitted and not self.cache.can_append([*ids, *(s.id for s in admitted)],
+                                                     [*base_counts, *counts]):
+            seq = admitted.pop()
+            counts.pop()
+            self.cache.free(seq.id)
+            seq.status = Status.WAITING
+            seq.num_prefill_tokens = seq.num_computed_tokens = 0
+            self.waiting.appendleft(seq)
         self.running.extend(admitted)
         return admitted, counts
 
