@@ -22,6 +22,7 @@ from infergraft.core.hookspecs import hookimpl
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
 from .paged_graph import PagedGraphInputs, PagedMeta
+from .table_rows import TableRows
 
 HOLE = -1  # a table entry whose block went back to the pool (out of every later window)
 
@@ -38,6 +39,9 @@ class PagedCache(PagedGraphInputs, KVCache):
         self.k, self.v, self.k_scale, self.v_scale = self._storage(storage_blocks or num_blocks,
                                                                    self.device)
         self._tables: dict = {}
+        # the same tables, storage ids (a hole: block 0), for the graph steps' one gather;
+        # physical = logical here (the offload cache, whose fast slots move, has no graphs)
+        self._rows = TableRows(blocks_for(max_seq_len, block_size))
         self._len: dict = {}
         self._reserved: dict = {}  # tokens reserved by allocate (the prompt)
 
@@ -62,11 +66,13 @@ class PagedCache(PagedGraphInputs, KVCache):
         if num_tokens > self.max_seq_len:
             raise CacheFullError(f"{num_tokens} tokens exceed max_seq_len={self.max_seq_len}")
         self._tables[seq_id] = self.allocator.take(blocks_for(num_tokens, self.block_size))
+        self._rows.add(seq_id, self._tables[seq_id])
         self._len[seq_id], self._reserved[seq_id] = 0, num_tokens
 
     def free(self, seq_id):
         for b in self._tables.pop(seq_id):
             self._release(b)
+        self._rows.remove(seq_id)
         del self._len[seq_id], self._reserved[seq_id]
 
     def _release(self, b: int) -> None:
@@ -85,6 +91,7 @@ class PagedCache(PagedGraphInputs, KVCache):
                 break  # the holes are a prefix: the rest went at earlier steps
             self._release(table[j])
             table[j] = HOLE
+            self._rows.put(seq_id, j, [0])
 
     def length(self, seq_id):
         return self._len[seq_id]
@@ -102,6 +109,7 @@ class PagedCache(PagedGraphInputs, KVCache):
         if partial:
             self._copy_block(table[full], new[0], exclude=set(table))
         self._tables[child] = table[:full] + new
+        self._rows.add(child, [0 if b == HOLE else b for b in self._tables[child]])
         self._len[child], self._reserved[child] = n, n
 
     # -- one forward step --------------------------------------------------------------------
@@ -132,7 +140,9 @@ class PagedCache(PagedGraphInputs, KVCache):
         for s, start, n in zip(seq_ids, starts, counts):
             grow = blocks_for(start + n, self.block_size) - len(self._tables[s])
             if grow > 0:
-                self._tables[s] += self.allocator.take(grow)
+                new = self.allocator.take(grow)
+                self._rows.put(s, len(self._tables[s]), new)
+                self._tables[s] += new
             self._len[s] = start + n
             if self.window:
                 self._drop_out_of_window(s, start)
@@ -245,6 +255,7 @@ class PagedCache(PagedGraphInputs, KVCache):
     def check_invariants(self):
         super().check_invariants()
         self.allocator.check(self._live_blocks(s) for s in self._tables)
+        self._rows.check(self._tables)
         bs = self.block_size
         for s, table in self._tables.items():
             n = self._len[s]

@@ -56,16 +56,12 @@ class PagedGraphInputs:
         batch = meta.positions.shape[0]
         staging, flat, width = self._graph_buffers[batch]
         bs, n = self.block_size, len(seq_ids)
-        starts = self._advance(seq_ids, [1] * n)
+        pos = torch.tensor(self._advance(seq_ids, [1] * n))  # [n]
         host = staging.next()  # rewritten in full below
         scalars, tables = _decode_views(host, batch, width)
-        cols, rows = [], []  # one host write each per step, not two per sequence
-        for s, pos in zip(seq_ids, starts):
-            phys = self._physical(self._tables[s])
-            cols.append((pos, phys[pos // bs], pos % bs, pos + 1))
-            rows.append(phys + [0] * (width - len(phys)))  # padded like prepare's tables
-        scalars[:, :n] = torch.tensor(cols, dtype=torch.long).T
-        tables[:n] = torch.tensor(rows, dtype=torch.int32)
+        tables[:n] = self._rows.gather(seq_ids)  # [n, width], padded like prepare's tables
+        scalars[0, :n], scalars[2, :n], scalars[3, :n] = pos, pos % bs, pos + 1
+        scalars[1, :n] = tables[:n].gather(1, (pos // bs)[:, None])[:, 0]
         scalars[:, n:] = scalars[:, n - 1:n]
         tables[n:] = tables[n - 1]
         flat.copy_(host, non_blocking=True)  # positions, slots, lengths and tables at once
@@ -98,8 +94,7 @@ class PagedGraphInputs:
         starts = torch.tensor(self._advance(seq_ids, counts))
         host = staging.next()  # rewritten in full below
         rows, cu, lens, tables = _step_views(host, tokens, seqs, width)
-        phys = [self._physical(self._tables[s]) for s in seq_ids]
-        tables[:n] = torch.tensor([p + [0] * (width - len(p)) for p in phys], dtype=torch.int32)
+        tables[:n] = self._rows.gather(seq_ids)  # [n, width]
         tables[n:] = 0
         count_t = torch.tensor(counts)
         cu[0], cu[1:n + 1], cu[n + 1:] = 0, count_t.cumsum(0), t
