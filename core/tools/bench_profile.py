@@ -93,16 +93,16 @@ def main(argv=None) -> int:
     runner = engine.decode_graphs
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     prompt = random_prompts(1, args.prompt_len, engine.spec.vocab_size, seed=99)[0]
-    graphs = engine.prefill_graphs
-    for label, prefill in (("captured", graphs), ("eager", None)):
-        engine.prefill_graphs = prefill
+    graphs = engine.runner.step_graphs  # the paged cache's: a prompt is one mixed step
+    for label, steps in (("captured", graphs), ("eager", None)):
+        engine.runner.step_graphs = steps
         print(f"prefill of {args.prompt_len} tokens, {label}: "
               f"{', '.join(f'{t:.1f}' for t in prefill_wall_ms(engine, prompt, params))} ms "
               "(wall, one step; the first is a warm-up)", flush=True)
     seq = engine.add_request(prompt, params)  # the eager step's GPU time, kernel by kernel
     print(profiled(engine.step, top=12), flush=True)
     engine.scheduler.abort([seq])
-    engine.prefill_graphs = graphs
+    engine.runner.step_graphs = graphs
     for bs in batches:
         prompts = random_prompts(bs, args.prompt_len, engine.spec.vocab_size, seed=bs)
         seqs = [engine.add_request(q, params) for q in prompts]

@@ -50,11 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prompt tokens one step feeds at most (default: the engine's)")
+                   help="tokens one step carries at most, decode tokens and prompt chunks "
+                        "together (default: the engine's)")
     p.add_argument("--prefill-graphs", action="store_true",
-                   help="replay a captured graph for a lone prompt's prefill, which then "
-                        "runs alone while the others wait (CUDA; default off: a server's "
-                        "prompts are prefilled with the running decode tokens riding along)")
+                   help="caches without mixed-step graphs (contiguous): replay a captured "
+                        "graph for a prompt prefilled with nothing else running (CUDA; the "
+                        "paged cache replays every step from graphs anyway)")
 
 
 def _imports():
