@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
-from .paged_plan import _sm_count, counters_for, launch_plan, split_len, split_plan  # noqa: F401
+from .paged_plan import (_sm_count, check_cache_args, counters_for, launch_plan,  # noqa: F401
+                         split_len, split_plan)
 
 #: float32 elements (heads x splits x head_dim) per step of the fused merge: 64 registers
 #: a thread at 4 warps; a larger S x head_dim is merged by the second kernel instead
@@ -203,24 +204,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     (defaults: ``paged_plan.launch_plan``)."""
     assert q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}"
     bsz, hq, d = q.shape
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
-        f"k_cache and v_cache must both be [NB, BS, Hkv, D], got {tuple(k_cache.shape)} " \
-        f"and {tuple(v_cache.shape)}"
-    nb, bs, hkv, dk = k_cache.shape
-    assert dk == d, f"q head_dim {d} != cache head_dim {dk}"
-    assert hkv >= 1 and hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}"
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype}"
-    quant = k_cache.dtype == torch.int8
-    if quant:
-        assert v_cache.dtype == torch.int8, f"k_cache is int8 but v_cache is {v_cache.dtype}"
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            assert s is not None and s.shape == (nb, bs, hkv) and s.dtype == torch.float32, \
-                f"int8 K/V need {name} float32 [{nb}, {bs}, {hkv}], got " \
-                f"{None if s is None else (tuple(s.shape), s.dtype)}"
-    else:
-        assert k_cache.dtype == v_cache.dtype == q.dtype, \
-            f"cache dtype {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype} (or int8)"
-        assert k_scale is None and v_scale is None, "scales are only for int8 K/V"
+    quant = check_cache_args(q, k_cache, v_cache, k_scale, v_scale)
+    nb, bs, hkv, _ = k_cache.shape
     assert block_tables.dim() == 2 and block_tables.shape[0] == bsz, \
         f"block_tables must be [{bsz}, max_blocks], got {tuple(block_tables.shape)}"
     assert block_tables.dtype in (torch.int32, torch.int64), f"block_tables dtype {block_tables.dtype}"

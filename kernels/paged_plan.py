@@ -152,3 +152,29 @@ def tile_config(nsplit: int, num_warps: int | None, num_stages: int | None) -> d
     loads in flight along its keys (docs/kernels.md)."""
     warps, stages = (4, 2) if nsplit > 1 else (2, 4)
     return dict(num_warps=num_warps or warps, num_stages=num_stages or stages)
+
+
+def check_cache_args(q, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """The paged K/V arguments against q ([rows, Hq, D]): shapes and dtypes (16-bit or
+    float32 K/V of q's dtype, or int8 with float32 scales [NB, BS, Hkv]); True for int8.
+    Shared by the decode and the varlen attention launchers."""
+    _, hq, d = q.shape
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype}"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
+        f"k_cache and v_cache must both be [NB, BS, Hkv, D], got {tuple(k_cache.shape)} " \
+        f"and {tuple(v_cache.shape)}"
+    nb, bs, hkv, dk = k_cache.shape
+    assert dk == d, f"q head_dim {d} != cache head_dim {dk}"
+    assert hkv >= 1 and hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}"
+    quant = k_cache.dtype == torch.int8
+    if quant:
+        assert v_cache.dtype == torch.int8, f"k_cache is int8 but v_cache is {v_cache.dtype}"
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            assert s is not None and s.shape == (nb, bs, hkv) and s.dtype == torch.float32, \
+                f"int8 K/V need {name} float32 [{nb}, {bs}, {hkv}], got " \
+                f"{None if s is None else (tuple(s.shape), s.dtype)}"
+    else:
+        assert k_cache.dtype == v_cache.dtype == q.dtype, \
+            f"cache dtype {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype} (or int8)"
+        assert k_scale is None and v_scale is None, "scales are only for int8 K/V"
+    return quant

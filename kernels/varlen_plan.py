@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_pow2
-from .paged_plan import _cdiv, launch_plan
+from .paged_plan import _cdiv, check_cache_args, launch_plan
 
 #: tokens per sequence (T / B) up to which a step counts as decode-heavy and takes the
 #: decode kernel's 16-row tile and its measured plan (``paged_plan.launch_plan``)
@@ -88,25 +88,7 @@ def check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, wi
     """The arguments' shapes, dtypes and devices (never values: the Triton path runs in
     CUDA graphs); True for int8 K/V."""
     assert q.dim() == 3, f"q must be [T, Hq, D], got {tuple(q.shape)}"
-    _, hq, d = q.shape
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype}"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
-        f"k_cache and v_cache must both be [NB, BS, Hkv, D], got {tuple(k_cache.shape)} " \
-        f"and {tuple(v_cache.shape)}"
-    nb, bs, hkv, dk = k_cache.shape
-    assert dk == d, f"q head_dim {d} != cache head_dim {dk}"
-    assert hkv >= 1 and hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}"
-    quant = k_cache.dtype == torch.int8
-    if quant:
-        assert v_cache.dtype == torch.int8, f"k_cache is int8 but v_cache is {v_cache.dtype}"
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            assert s is not None and s.shape == (nb, bs, hkv) and s.dtype == torch.float32, \
-                f"int8 K/V need {name} float32 [{nb}, {bs}, {hkv}], got " \
-                f"{None if s is None else (tuple(s.shape), s.dtype)}"
-    else:
-        assert k_cache.dtype == v_cache.dtype == q.dtype, \
-            f"cache dtype {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype} (or int8)"
-        assert k_scale is None and v_scale is None, "scales are only for int8 K/V"
+    quant = check_cache_args(q, k_cache, v_cache, k_scale, v_scale)
     assert block_tables.dim() == 2 and block_tables.dtype in (torch.int32, torch.int64), \
         f"block_tables must be int32/int64 [B, max_blocks], got {tuple(block_tables.shape)} " \
         f"{block_tables.dtype}"

@@ -108,12 +108,18 @@ def plot(results, path: Path, title: str) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infergraft bench", description=__doc__)
     add_arguments(p)
+    return measure(parse_resolved(p, argv, resolve))
+
+
+def parse_resolved(p: argparse.ArgumentParser, argv, resolve):
+    """``argv`` parsed by ``p`` and passed through ``resolve``; a PlanError there (flags
+    that do not go together) is a usage error, exit 2, as argparse's own."""
     args = p.parse_args(argv)
     try:
         resolve(args)
-    except PlanError as e:  # a bad flag: usage and exit 2, as argparse's own errors
+    except PlanError as e:
         p.error(str(e))
-    return measure(args)
+    return args
 
 
 # Flag types: argparse reports their ArgumentTypeError as "argument --flag: ..." and exits

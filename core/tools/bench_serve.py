@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import InfergraftError, PlanError
-from .bench_cli import _out, _positive
+from .bench_cli import _out, _positive, parse_resolved
 from .provenance import provenance
 from .serve_client import benchmark
 from .serve_hf import hf_offline_summary
@@ -249,11 +249,7 @@ def _offline(args, runs) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infergraft bench serve", description=__doc__)
     add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        resolve(args)
-    except PlanError as e:  # a bad flag: usage and exit 2, as argparse's own errors
-        p.error(str(e))
+    args = parse_resolved(p, argv, resolve)
     try:
         return measure(args)
     except InfergraftError as e:

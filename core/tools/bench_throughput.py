@@ -25,7 +25,8 @@ import torch
 from ..errors import InfergraftError, PlanError
 from .bench import matmul_rate
 from .bench_cli import (SHAPES, _batches, _device, _dtype, _model, _names, _out, _positive,
-                        build_engine, check_plugins, describe_device, load_models)
+                        build_engine, check_plugins, describe_device, load_models,
+                        parse_resolved)
 from .bench_serve import add_workload_arguments, resolve_workload
 from .provenance import provenance
 from .serve_hf import hf_summary
@@ -209,11 +210,8 @@ def _write(args, config, rows, hf_row, floor) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="infergraft bench throughput", description=__doc__)
     add_arguments(p)
-    args = p.parse_args(argv)
     try:
-        resolve(args)
-    except PlanError as e:  # a bad flag: usage and exit 2, as argparse's own errors
-        p.error(str(e))
+        args = parse_resolved(p, argv, resolve)
     except InfergraftError as e:  # the model's config.json refused (vocab_size)
         return _failed(e)
     try:
