@@ -107,7 +107,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     device, run_spec = rank_device(device, parallel), rank.spec
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     step_tokens = step_token_budget(max_num_batched_tokens, max_seq_len)
-    from infergraft.kernels import get_ops  # here, not at import: it imports triton
+    from infergraft.kernels import get_ops, switches  # here, not at import: it imports triton
 
     ops = get_ops(device, kernels)
     plan = Plan(
@@ -148,6 +148,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_num_batched_tokens)
     engine.ranks = rank.ranks
+    engine.schedule_ahead = device.type == "cuda" and rank.ranks is None \
+        and switches.value("INFERGRAFT_SCHEDULE_AHEAD")
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = prefill_graphs_for(net, cache, plan, engine.decode_graphs,
                                                prefill_graphs)

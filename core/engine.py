@@ -28,6 +28,12 @@ from .streaming import RequestStream, abort_requests, raise_failed
 Prompt = Union[str, list]
 
 
+def _runner_attribute(name: str, doc: str) -> property:
+    """The engine's name for one of its model runner's graph runners (read and set)."""
+    return property(lambda self: getattr(self.runner, name),
+                    lambda self, value: setattr(self.runner, name, value), doc=doc)
+
+
 class Engine:
     def __init__(self, model, cache, tokenizer, plan, spec, max_num_batched_tokens=None):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
@@ -42,6 +48,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self._forks: dict[int, list[Sequence]] = {}  # parent id -> samples forked at its prefill
         self._stepping: list[Sequence] = []  # the running step's sequences
+        # schedule the next step while the GPU runs this one (build(): on one CUDA device)
+        self.schedule_ahead, self._ahead = False, None  # scheduler.schedule_ahead's step
         self.runner = ModelRunner(model, cache, self.device)
         self.lookahead = DecodeLookahead(self)  # greedy graph decode, one step ahead
         # distributed.collectives.TensorParallelGroup or distributed.stages.PipelineStage:
@@ -51,23 +59,10 @@ class Engine:
         # threads, so a caller stepping in a loop cannot starve one waiting to add its request
         self.lock = FairRLock()
 
-    @property
-    def decode_graphs(self):
-        """runner.cuda_graph.CudaGraphRunner (set by build() on CUDA) or None."""
-        return self.runner.decode_graphs
-
-    @decode_graphs.setter
-    def decode_graphs(self, graphs):
-        self.runner.decode_graphs = graphs
-
-    @property
-    def prefill_graphs(self):
-        """runner.prefill_graph.PrefillGraphRunner (set by build() on CUDA) or None."""
-        return self.runner.prefill_graphs
-
-    @prefill_graphs.setter
-    def prefill_graphs(self, graphs):
-        self.runner.prefill_graphs = graphs
+    decode_graphs = _runner_attribute(
+        "decode_graphs", "runner.cuda_graph.CudaGraphRunner (set by build() on CUDA) or None.")
+    prefill_graphs = _runner_attribute(
+        "prefill_graphs", "runner.prefill_graph.PrefillGraphRunner (build(), CUDA) or None.")
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -109,7 +104,9 @@ class Engine:
             if self.lookahead.inflight is not None:  # a greedy decode step already launched
                 self._stepping = list(self.lookahead.inflight[0])
                 return self._guarded(self.lookahead.advance)
-            step = self.scheduler.schedule()
+            ahead, self._ahead = self._ahead, None
+            step = None if ahead is None else self.scheduler.resume(ahead)
+            step = step or self.scheduler.schedule()
             if step is None:
                 return []
             tokens = step_tokens(step)
@@ -126,7 +123,7 @@ class Engine:
         # error): its sequences are recomputed from their tokens so far. A step launched
         # ahead writes only slots freed here, in stream order.
         except BaseException:
-            self.lookahead.inflight = None
+            self.lookahead.inflight = self._ahead = None
             for s in self._stepping:
                 if s in self.scheduler.running:
                     self.scheduler.preempt(s)
@@ -137,6 +134,8 @@ class Engine:
         logits = self.runner.forward(step, tokens, replay)
         for s, n in zip(seqs, step.counts):
             s.num_computed_tokens += n
+        if self.schedule_ahead:  # while the GPU runs this step (the sampling waits for it)
+            self._ahead = self.scheduler.schedule_ahead()
         if step.kind == "prefill":
             ready = [i for i, s in enumerate(seqs) if not s.prefilling]  # whole prompt fed
             if len(ready) < len(seqs):  # a chunk: no token yet

@@ -110,6 +110,32 @@ class Scheduler:
         self._last_kind = step.kind if step else None
         return step
 
+    def schedule_ahead(self) -> Step | None:
+        """The next step, scheduled while the current one still runs (its sequences'
+        counts fed, their tokens not yet sampled), or None where the cache is short:
+        pausing or preempting must see the step's outcome. Admits as ``schedule`` does;
+        ``resume`` takes the step once the current one is done."""
+        seqs, counts, short = self._running_part()
+        if short or not seqs:
+            return None
+        admitted, more = self._admit(seqs, counts)
+        self._last_ran.update((s.id, next(self._ticks)) for s in seqs + admitted)
+        return Step("prefill", seqs + admitted, counts + more)  # the kind: at ``resume``
+
+    def resume(self, step: Step) -> Step | None:
+        """``step`` (from ``schedule_ahead``) without the sequences that finished since (a
+        stop token, an abort): the step to run now, or None when none is left or the cache
+        no longer takes it (a fork took a block meanwhile): then ``schedule`` again."""
+        kept = [(s, n) for s, n in zip(step.seqs, step.counts) if s.status is Status.RUNNING]
+        if not kept:
+            return None
+        seqs, counts = (list(x) for x in zip(*kept))
+        if not self.cache.can_append([s.id for s in seqs], counts):
+            return None
+        step = Step("prefill" if any(s.prefilling for s in seqs) else "decode", seqs, counts)
+        self._last_kind = step.kind
+        return step
+
     def _schedule(self) -> Step | None:
         while True:
             seqs, counts, short = self._running_part()

@@ -99,7 +99,12 @@ SWITCHES = _switches(
     Switch("INFERGRAFT_STEP_GRAPHS", BOOL, "1", "build", "`0`",
            "mixed steps (prompt chunks beside decode tokens) run eagerly instead of "
            "replaying a CUDA graph per token bucket (`build(step_graphs=None)` only)",
-           changes_results=False),
+           changes_results=True),
+    Switch("INFERGRAFT_SCHEDULE_AHEAD", BOOL, "1", "build", "`0`",
+           "the next step scheduled after this one's tokens are sampled instead of while "
+           "the GPU runs it (CUDA, one process; a slot freed by a stop is refilled a step "
+           "sooner)",
+           changes_results=True),
 )
 
 
