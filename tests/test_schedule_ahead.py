@@ -98,3 +98,33 @@ def test_a_step_ahead_the_cache_no_longer_takes_is_dropped():
     assert ahead.seqs == [a, b]
     cache.allocate("fork", 8)  # a fork took the two free blocks meanwhile
     assert sched.resume(ahead) is None
+
+
+def test_decode_graph_steps_schedule_the_next_step_ahead_with_eos_and_arrivals():
+    """The decode graphs' path (run eagerly through their static buffers): with requests
+    waiting, no step is launched ahead from device tokens, so the next step is scheduled
+    while the current one runs; an EOS met mid-run drops its sequence from that step."""
+    from infergraft.core.runner.cuda_graph import CudaGraphRunner
+
+    hf, engine = _engine(64)
+    runner = CudaGraphRunner(engine.model, engine.cache, 4, buckets=(2, 4), use_graphs=False)
+    runner.capture()
+    engine.decode_graphs = runner
+    prompts = [random_prompt(n, 256, 60 + n) for n in (5, 12, 8, 10, 7, 6)]
+    alone = core.build(hf, max_seq_len=64, max_batch_size=1)
+    eos = alone.generate(prompts[0], max_new_tokens=20)[0].token_ids[5]
+    engine.eos_token_ids = alone.eos_token_ids = frozenset({eos})
+    taken, resume = [], engine.scheduler.resume
+
+    def record(step):
+        step = resume(step)
+        taken.append(step and step.kind)
+        return step
+    engine.scheduler.resume = record
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert "decode" in taken and runner.replays > 0
+    for p, s in zip(prompts, seqs):
+        assert s.output_ids == alone.generate(p, max_new_tokens=20)[0].token_ids
+    assert seqs[0].finish_reason == "stop" and engine.cache.stats()["sequences"] == 0

@@ -47,8 +47,11 @@ class DecodeLookahead:
         """Read the step in flight (launching the next one first when it may)."""
         seqs, pending = self.inflight
         self.inflight = None
+        engine = self.engine
         if self._can_look_ahead(seqs):
-            self.inflight = (seqs, self.engine.decode_graphs.launch([s.id for s in seqs], None))
+            self.inflight = (seqs, engine.decode_graphs.launch([s.id for s in seqs], None))
+        elif engine.schedule_ahead:  # the next step differs: schedule it while this one runs
+            engine._ahead = engine.scheduler.schedule_ahead()
         new = pending.get()  # waits for that step only
         now = time.perf_counter()
         got = []
@@ -56,7 +59,7 @@ class DecodeLookahead:
             if seq.status is Status.FINISHED:  # aborted while its step ran
                 continue
             seq.num_computed_tokens += 1
-            self.engine._append(seq, tok, now)
+            engine._append(seq, tok, now)
             got.append(seq)
         return got
 
