@@ -81,3 +81,16 @@ class Cli:
             t.join(5)
         return self.proc.returncode, self.out.decode(errors="replace"), self.err.decode(
             errors="replace")
+
+
+def assert_flag_refused(call, argv, flag, says, capsys, out_dir) -> None:
+    """``call(argv)`` exits 2 (returned or argparse's SystemExit) with a last stderr line
+    naming ``flag`` and saying ``says``, and writes nothing to ``out_dir``."""
+    try:
+        rc = call(argv)
+    except SystemExit as e:  # argparse's usage error
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # one line: what, and what works
+    assert flag in err and says in err, err
+    assert not out_dir.exists()

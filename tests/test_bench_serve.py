@@ -6,6 +6,7 @@ import socket
 import statistics
 
 import pytest
+from cli_support import assert_flag_refused
 
 from infergraft.core.cli import main as cli_main
 from infergraft.core.tools import bench_serve, serve_client
@@ -175,14 +176,7 @@ def test_a_bad_flag_is_refused_before_any_request(flags, says, entry, tmp_path, 
             "--out", str(tmp_path / "o")] + flags
     call = bench_serve.main if entry == "bench_serve" else \
         lambda a: cli_main(["bench", "serve"] + a)
-    try:
-        rc = call(argv)
-    except SystemExit as e:  # argparse's usage error
-        rc = e.code
-    assert rc == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # one line: what, and what works
-    assert flags[0] in err and says in err, err
-    assert not (tmp_path / "o").exists()
+    assert_flag_refused(call, argv, flags[0], says, capsys, tmp_path / "o")
 
 
 def test_an_unreachable_server_is_one_line_not_a_traceback(tmp_path, capsys):

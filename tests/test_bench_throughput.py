@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from cli_support import assert_flag_refused
 
 from infergraft.core.cli import main as cli_main
 from infergraft.core.tools import bench_throughput
@@ -216,14 +217,7 @@ def test_a_bad_flag_is_refused_before_any_model_is_built(flags, says, entry, tmp
             "--output-len", "8", "--out", str(tmp_path / "o")] + flags
     call = bench_throughput.main if entry == "bench_throughput" else \
         lambda a: cli_main(["bench", "throughput"] + a)
-    try:
-        rc = call(argv)
-    except SystemExit as e:  # argparse's usage error
-        rc = e.code
-    assert rc == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # one line: what, and what works
-    assert flags[0] in err and says in err, err
-    assert not (tmp_path / "o").exists()
+    assert_flag_refused(call, argv, flags[0], says, capsys, tmp_path / "o")
 
 
 def test_help_lists_every_flag(capsys):
