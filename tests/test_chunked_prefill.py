@@ -128,6 +128,15 @@ def test_short_prompts_are_fused_with_the_decode_tokens_in_one_step():
         assert ref.output_ids == seq.output_ids
 
 
+def test_max_prefill_tokens_is_the_budget_under_its_old_name():
+    hf = random_model(tiny_llama_config(), seed=6)
+    with pytest.warns(DeprecationWarning, match="max_prefill_tokens is now max_num_batched_tokens"):
+        engine = core.build(hf, max_prefill_tokens=12, **KW)
+    assert engine.scheduler.max_num_batched_tokens == engine.plan.max_num_batched_tokens == 12
+    with pytest.raises(PlanError, match="give only max_num_batched_tokens"):
+        core.build(hf, max_prefill_tokens=12, max_num_batched_tokens=16, **KW)
+
+
 _MODEL: dict = {}
 _ALONE: dict = {}  # (case, prompt seed, length, new tokens) -> tokens generated alone
 
@@ -170,7 +179,7 @@ def _run_arrivals(arrivals, budget, case):
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 def test_random_arrivals_get_the_tokens_they_get_alone(arrivals, budget, case):
-    """Requests arriving at random steps, with chunks, decode riders, pauses and
+    """Requests arriving at random steps, with chunks, decode tokens beside them, pauses and
     preemptions in any mix: each gets the greedy tokens it gets when run alone."""
     _run_arrivals(arrivals, budget, case)
 

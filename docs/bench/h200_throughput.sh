@@ -22,9 +22,12 @@ if [ -n "${KERNEL_TESTS:-}" ]; then
   python3 -m infergraft.kernels.bench.varlen > "$OUT/varlen_bench.txt" 2>&1
   tail -12 "$OUT/varlen_bench.txt"
 fi
-# RUNS: docs/bench/throughput_runs.py's dataset:prompt:output:prompts:budgets[:hf[:eager]]
-python3 docs/bench/throughput_runs.py "$OUT" "${DEADLINE:-400}" \
-  ${RUNS:-uniform:512:256:1000:2048} > "$OUT/throughput.txt" 2>&1
+# RUNS: docs/bench/throughput_runs.py's dataset:prompt:output:prompts:budgets[:hf[:eager]];
+# the default: the mixed-traffic issue's workloads at 2048-token steps, HF beside uniform,
+# the budget sweep, and the eager mixed steps (INFERGRAFT_STEP_GRAPHS=0) for comparison
+python3 docs/bench/throughput_runs.py "$OUT" "${DEADLINE:-420}" \
+  ${RUNS:-fixed:512:256:1000:2048 uniform:512:256:1000:2048:48 sharegpt-like:161:338:1000:2048 uniform:512:256:1000:1024,4096,8192 uniform:512:256:1000:2048:0:1} \
+  > "$OUT/throughput.txt" 2>&1
 grep -E "^==|^ +infergraft|Output token throughput|P50 TPOT|P99 TPOT|idle|error|failed" \
   "$OUT/throughput.txt"
 if [ -n "${BENCH:-}" ]; then
