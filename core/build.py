@@ -20,8 +20,7 @@ from .memory import (activation_bytes, check_fits, device_budget, step_token_bud
 from .plan import Plan
 from .plugin_manager import get_plugin_manager
 from .runner.model import DecoderModel
-from .runner.model_runner import decode_graphs_for, prefill_graphs_for
-from .runner.step_graph import step_graphs_for
+from .runner.model_runner import decode_graphs_for, prefill_graphs_for, step_graphs_for
 from .selection import (DEFAULT_CACHE_BACKEND, DEFAULT_PLANNER, DTYPES, choose_policy,
                         resolve_device, resolve_dtype, select_plugins)
 from .units import element_bytes
@@ -106,7 +105,7 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     rank = rank_setup(planner, spec, parallel)  # what this process runs of the plan
     device, run_spec = rank_device(device, parallel), rank.spec
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
-    step_tokens = step_token_budget(max_num_batched_tokens, max_seq_len)
+    step_tokens = step_token_budget(max_num_batched_tokens)
     from infergraft.kernels import get_ops, switches  # here, not at import: it imports triton
 
     ops = get_ops(device, kernels)
@@ -174,7 +173,7 @@ def _budget_alias(budget, old):
 def _with_activations(plan, before, spec, dtype):
     """``plan`` (from the prepare_plan hooks) with its activation bytes recounted for its
     batch and prefill step, unless a hook set them itself (they differ from ``before``)."""
-    step_tokens = step_token_budget(plan.max_num_batched_tokens, plan.max_seq_len)
+    step_tokens = step_token_budget(plan.max_num_batched_tokens)
     counted = plan.activation_bytes
     if counted == before.activation_bytes:  # a hook may have changed the batch or the step
         counted = activation_bytes(spec, dtype, step_tokens, plan.max_batch_size)

@@ -22,7 +22,7 @@ from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
 from .runner.sampler import sample_each
-from .scheduler import Scheduler, default_batched_tokens, step_tokens
+from .scheduler import DEFAULT_BATCHED_TOKENS, Scheduler, step_tokens
 from .streaming import RequestStream, abort_requests, raise_failed
 
 Prompt = Union[str, list]
@@ -41,7 +41,7 @@ class Engine:
         self.device = torch.device(plan.device)
         # tokens one step carries at most (longer prompts go in chunks)
         self.scheduler = Scheduler(cache, plan.max_batch_size, max_num_batched_tokens=(
-            max_num_batched_tokens or default_batched_tokens(plan.max_seq_len)))
+            max_num_batched_tokens or DEFAULT_BATCHED_TOKENS))
         eos = set(spec.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -19,7 +19,7 @@ import torch
 
 from ._moved import moved_names
 from .errors import PlanError
-from .scheduler import default_batched_tokens
+from .scheduler import DEFAULT_BATCHED_TOKENS
 from .units import (KVSizes, activations_label, element_bytes, fmt_bytes,  # noqa: F401
                     kv_bytes_per_token, parse_bytes)
 
@@ -60,11 +60,11 @@ def resolve_sizes(spec, max_seq_len, max_batch_size) -> tuple[int, int]:
                              else max_batch_size, hint)
 
 
-def step_token_budget(max_num_batched_tokens, max_seq_len: int) -> int:
+def step_token_budget(max_num_batched_tokens) -> int:
     """Tokens one step carries at most: ``max_num_batched_tokens``, or the engine's
-    default (``scheduler.default_batched_tokens``) for None."""
+    default (``scheduler.DEFAULT_BATCHED_TOKENS``) for None."""
     if max_num_batched_tokens is None:
-        return default_batched_tokens(max_seq_len)
+        return DEFAULT_BATCHED_TOKENS
     return positive_int("max_num_batched_tokens", max_num_batched_tokens, " (or None for the default)")
 
 
@@ -248,9 +248,9 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                 max_num_batched_tokens: Optional[int] = None) -> MemoryPlan:
     """The memory plan of ``spec`` (weights from ``spec.param_count``, packed by
     ``weight_quantizer`` when given; activations of a ``max_num_batched_tokens`` step, by
-    default the engine's: ``scheduler.default_batched_tokens(max_seq_len)``)."""
+    default the engine's: ``scheduler.DEFAULT_BATCHED_TOKENS``)."""
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
-    step = step_token_budget(max_num_batched_tokens, max_seq_len)
+    step = step_token_budget(max_num_batched_tokens)
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
                       kv_dtype=kv_dtype.replace("torch.", ""),

@@ -10,10 +10,10 @@ long prompts are fed in pieces and short ones fused, and the decoding sequences'
 keep coming every step. A prompt samples its first token after its last chunk.
 
 Running sequences left out of a step (for the budget or for the cache) go first in the
-next one (those that ran longest ago first), so none waits behind the others for long. When the cache runs short (a paged cache out of
-blocks, an offloaded one whose fast pool cannot hold every running sequence at once) the
-step takes the running sequences that fit and the others sit it out (paused), and no
-prompt is admitted. Only when none fits is the newest running sequence preempted by
+next one (those that ran longest ago first), so none waits behind the others for long.
+When the cache runs short (a paged cache out of blocks, an offloaded one whose fast pool
+cannot hold every running sequence at once) the step takes the running sequences that fit
+and the others sit it out (paused), and no prompt is admitted. Only when none fits is the newest running sequence preempted by
 recompute: its cache is freed and it goes back to the front of the waiting queue with its
 tokens so far, to be prefilled again (prompt + output) when there is room. No request is
 ever dropped.
@@ -28,16 +28,10 @@ import attrs
 from .errors import InfergraftError
 from .request import Sequence, Status
 
-#: the step token budget when ``max_num_batched_tokens`` is not given (docs/BENCHMARKS.md,
-#: "Token budget", has the sweep it comes from)
+#: tokens one step carries at most when ``max_num_batched_tokens`` is not given (the
+#: engine and the memory planner both use it, so the planned step is the one that runs;
+#: a longer prompt is chunked). Not yet chosen from an H200 sweep: the old default's floor.
 DEFAULT_BATCHED_TOKENS = 2048
-
-
-def default_batched_tokens(max_seq_len: int) -> int:
-    """Tokens one step carries at most when ``max_num_batched_tokens`` is not given (the
-    engine and the memory planner both use this, so the planned step is the one that
-    runs). ``max_seq_len`` no longer matters: a longer prompt is chunked."""
-    return DEFAULT_BATCHED_TOKENS
 
 
 class SchedulerError(InfergraftError, RuntimeError):
@@ -51,6 +45,11 @@ class Step:
     # tokens each sequence feeds: 1 for a decoding sequence (one that is not
     # ``prefilling``), the next chunk of its prompt for a prefilling one
     counts: list
+
+
+def step_of(seqs: list[Sequence], counts: list[int]) -> Step:
+    """The step feeding ``counts`` tokens to ``seqs``, its kind from theirs."""
+    return Step("prefill" if any(s.prefilling for s in seqs) else "decode", seqs, counts)
 
 
 def tokens_of(seq: Sequence) -> list[int]:
@@ -116,11 +115,7 @@ class Scheduler:
         pausing or preempting must see the step's outcome. Admits as ``schedule`` does;
         ``resume`` takes the step once the current one is done."""
         seqs, counts, short = self._running_part()
-        if short or not seqs:
-            return None
-        admitted, more = self._admit(seqs, counts)
-        self._last_ran.update((s.id, next(self._ticks)) for s in seqs + admitted)
-        return Step("prefill", seqs + admitted, counts + more)  # the kind: at ``resume``
+        return None if short or not seqs else self._take(seqs, counts)
 
     def resume(self, step: Step) -> Step | None:
         """``step`` (from ``schedule_ahead``) without the sequences that finished since (a
@@ -132,21 +127,18 @@ class Scheduler:
         seqs, counts = (list(x) for x in zip(*kept))
         if not self.cache.can_append([s.id for s in seqs], counts):
             return None
-        step = Step("prefill" if any(s.prefilling for s in seqs) else "decode", seqs, counts)
+        step = step_of(seqs, counts)
         self._last_kind = step.kind
         return step
 
     def _schedule(self) -> Step | None:
         while True:
             seqs, counts, short = self._running_part()
-            if not short:  # a cache that refused a running sequence takes no new prompt
-                admitted, more = self._admit(seqs, counts)
-                seqs, counts = seqs + admitted, counts + more
-            if seqs:
-                self._last_ran.update((s.id, next(self._ticks)) for s in seqs)
+            # a cache that refused a running sequence takes no new prompt
+            step = self._take(seqs, counts, admit=not short)
+            if step.seqs:
                 self.num_paused += short
-                kind = "prefill" if any(s.prefilling for s in seqs) else "decode"
-                return Step(kind, seqs, counts)
+                return step
             if not self.running:
                 return self._nothing_fits()
             if len(self.running) == 1:
@@ -154,6 +146,15 @@ class Scheduler:
                                      f"{counts_needed(self.running[0])} token(s) "
                                      f"(stats: {self.cache.stats()})")
             self.preempt(self.running[-1])  # none fits: the newest makes room
+
+    def _take(self, seqs, counts, admit: bool = True) -> Step:
+        """The step of these running sequences and (``admit``) the waiting prompts that
+        fit beside them; every sequence of it counts as run now."""
+        if admit:
+            admitted, more = self._admit(seqs, counts)
+            seqs, counts = seqs + admitted, counts + more
+        self._last_ran.update((s.id, next(self._ticks)) for s in seqs)
+        return step_of(seqs, counts)
 
     def _running_part(self) -> tuple[list[Sequence], list[int], int]:
         """The running sequences this step takes (those that ran longest ago first, then

@@ -91,7 +91,7 @@ class PagedCache(PagedGraphInputs, KVCache):
                 break  # the holes are a prefix: the rest went at earlier steps
             self._release(table[j])
             table[j] = HOLE
-            self._rows.put(seq_id, j, [0])
+            self._rows.put(seq_id, j, [HOLE])
 
     def length(self, seq_id):
         return self._len[seq_id]
@@ -109,7 +109,7 @@ class PagedCache(PagedGraphInputs, KVCache):
         if partial:
             self._copy_block(table[full], new[0], exclude=set(table))
         self._tables[child] = table[:full] + new
-        self._rows.add(child, [0 if b == HOLE else b for b in self._tables[child]])
+        self._rows.add(child, self._tables[child])
         self._len[child], self._reserved[child] = n, n
 
     # -- one forward step --------------------------------------------------------------------
@@ -161,8 +161,7 @@ class PagedCache(PagedGraphInputs, KVCache):
                                               dtype=torch.int32)  # [B + 1]
         dev = self.device
         return PagedMeta(positions.to(dev), tables[rows, positions // bs].to(dev),
-                         (positions % bs).to(dev), starts, list(counts),
-                         tables.to(dev),  # [B, max_blocks]
+                         (positions % bs).to(dev), tables.to(dev),  # [B, max_blocks]
                          torch.tensor([st + n for st, n in zip(starts, counts)],
                                       dtype=torch.int32).to(dev),  # [B]
                          decode, None if cu is None else cu.to(dev))

@@ -20,8 +20,6 @@ class PagedMeta:
     positions: torch.Tensor  # [T] absolute positions
     slot_block: torch.Tensor  # [T] storage block of each new token (-1: padding, not written)
     slot_offset: torch.Tensor  # [T] offset inside it
-    starts: list[int]  # tokens cached before this step (empty in graph buffers)
-    counts: list[int]  # new tokens this step (likewise)
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     context_lens: torch.Tensor  # [B] int32, tokens after this step
     decode: bool  # every sequence adds exactly one token
@@ -48,7 +46,7 @@ class PagedGraphInputs:
         self._graph_buffers[batch] = (PinnedStaging(host, pin), flat, width)
         scalars, tables = _decode_views(flat, batch, width)
         positions, blocks, offsets, lens = scalars.unbind(0)  # views of one [4, B] tensor
-        return PagedMeta(positions, blocks, offsets, [], [], tables, lens, True)
+        return PagedMeta(positions, blocks, offsets, tables, lens, True)
 
     def prepare_decode_into(self, meta: PagedMeta, seq_ids) -> None:
         """One more token for each sequence (blocks grow as in ``prepare``); rows past
@@ -80,7 +78,7 @@ class PagedGraphInputs:
                                             flat, width)
         rows, cu, lens, tables = _step_views(flat, tokens, seqs, width)
         positions, blocks, offsets = rows.unbind(0)
-        return PagedMeta(positions, blocks, offsets, [], [], tables, lens, False, cu)
+        return PagedMeta(positions, blocks, offsets, tables, lens, False, cu)
 
     def prepare_step_into(self, meta: PagedMeta, seq_ids, counts) -> None:
         """Place ``counts[j]`` new tokens after each sequence (as ``prepare``) and write

@@ -7,7 +7,8 @@ import torch
 
 
 class TableRows:
-    """Rows of ``width`` block ids (0 past a sequence's blocks and for its holes)."""
+    """Rows of ``width`` block ids (0 past a sequence's blocks and for its holes: a
+    negative id)."""
 
     def __init__(self, width: int):
         self.width = width
@@ -26,10 +27,10 @@ class TableRows:
         self.put(seq_id, 0, blocks)
 
     def put(self, seq_id, start: int, blocks: list[int]) -> None:
-        """Entries ``start..`` of ``seq_id``'s row become ``blocks``."""
+        """Entries ``start..`` of ``seq_id``'s row become ``blocks`` (a hole: 0)."""
         if blocks:
             self.rows[self._slot[seq_id], start:start + len(blocks)] = \
-                torch.tensor(blocks, dtype=torch.int32)
+                torch.tensor(blocks, dtype=torch.int32).clamp_(min=0)
 
     def remove(self, seq_id) -> None:
         self._free.append(self._slot.pop(seq_id))

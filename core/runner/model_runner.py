@@ -85,6 +85,25 @@ def prefill_graphs_for(net, cache, plan, decode_graphs, wanted) -> PrefillGraphR
         return None
     if decode_graphs is None or not PrefillGraphRunner.supported(cache):
         raise PlanError(f"prefill_graphs=True needs decode CUDA graphs and a cache that can "
-                        f"capture a prefill (paged, or contiguous without a sliding window or "
-                        f"int8 K/V); got {plan.cache_backend} with kv_dtype={plan.kv_dtype}")
+                        f"capture a prefill (contiguous without a sliding window or int8 K/V; "
+                        f"the paged cache captures mixed steps instead: step_graphs); got "
+                        f"{plan.cache_backend} with kv_dtype={plan.kv_dtype}")
     return PrefillGraphRunner(net, cache, plan.max_seq_len, share_pool_with=decode_graphs)
+
+
+def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted):
+    """Mixed steps under CUDA graphs (default: with the decode graphs, where the cache can)."""
+    from infergraft.kernels import switches  # not at import: the kernels import triton
+
+    if wanted is None:
+        wanted = decode_graphs is not None and StepGraphRunner.supported(cache) \
+            and switches.value("INFERGRAFT_STEP_GRAPHS")
+    if not wanted:
+        return None
+    if decode_graphs is None or not StepGraphRunner.supported(cache):
+        raise PlanError(f"step_graphs=True needs decode CUDA graphs and a cache that can "
+                        f"capture a mixed step (paged); got {plan.cache_backend}")
+    runner = StepGraphRunner(net, cache, max_tokens, plan.max_batch_size,
+                             share_pool_with=decode_graphs)
+    runner.capture()
+    return runner

@@ -10,7 +10,8 @@ The attention of the whole step is one varlen kernel launch, whose grid depends 
 bucket's shapes alone, so the graph replays any mix of lengths.
 
 Needs a cache with ``supports_step_graphs`` (``static_step_meta``, ``prepare_step_into``);
-captured at build, largest bucket first, into the decode graphs' memory pool.
+captured at build (model_runner.step_graphs_for), largest bucket first, into the decode
+graphs' memory pool.
 """
 from __future__ import annotations
 
@@ -96,22 +97,3 @@ class StepGraphRunner:
             self.logits[length] = self.model(dev[:length], self.cache, meta, dev[length:])
         return self.logits[length][:n]
 
-
-def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted):
-    """Mixed steps under CUDA graphs (default: with the decode graphs, where the cache can)."""
-    from ..errors import PlanError
-
-    from infergraft.kernels import switches
-
-    if wanted is None:
-        wanted = decode_graphs is not None and StepGraphRunner.supported(cache) \
-            and switches.value("INFERGRAFT_STEP_GRAPHS")
-    if not wanted:
-        return None
-    if decode_graphs is None or not StepGraphRunner.supported(cache):
-        raise PlanError(f"step_graphs=True needs decode CUDA graphs and a cache that can "
-                        f"capture a mixed step (paged); got {plan.cache_backend}")
-    runner = StepGraphRunner(net, cache, max_tokens, plan.max_batch_size,
-                             share_pool_with=decode_graphs)
-    runner.capture()
-    return runner
