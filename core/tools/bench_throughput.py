@@ -133,8 +133,8 @@ def measure(args) -> int:
         if i:
             engine = build_engine(hf, device, args.dtype, args.max_batch_size,
                                   args.max_seq_len, args.plugins, budget)
-        label, summary, config, floor = _ours(args, engine, rate, measured, len(budgets) > 1)
-        rows[label] = summary
+        label, summary, config = _ours(args, engine, len(budgets) > 1)
+        rows[label], spec = summary, engine.spec
         del engine  # before the next is built: one engine's cache on the device at a time
         _free(device)
     # 3) HF after ours, on the first --hf-num-prompts requests
@@ -144,6 +144,7 @@ def measure(args) -> int:
         hf_row["num_prompts"] = len(hf_requests)
         rows["HF CB" if len(hf_requests) == len(requests) else
              f"HF CB (first {len(hf_requests)})"] = hf_row
+    floor = compute_floor(spec, requests, rate, measured)
     for s in rows.values():
         s["over_floor"] = s["output_throughput"] / floor["output_throughput"]
     _write(args, config, rows, hf_row, floor)
@@ -151,8 +152,8 @@ def measure(args) -> int:
                     if not k.startswith("HF")) else 1
 
 
-def _ours(args, engine, rate, measured, sweep: bool):
-    """(row label, summary, engine config, floor) of one run of our engine."""
+def _ours(args, engine, sweep: bool):
+    """(row label, summary, engine config) of one run of our engine."""
     print(engine.plan, file=sys.stderr)
     budget = engine.scheduler.max_num_batched_tokens
     print(f"infergraft ({budget}-token steps): {len(args.requests)} requests at once ...",
@@ -167,7 +168,7 @@ def _ours(args, engine, rate, measured, sweep: bool):
               "cache_backend": engine.plan.cache_backend}
     ours["engine_config"] = config
     label = f"infergraft ({budget} tok)" if sweep else "infergraft"
-    return label, ours, config, compute_floor(engine.spec, args.requests, rate, measured)
+    return label, ours, config
 
 
 def _free(device) -> None:
