@@ -13,6 +13,7 @@ from .errors import (InfergraftError, InvalidRequestError, KernelUnavailableErro
                      PluginError, RequestFailedError, UnknownPluginError, UnsupportedModelError,
                      WeightLoadError)
 from .hookspecs import CONTRACT_VERSION, hookimpl
+from .compat.init_inference import init_inference
 from .plugin_manager import DEFAULT_PLUGINS, get_plugin_manager, reset_plugin_manager
 from .request import Completion, SamplingParams
 from .spec import ModelSpec, RopeSpec
@@ -22,5 +23,5 @@ __all__ = [
     "CONTRACT_VERSION", "DEFAULT_PLUGINS", "get_plugin_manager", "reset_plugin_manager",
     "InfergraftError", "InvalidRequestError", "KernelUnavailableError", "PlanError",
     "PluginError", "RequestFailedError", "UnknownPluginError", "UnsupportedModelError",
-    "WeightLoadError",
+    "WeightLoadError", "init_inference",
 ]

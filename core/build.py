@@ -21,6 +21,7 @@ from .plan import Plan
 from .plugin_manager import get_plugin_manager
 from .runner.model import DecoderModel
 from .runner.model_runner import decode_graphs_for, prefill_graphs_for, step_graphs_for
+from .runner.weight_stream import host_slots, streamer_for
 from .selection import (DEFAULT_CACHE_BACKEND, DEFAULT_PLANNER, DTYPES, choose_policy,
                         resolve_device, resolve_dtype, select_plugins)
 from .units import element_bytes
@@ -62,13 +63,19 @@ def _weight_quantizer(quantizers):
     return found[0] if found else None
 
 
-def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
+def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max_seq_len=None,
           max_batch_size=None, tokenizer=None, kernels: str = "auto", progress: bool = False,
           device_memory=None, cuda_graphs: bool | None = None,
           prefill_graphs: bool | None = None, step_graphs: bool | None = None,
           max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
-          **plugin_options) -> Engine:
+          checkpoint=None, **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine.
+
+    ``config``: a JSON file or a dict of these arguments and plugin options, or
+    DeepSpeed's inference keys (docs/config.md); read whole before anything is built, every
+    argument given here (other than its default) winning over it, its ``model`` used when
+    ``model`` is None. ``checkpoint``: the weights from a directory of safetensors files or
+    DeepSpeed's checkpoint JSON, ``model`` then giving the config (e.g. on the meta device).
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
     a ``max_num_batched_tokens`` step must fit in (default: the free memory of a CUDA device;
@@ -81,6 +88,9 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     decode tokens and prompt chunks together (default ``scheduler.DEFAULT_BATCHED_TOKENS``);
     longer prompts are split (``max_prefill_tokens``: its old name, deprecated).
     ``plugins=["tp"]`` under torchrun: tensor parallel over the ranks (core/distributed/)."""
+    if config is not None:  # first statement: locals() are the arguments
+        from .config import explicit_arguments, resolve_config
+        return build(**resolve_config(config, explicit_arguments(build, locals())))
     t0 = time.perf_counter()
     max_num_batched_tokens = _budget_alias(max_num_batched_tokens, max_prefill_tokens)
     for flag, value in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs),
@@ -88,7 +98,8 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
         if value is not None and not isinstance(value, bool):
             raise PlanError(f"{flag} must be True, False or None (the default), got {value!r}")
     pm, sel = select_plugins(get_plugin_manager(), plugins)
-    source = resolve_source(model, tokenizer)
+    source = resolve_source(model, tokenizer) if checkpoint is None else \
+        resolve_source(model, tokenizer, checkpoint=checkpoint)
     policy = choose_policy(pm, source.config, sel.policy)
     spec = policy.describe(source.config)
     device = resolve_device(device)
@@ -128,6 +139,9 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
     if device.type == "cpu":  # a cache's host pool (offload's slow blocks) is this memory too
         kv_device += getattr(backend, "host_bytes", lambda p, **o: 0)(plan, **opts[0])
+    if hasattr(planner, "place_weights"):  # layers that do not fit stay in host memory
+        plan = attrs.evolve(plan, weight_placement=planner.place_weights(
+            plan, run_spec, budget, kv_device, weight_quantizer=weight_quant, **opts[1]))
     check_fits(plan, kv_device, budget, budget_source)  # before any weight is loaded
 
     net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage)
@@ -138,10 +152,12 @@ def build(model, plugins=None, *, dtype=None, device=None, max_seq_len=None,
     pack = None if weight_quant is None else SlotPacker(weight_quant, ops, net, net.will_fuse(dtype))
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
                  device=device, dtype=dtype, on_slot_ready=pack,  # packed as they stream in
-                 place=rank.place)  # this rank's pieces
+                 place=rank.place,  # this rank's pieces
+                 device_of=host_slots(plan.weight_placement))  # streamed layers: to the host
     if pack is not None:
         pack.finish()
     net.fold_norm_weights()  # where the fused decode layer runs (Triton ops, RMSNorm + SwiGLU)
+    net.streamer = streamer_for(net, plan.weight_placement, device)  # host buffers + ring
     if kv_quant is not None:
         opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])

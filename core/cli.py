@@ -15,6 +15,7 @@ from .errors import InfergraftError, InvalidRequestError
 from .plugin_manager import get_plugin_manager
 from .request import SamplingParams
 from .tools import chat
+from .tools.config_cli import add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -22,8 +23,10 @@ DEFAULT_MODEL = "smollm2-135m"
 def _build(args):
     """The engine; under torchrun (``--plugin tp``) only rank 0 prints."""
     first = os.environ.get("RANK", "0") == "0"
-    engine = build(args.model, plugins=args.plugin or None, dtype=args.dtype,
-                   device=args.device, max_seq_len=args.max_seq_len, progress=first)
+    model, options = build_options(args.config, args.model, DEFAULT_MODEL,
+                                   plugins=args.plugin or None, dtype=args.dtype,
+                                   device=args.device, max_seq_len=args.max_seq_len)
+    engine = build(model, progress=first, **options)
     if not first:
         sys.stdout = open(os.devnull, "w")
     return engine
@@ -119,8 +122,10 @@ def cmd_plugins(args) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"HF model directory or alias (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None,
+                   help=f"HF model directory or alias (default: the --config's model, else "
+                        f"{DEFAULT_MODEL})")
+    add_config_argument(p)
     p.add_argument("--plugin", action="append", help="plugin name to use (repeatable)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

@@ -46,3 +46,13 @@ class WeightLoadError(InfergraftError, ValueError):
 
 class KernelUnavailableError(InfergraftError, RuntimeError):
     """An explicitly requested kernel backend cannot run here."""
+
+
+class ConfigError(PlanError):
+    """A config (``core.build(config=...)``, ``--config``) is unreadable or holds a key
+    whose value cannot be built; the message names the key, the value and what is accepted."""
+
+
+class ConfigWarning(UserWarning):
+    """A config key that is ignored: training-only, unknown (the closest known key named),
+    or with no effect here (docs/config.md says why)."""

@@ -148,6 +148,12 @@ class MemoryPlan(KVSizes):
     sliding_window: Optional[int] = None  # the model's attention window, if any
     activation_bytes: int = 0  # the largest step's transient tensors (activation_bytes())
     max_num_batched_tokens: Optional[int] = None  # that step's tokens
+    weight_placement: Optional[object] = None  # plan.WeightPlacement: layers in host memory
+
+    @property
+    def device_weight_bytes(self) -> int:
+        p = self.weight_placement  # all the weights, or those a placement keeps on the device
+        return self.weight_bytes if p is None else p.device_bytes(self.weight_bytes)
 
     @property
     def window_tokens(self) -> Optional[int]:
@@ -169,14 +175,14 @@ class MemoryPlan(KVSizes):
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes_total + self.activation_bytes
+        return self.device_weight_bytes + self.kv_bytes_total + self.activation_bytes
 
     @property
     def kv_room(self) -> Optional[int]:
         """Budget left for K/V once the weights and the activations are in."""
         if self.budget is None:
             return None
-        return self.budget - self.weight_bytes - self.activation_bytes
+        return self.budget - self.device_weight_bytes - self.activation_bytes
 
     @property
     def max_batch_that_fits(self) -> Optional[int]:
@@ -200,6 +206,7 @@ class MemoryPlan(KVSizes):
             ("model", self.model),
             ("dtype / K/V dtype", f"{self.dtype} / {self.kv_dtype}"),
             ("weights", fmt_bytes(self.weight_bytes)),
+            *(self.weight_placement.rows(self.weight_bytes) if self.weight_placement else ()),
             ("KV per token", f"{fmt_bytes(self.kv_bytes_per_token)} ({self.kv_bytes_per_token} B)"),
             (f"KV per sequence ({self.max_seq_len} tokens)", fmt_bytes(self.kv_bytes_per_sequence)),
             (f"KV total (batch {self.max_batch_size})", fmt_bytes(self.kv_bytes_total)),
@@ -228,7 +235,9 @@ class MemoryPlan(KVSizes):
     def refusal(self) -> str:
         n = self.max_num_batched_tokens
         step = f" ({n}-token prefill steps)" if n else ""
-        return (f"{self.model} does not fit: weights {fmt_bytes(self.weight_bytes)} + K/V "
+        on_device = " on the device" if self.weight_placement else ""
+        return (f"{self.model} does not fit: weights{on_device} "
+                f"{fmt_bytes(self.device_weight_bytes)} + K/V "
                 f"{fmt_bytes(self.kv_bytes_total)} ({self.max_batch_size} sequences x "
                 f"{self.max_seq_len} tokens x {fmt_bytes(self.kv_bytes_per_token)} per token) + "
                 f"activations {fmt_bytes(self.activation_bytes)}{step} = "
@@ -275,8 +284,9 @@ def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -
                      budget=budget, budget_source=source,
                      sliding_window=getattr(plan, "sliding_window", None),
                      activation_bytes=activations,
-                     max_num_batched_tokens=getattr(plan, "max_num_batched_tokens", None))
-    if plan.weight_bytes + kv_device_bytes + activations > budget:
+                     max_num_batched_tokens=getattr(plan, "max_num_batched_tokens", None),
+                     weight_placement=getattr(plan, "weight_placement", None))
+    if mem.device_weight_bytes + kv_device_bytes + activations > budget:
         msg = mem.refusal()
         if kv_device_bytes != plan.kv_bytes_total:  # a backend sized its pool otherwise
             msg += (f" (the {plan.cache_backend} cache holds {fmt_bytes(kv_device_bytes)} of "

@@ -18,8 +18,77 @@ class ParallelPlan:
     stages: tuple[tuple[int, int], ...] = ()
 
 
+@attrs.frozen
+class WeightPlacement:
+    """Which decoder layers' weights stay on the device and which stream from host memory
+    into a ring of device slots, one layer at a time (a planner's optional
+    ``place_weights``: ``plugins/offload_weights.py``; ``core/runner/weight_stream.py``
+    streams them). Embeddings, norms and the head always stay on the device."""
+
+    resident: tuple[int, ...]  # layer indices held on the device
+    streamed: tuple[int, ...]  # layer indices held in host memory, copied into the ring
+    layer_bytes: tuple[int, ...]  # every layer's weight bytes (packed where quantised)
+    slot_bytes: int = 0  # one ring slot: the largest streamed layer, each tensor aligned
+    ring_size: int = 0  # device slots the streamed layers take turns in (0: none stream)
+    note: str = ""  # why nothing streams, when nothing does
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of the layers held in host memory."""
+        return sum(self.layer_bytes[i] for i in self.streamed)
+
+    @property
+    def copied(self) -> tuple[int, ...]:
+        """The streamed layers copied in every step: those that share their ring slot (the
+        j-th streamed takes slot j % ring_size; a layer alone in its slot stays there)."""
+        m, r = len(self.streamed), self.ring_size
+        return tuple(i for j, i in enumerate(self.streamed) if j % r < m - r)
+
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes copied from host memory to the device each step."""
+        return sum(self.layer_bytes[i] for i in self.copied)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring_size * self.slot_bytes
+
+    def device_bytes(self, weight_bytes: int) -> int:
+        """Weight bytes on the device, of a model of ``weight_bytes``: all but the
+        streamed layers, plus the ring."""
+        return weight_bytes - self.streamed_bytes + self.ring_bytes
+
+    def rows(self, weight_bytes: int) -> list[tuple[str, str]]:
+        n = len(self.layer_bytes)
+        if not self.streamed:
+            return [("weight placement", f"all {n} layers on the device, nothing streams"
+                     + (f" ({self.note})" if self.note else ""))]
+        return [("weights on the device",
+                 f"{fmt_bytes(self.device_bytes(weight_bytes))}: embeddings, norms, head, "
+                 f"{len(self.resident)} of {n} layers ({layer_ranges(self.resident)}) and a "
+                 f"{self.ring_size}-slot ring ({fmt_bytes(self.ring_bytes)})"),
+                ("weights in host memory",
+                 f"{fmt_bytes(self.streamed_bytes)}: {len(self.streamed)} layers "
+                 f"({layer_ranges(self.streamed)}), {fmt_bytes(self.copied_bytes)} of them "
+                 f"copied into the ring each step ({layer_ranges(self.copied)})")]
+
+
+def layer_ranges(layers) -> str:
+    """(0, 1, 2, 5) -> "0-2, 5"; () -> "none"."""
+    out, layers = [], sorted(layers)
+    for i in layers:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out) or "none"
+
+
 class Planner:
-    """Registered through ``infergraft_register_planners``."""
+    """Registered through ``infergraft_register_planners``. Optional:
+    ``place_weights(plan, spec, budget, kv_device_bytes, weight_quantizer=None, **options)
+    -> WeightPlacement``, which ``core.build`` calls before the memory check (layers kept
+    in host memory and streamed: ``plugins/offload_weights.py``)."""
 
     name: str = ""
     options: dict[str, Any] = {}
@@ -49,6 +118,13 @@ class Plan(KVSizes):
     sliding_window: int | None = None  # the model's attention window (caches may hold less)
     max_num_batched_tokens: int | None = None  # tokens one step carries at most
     activation_bytes: int = 0  # that step's transient tensors (core.memory.activation_bytes)
+    weight_placement: WeightPlacement | None = None  # layers streamed from host memory
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """The weight bytes on the device (all of them unless layers stream)."""
+        p = self.weight_placement
+        return self.weight_bytes if p is None else p.device_bytes(self.weight_bytes)
 
     def rows(self) -> list[tuple[str, str]]:
         p = self.parallel
@@ -64,6 +140,7 @@ class Plan(KVSizes):
                         f"{len(p.stages)} stage(s))"),
             ("max batch x seq", f"{self.max_batch_size} x {self.max_seq_len}"),
             (f"weights{each}", fmt_bytes(self.weight_bytes)),
+            *(self.weight_placement.rows(self.weight_bytes) if self.weight_placement else ()),
             (f"KV per token{each}", fmt_bytes(self.kv_bytes_per_token)),
             (f"KV per sequence{each}", fmt_bytes(self.kv_bytes_per_sequence)),
             (f"KV total{each}", fmt_bytes(self.kv_bytes_total)),

@@ -30,10 +30,21 @@ def check_divides(planner: str, spec, tp: int) -> None:
 class TensorParallelPlanner(Planner):
     name = "tp"
     spans_processes = True  # core.build passes the torch.distributed world size
+    # the size a config asks for (DeepSpeed's tensor_parallel.tp_size), checked against the
+    # world; None: the world's size
+    options = {"tp_size": None}
 
-    def plan(self, spec, world_size=1, **options):
+    def plan(self, spec, world_size=1, tp_size=None, **options):
         if world_size < 1:
             raise PlanError(f"planner 'tp': world_size must be >= 1, got {world_size}")
+        if tp_size is not None:
+            if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+                raise PlanError(f"planner 'tp': tp_size={tp_size!r} must be an integer >= 1")
+            check_divides(self.name, spec, tp_size)  # a size no launch can fix, first
+            if tp_size != world_size:
+                raise PlanError(f"planner 'tp': tensor_parallel.tp_size={tp_size} but this run "
+                                f"has {world_size} process(es): start it with `torchrun "
+                                f"--nproc-per-node {tp_size} script.py`")
         check_divides(self.name, spec, world_size)
         return ParallelPlan(world_size, world_size, ((0, spec.num_layers),))
 

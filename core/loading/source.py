@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -14,6 +15,7 @@ import attrs
 import torch
 
 from ..errors import InfergraftError
+from .checkpoint import describe_checkpoint
 
 ALIASES = ("smollm2-135m",)
 
@@ -31,13 +33,18 @@ class ModelSourceError(InfergraftError, ValueError):
     """The ``model`` argument names nothing we can load."""
 
 
-def resolve_source(model, tokenizer=None) -> ModelSource:
+def resolve_source(model, tokenizer=None, checkpoint=None) -> ModelSource:
+    """``checkpoint`` (loading/checkpoint.py): the weights come from its safetensors files;
+    ``model`` then gives only the config (an HF model, e.g. on the meta device, a config
+    object or a directory with config.json), or is None where the checkpoint has one."""
     from transformers import PreTrainedModel
 
     if tokenizer is not None and not all(callable(getattr(tokenizer, m, None))
                                          for m in ("encode", "decode")):
         raise ModelSourceError(f"tokenizer must be a tokenizer object (with encode and decode, "
                                f"e.g. AutoTokenizer.from_pretrained(dir)) or None, got {tokenizer!r}")
+    if checkpoint is not None:
+        return _from_checkpoint(model, describe_checkpoint(checkpoint), tokenizer)
 
     if isinstance(model, PreTrainedModel):
         params = next(model.parameters(), None)
@@ -190,18 +197,7 @@ def spec_of(model, policy: Optional[str] = None):
 def _from_directory(path: Path, tokenizer=None, name: str | None = None) -> ModelSource:
     path = Path(path)
     config = read_config(path)
-    files = safetensors_files(path)
-
-    def tensors():
-        from safetensors import SafetensorError, safe_open
-
-        for f in files:
-            try:
-                with safe_open(str(f), framework="pt", device="cpu") as st:
-                    for key in st.keys():
-                        yield key, st.get_tensor(key)
-            except SafetensorError as e:  # truncated or not safetensors at all
-                raise ModelSourceError(f"{f} is not a readable safetensors file: {e}") from None
+    tensors = partial(_read_safetensors, safetensors_files(path))
 
     if tokenizer is None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
@@ -210,3 +206,45 @@ def _from_directory(path: Path, tokenizer=None, name: str | None = None) -> Mode
     stored = stored_dtype(config)
     return ModelSource(name=name or str(path), config=config, tensors=tensors,
                        tokenizer=tokenizer, dtype=stored)
+
+
+def _from_checkpoint(model, ckpt, tokenizer=None) -> ModelSource:
+    """The config from ``model`` (or the checkpoint's directory), the tensors from ``ckpt``."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    where, dtype = ckpt.directory, None
+    if isinstance(model, PreTrainedModel):
+        config, name = model.config, getattr(model.config, "_name_or_path", "") or ckpt.origin
+        params = next(model.parameters(), None)  # on the meta device too: the dtype built in
+        dtype = params.dtype if params is not None else None
+    elif isinstance(model, PretrainedConfig):
+        config, name = model, ckpt.origin
+    elif isinstance(model, (str, os.PathLike)) and Path(model).expanduser().is_dir():
+        where = Path(model).expanduser()
+        config, name = read_config(where), str(model)
+    elif model is None and where is not None and (where / "config.json").is_file():
+        config, name = read_config(where), ckpt.origin
+    else:
+        raise ModelSourceError(
+            f"checkpoint {ckpt.origin!r} gives the weights; the model's config comes from the "
+            f"model argument (an HF model, e.g. built on the meta device, a config, or a "
+            f"directory with config.json), got {model!r}, and the checkpoint has no config.json")
+    if tokenizer is None and where is not None and any(
+            (where / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    return ModelSource(name=name, config=config, tensors=partial(_read_safetensors, ckpt.files),
+                       tokenizer=tokenizer, dtype=dtype or stored_dtype(config))
+
+
+def _read_safetensors(files):
+    from safetensors import SafetensorError, safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for key in st.keys():
+                    yield key, st.get_tensor(key)
+        except SafetensorError as e:  # truncated or not safetensors at all
+            raise ModelSourceError(f"{f} is not a readable safetensors file: {e}") from None

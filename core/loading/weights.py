@@ -47,10 +47,12 @@ def check_weight_map(policy_name: str, spec: ModelSpec, wmap: WeightMap) -> dict
 def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
                  tensors: Iterable[tuple[str, torch.Tensor]], *, policy_name: str, device,
                  dtype: torch.dtype, on_slot_ready: Optional[Callable] = None,
-                 place: Optional[Callable] = None) -> None:
+                 place: Optional[Callable] = None, device_of: Optional[Callable] = None) -> None:
     """``spec`` is the whole model's; ``place(slot, tensor)``, when given, maps each whole
     slot to (this rank's slot, its piece), or None where the rank holds none
-    (core/parallel.py)."""
+    (core/parallel.py). ``device_of(slot)``, when given, is the device a slot loads to
+    instead of ``device`` where it returns one (the host, for layers streamed to the
+    device step by step: plugins/offload_weights.py)."""
     rules = check_weight_map(policy_name, spec, wmap)
     layout = slot_layout(spec)
     ignore = [re.compile(p) for p in wmap.ignore]
@@ -81,13 +83,14 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
         if tuple(t.shape) != tuple(want):
             raise WeightLoadError(f"weight {key!r} has shape {tuple(t.shape)}, policy "
                                   f"{policy_name!r} expects {tuple(want)} for {rule.slot!r}")
+        to = (device_of and device_of(rule.slot)) or device
         if whole:
-            _install(model, rule.slot, t.to(device=device, dtype=dtype).contiguous(), on_slot_ready,
+            _install(model, rule.slot, t.to(device=to, dtype=dtype).contiguous(), on_slot_ready,
                      place)
             continue
         buf = buffers.get(rule.slot)
         if buf is None:
-            buf = buffers[rule.slot] = torch.empty(shape, device=device, dtype=dtype)
+            buf = buffers[rule.slot] = torch.empty(shape, device=to, dtype=dtype)
             pending[rule.slot] = set(range(len(parts)))
         start = sum(parts[:rule.part])
         buf[start:start + parts[rule.part]].copy_(t)

@@ -7,6 +7,7 @@ step (all sequences concatenated), H = hidden, D = head_dim.
 from __future__ import annotations
 
 import inspect
+import types
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 from ..rope import rope_cos_sin
 from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
 from ..spec import ModelSpec, split_qkv
+
+# the weight streamer of a model whose layers all stay on the device: nothing to copy
+_RESIDENT = types.SimpleNamespace(begin=lambda: None, before=lambda i: None, after=lambda i: None)
 
 
 class Linear(nn.Module):
@@ -205,6 +209,7 @@ class DecoderModel(nn.Module):
         if not spec.tie_embeddings:
             self.lm_head = Linear(ops)
         self.norms_folded = False  # fold_norm_weights() turns the fused decode layer on
+        self.streamer = None  # runner.weight_stream.WeightStreamer: layers in host memory
         self.rope = None
         if spec.position == "rope":
             self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,
@@ -249,6 +254,8 @@ class DecoderModel(nn.Module):
         positions = meta.positions
         fused = self._fused(tokens.shape[0])
         residual, stage = None, self.stage
+        streamer = self.streamer or _RESIDENT  # copies streamed layers in, layer by layer
+        streamer.begin()  # the first ones' copies start while the resident layers run
         if stage is not None and not stage.first:  # the previous stage's stream: [T, H] x 2
             h, residual = stage.recv(tokens.shape[0], self.spec.hidden_size, self.dtype,
                                      tokens.device)
@@ -262,11 +269,15 @@ class DecoderModel(nn.Module):
         if fused:  # h is the residual stream throughout; sum_sq: the next norm's statistic
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
+                streamer.before(i)
                 h, sum_sq = layer.forward_fused(h, i, positions, self.rope, cache, meta, sum_sq,
                                                 want_next=i < last)
+                streamer.after(i)
         else:
             for i, layer in enumerate(self.layers):
+                streamer.before(i)
                 h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
+                streamer.after(i)
         if stage is not None and not stage.last:
             stage.send(h, residual)
             return None  # the last stage has the logits

@@ -17,6 +17,7 @@ from ..loading.source import ALIASES
 from ..plugin_manager import get_plugin_manager
 from ..selection import resolve_device, resolve_dtype, select_plugins
 from .bench import SYSTEMS, check_systems, min_new_tokens, run_benchmark
+from .config_cli import add_config_argument, bench_config
 from .provenance import provenance
 
 SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
@@ -34,7 +35,7 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
 
 
 def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
-                plugins=(), max_num_batched_tokens: int | None = None):
+                plugins=(), max_num_batched_tokens: int | None = None, config=None):
     """(hf_model, engine) on the same weights; ``plugins`` added to the engine's (the
     paged cache on CUDA), e.g. ("int8",); ``max_num_batched_tokens``: the engine's prompt
     tokens a step (None: its default)."""
@@ -52,17 +53,18 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
         path = ensure_demo_model(name) if name in ALIASES else name
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return hf, build_engine(hf, device, dtype, max_batch_size, max_seq_len, plugins,
-                            max_num_batched_tokens)
+                            max_num_batched_tokens, config)
 
 
 def build_engine(hf, device, dtype, max_batch_size: int, max_seq_len: int, plugins=(),
-                 max_num_batched_tokens: int | None = None):
-    """Our engine on ``hf``'s weights, as ``load_models`` builds it."""
+                 max_num_batched_tokens: int | None = None, config=None):
+    """Our engine on ``hf``'s weights, as ``load_models`` builds it; ``config``: a resolved
+    ``--config`` (``config_cli.bench_config``), the arguments here over it."""
     from ..build import build
 
     return build(hf, plugins=engine_plugins(device, plugins) or None, dtype=dtype,
                  device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                 max_num_batched_tokens=max_num_batched_tokens)
+                 max_num_batched_tokens=max_num_batched_tokens, config=config)
 
 
 def markdown_table(results, bw: float) -> str:
@@ -212,12 +214,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugins", type=_names, default="",
                    help="comma list of plugins for our engine, e.g. int8 (weights; the "
                         "roofline then counts the packed bytes)")
+    add_config_argument(p)
 
 
 def resolve(args):
     """``args`` with the device's defaults filled in; PlanError for flags that do not go
     together (the types above check each flag alone)."""
     gpu = args.device.startswith("cuda")
+    args.config_options = bench_config(args)
     args.dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
     args.batches = args.batches or ([1, 8, 32, 64] if gpu else [1, 8])
     args.prompt_len = args.prompt_len or (512 if gpu else 64)
@@ -258,7 +262,7 @@ def measure(args) -> int:
     dtype, batches = args.dtype, args.batches
     prompt_len, new_tokens = args.prompt_len, args.new_tokens
     hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,
-                             args.plugins, args.max_num_batched_tokens)
+                             args.plugins, args.max_num_batched_tokens, args.config_options)
     print(engine.plan, file=sys.stderr)
     results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, args.systems,
                                 log=lambda m: print(m, file=sys.stderr))
@@ -270,7 +274,7 @@ def measure(args) -> int:
     (out / "results.json").write_text(json.dumps({
         "model": args.model, "dtype": str(dtype), "device": device_name,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "copy_bandwidth_Bps": bw,
-        "plugins": args.plugins, "torch": torch.__version__,
+        "plugins": args.plugins, "config": args.config, "torch": torch.__version__,
         "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(),
         "results": [dict(attrs.asdict(r), tokens_per_s=r.tokens_per_s,
                          roofline_fraction=r.roofline_fraction) for r in results],

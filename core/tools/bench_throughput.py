@@ -28,6 +28,7 @@ from .bench_cli import (SHAPES, _batches, _device, _dtype, _model, _names, _out,
                         build_engine, check_plugins, describe_device, load_models,
                         parse_resolved)
 from .bench_serve import add_workload_arguments, resolve_workload
+from .config_cli import add_config_argument, bench_config
 from .provenance import provenance
 from .serve_hf import hf_summary
 from .serve_offline import offline_summary
@@ -65,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugins", type=_names, default="",
                    help="comma list of plugins for our engine, e.g. int8 (the paged cache "
                         "is added on CUDA)")
+    add_config_argument(p)
     p.add_argument("--no-hf", action="store_true",
                    help="skip HF transformers' continuous batching (the baseline)")
     p.add_argument("--seed", type=int, default=0, help="the prompts")
@@ -84,6 +86,7 @@ def vocab_size(model: str) -> int:
 def resolve(args):
     """``args`` with defaults filled in and ``args.requests`` drawn; PlanError for flags
     that do not go together (the types check each flag alone)."""
+    args.config_options = bench_config(args)
     args.dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda")
                                 else torch.float32)
     check_plugins(args.device, args.plugins)
@@ -127,12 +130,12 @@ def measure(args) -> int:
     # it, once per token budget of a sweep
     budgets = args.max_num_batched_tokens or [None]
     hf, engine = load_models(args.model, device, args.dtype, args.max_batch_size,
-                             args.max_seq_len, args.plugins, budgets[0])
+                             args.max_seq_len, args.plugins, budgets[0], args.config_options)
     rows, config = {}, None
     for i, budget in enumerate(budgets):
         if i:
             engine = build_engine(hf, device, args.dtype, args.max_batch_size,
-                                  args.max_seq_len, args.plugins, budget)
+                                  args.max_seq_len, args.plugins, budget, args.config_options)
         label, summary, config = _ours(args, engine, len(budgets) > 1)
         rows[label], spec = summary, engine.spec
         del engine  # before the next is built: one engine's cache on the device at a time

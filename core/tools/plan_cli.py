@@ -20,6 +20,8 @@ from ..loading.source import spec_of, stored_dtype
 from ..memory import as_bytes, device_budget, element_bytes, host_memory, plan_memory
 from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
+from . import plan_offload
+from .config_cli import add_config_argument, plan_config
 
 KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 FITS, DOES_NOT_FIT = 0, 1  # and 2, from cli.main, for an InfergraftError
@@ -32,28 +34,31 @@ EPILOG = """exit status:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # the epilog's lines are a table: keep its line breaks
     p.epilog, p.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
-    p.add_argument("model", nargs="?", default="smollm2-135m",
-                   help="local HF model directory (config.json is enough) or alias")
+    p.add_argument("model", nargs="?", default=None,
+                   help="local HF model directory (config.json is enough) or alias (default: "
+                        "the --config's model, else smollm2-135m)")
     p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
                                                  "(default: the checkpoint's)")
-    p.add_argument("--kv-dtype", default="auto", choices=KVDTYPES,
+    p.add_argument("--kv-dtype", default=None, choices=KVDTYPES,
                    help="K/V storage (auto: the weights dtype; int8: the kv-int8 quantizer)")
-    p.add_argument("--weights", default="auto", choices=("auto", "int8"),
+    p.add_argument("--weights", default=None, choices=("auto", "int8"),
                    help="weight storage (auto: the weights dtype; int8: the int8 quantizer)")
     p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one prefill step feeds at most, as core.build takes it "
                         "(default: max(max_seq_len, 2048))")
     p.add_argument("--device-memory", default=None,
                    help="budget, e.g. 80GiB (default: free CUDA memory, else host RAM)")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="ranks of the tp planner (plugins=['tp'] under torchrun): the plan "
                         "is one rank's, each device holding its share")
-    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+    p.add_argument("--pipeline-parallel", type=int, default=None, metavar="N",
                    help="stages of the pp planner (plugins=['pp'] under torchrun): the plan "
                         "is the largest stage's (the first: most layers and the embeddings); "
                         "with --tensor-parallel T, one of its T ranks (pp's tensor_parallel=T)")
+    plan_offload.add_arguments(p)
+    add_config_argument(p)
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 
@@ -96,6 +101,7 @@ def one_rank(name: str, spec, stages: int, tp: int):
 
 
 def run(args) -> int:
+    plan_config(args)  # --config under the flags given, then plan's defaults
     name, spec, config = spec_of(args.model)
     not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
@@ -123,12 +129,17 @@ def run(args) -> int:
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights
         kv = plan_memory(spec, dtype=kv_dtype, max_seq_len=mem.max_seq_len)
         mem = attrs.evolve(mem, kv_dtype=kv.kv_dtype, kv_bytes_per_token=kv.kv_bytes_per_token)
+    rows, extra = [], {}
+    if args.offload_weights:  # the layers beyond the budget in host memory
+        mem, rows, extra = plan_offload.offload_plan(mem, spec, args, weight_quant, budget)
+    elif args.resident_layers is not None or args.ring_size != 2:
+        raise PlanError("--resident-layers and --ring-size plan --offload-weights; give it too")
     if args.json:
         print(json.dumps({**attrs.asdict(mem), "kv_bytes_per_sequence": mem.kv_bytes_per_sequence,
                           "kv_bytes_total": mem.kv_bytes_total, "total_bytes": mem.total_bytes,
                           "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits,
-                          "max_batch_with_window": mem.max_batch_with_window},
+                          "max_batch_with_window": mem.max_batch_with_window, **extra},
                          indent=2))
     else:
-        print(mem)
+        print(plan_offload.table(mem.rows() + rows))
     return FITS if mem.fits else DOES_NOT_FIT

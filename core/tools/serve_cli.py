@@ -17,6 +17,7 @@ import sys
 
 from ..build import build
 from ..errors import InfergraftError
+from .config_cli import add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"  # as `infergraft generate`
 GRACE_S = 30  # seconds open requests get after SIGTERM before they are cancelled
@@ -30,9 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Serve a model over HTTP with OpenAI's API: /v1/models, "
                      "/v1/completions, /v1/chat/completions (streaming as server-sent "
                      "events), /health, /metrics (Prometheus) and a chat page at /.")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"HF model directory or alias (default {DEFAULT_MODEL}); also the "
-                        "model name clients send")
+    p.add_argument("--model", default=None,
+                   help=f"HF model directory or alias (default: the --config's model, else "
+                        f"{DEFAULT_MODEL}); also the model name clients send")
+    add_config_argument(p)
     p.add_argument("--plugin", action="append", help="plugin name to use (repeatable)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
@@ -91,11 +93,14 @@ def run(args) -> int:
     uvicorn, create_app, AsyncEngine = _imports()  # before the model loads: fail fast
     api_key = args.api_key or os.environ.get("INFERGRAFT_API_KEY") or None
     first = os.environ.get("RANK", "0") == "0"
-    options = dict(plugins=args.plugin or None, dtype=args.dtype, device=args.device,
-                   max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-                   max_num_batched_tokens=args.max_num_batched_tokens, progress=first,
-                   prefill_graphs=None if args.prefill_graphs else False)
-    if "WORLD_SIZE" not in os.environ and _on_cuda(args.device):
+    args.model, options = build_options(
+        args.config, args.model, DEFAULT_MODEL, plugins=args.plugin or None,
+        dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
+        max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens)
+    if not args.prefill_graphs:  # the build's default (None) only when asked for
+        options.setdefault("prefill_graphs", False)
+    options["progress"] = first
+    if "WORLD_SIZE" not in os.environ and _on_cuda(options.get("device")):
         # the engine in a process of its own: on a GPU the HTTP side's Python would hold
         # up the launches; on a CPU a second process contends for the same few cores
         from ..serving.engine_process import EngineProcess

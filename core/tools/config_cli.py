@@ -1,0 +1,85 @@
+"""``--config FILE`` on generate, chat, plan, bench and serve: the file's keys (ours and
+DeepSpeed's, mapped by core/config) with the flags given on the command line over them.
+
+A flag counts as given when it is not None, so every flag that can come from a config
+defaults to None and the command fills its own default afterwards."""
+from __future__ import annotations
+
+import argparse
+import os
+
+HELP = ("a JSON config: core.build's keyword arguments and plugin options, or DeepSpeed's "
+        "inference keys (ds_config.json; docs/config.md lists what each becomes); flags "
+        "given on the command line win over it")
+
+
+def add_config_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default=None, help=HELP)
+
+
+def given(**flags) -> dict:
+    """The flags that were given (not None)."""
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def build_options(config, model, default_model: str, **flags) -> tuple[object, dict]:
+    """(the model, ``core.build``'s keyword arguments): ``config``'s keys (a path or None)
+    resolved, then the given ``flags`` over them (``plugins``: the config's, then the
+    flags'). The model: ``model`` if given, else the config's ``model``, else
+    ``default_model``. Errors and warnings come now, before anything loads."""
+    overrides = given(**flags)
+    if config is None:
+        return model or default_model, overrides
+    from ..config import resolve_config
+
+    options = resolve_config(config, overrides)
+    from_config = options.pop("model", None)
+    return model or from_config or default_model, options
+
+
+def bench_config(args) -> dict | None:
+    """A bench's ``--config`` resolved once (its warnings now, not per build): our
+    engine's build options. The bench's own flags (model, device, batch, lengths) win over
+    it; the config's dtype is ``--dtype``'s default, so that HF runs in it too."""
+    if args.config is None:
+        return None
+    from ..config import resolve_config
+    from ..selection import resolve_dtype
+
+    options = resolve_config(args.config)
+    options.pop("model", None)  # --model names the bench's weights (a shape or a checkpoint)
+    if args.dtype is None and options.get("dtype") is not None:
+        args.dtype = resolve_dtype(options["dtype"], None)
+    return options
+
+
+PLAN_DEFAULTS = dict(model="smollm2-135m", max_batch_size=8, tensor_parallel=1,
+                     pipeline_parallel=1, kv_dtype="auto", weights="auto", ring_size=2)
+
+
+def plan_config(args) -> None:
+    """``infergraft plan``'s flags with a ``--config`` under them (the flags given win),
+    then plan's defaults: the config's dtype, K/V and weight quantisers, sizes, budget,
+    tensor-parallel size (one rank's plan) and offload-weights planner."""
+    if args.config is not None:
+        from ..config import resolve_config
+
+        options = resolve_config(args.config)
+        plugins = options.pop("plugins", [])
+        tp = options.get("tp_size") or (int(os.environ.get("WORLD_SIZE", 1))
+                                        if "tp" in plugins else None)
+        from_config = dict(
+            model=options.get("model"), dtype=options.get("dtype"),
+            kv_dtype="int8" if "kv-int8" in plugins else None,
+            weights="int8" if "int8" in plugins else None,
+            max_seq_len=options.get("max_seq_len"), max_batch_size=options.get("max_batch_size"),
+            max_num_batched_tokens=options.get("max_num_batched_tokens"),
+            device_memory=options.get("device_memory"), tensor_parallel=tp,
+            offload_weights=True if "offload-weights" in plugins else None,
+            resident_layers=options.get("resident_layers"), ring_size=options.get("ring_size"))
+        for flag, value in from_config.items():
+            if getattr(args, flag, None) in (None, False) and value is not None:
+                setattr(args, flag, str(value) if flag == "dtype" else value)
+    for flag, value in PLAN_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
