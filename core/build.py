@@ -149,7 +149,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     if progress:
         from tqdm import tqdm
         tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
-    pack = None if weight_quant is None else SlotPacker(weight_quant, ops, net, net.will_fuse(dtype))
+    pack = None if weight_quant is None else SlotPacker(weight_quant, ops, net,
+                                                        net.will_fuse(dtype), device)
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,
                  device=device, dtype=dtype, on_slot_ready=pack,  # packed as they stream in
                  place=rank.place,  # this rank's pieces

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from ..runner.model import DecoderLayer, Linear, QuantizedLinear, folded
+from ..runner.weight_stream import map_tensors
 
 _LAYER_SLOT = re.compile(r"^layers\.(\d+)\.(\w+)\.weight$")
 
@@ -16,15 +19,23 @@ class SlotPacker:
     whichever of the two arrives first: a projection waits, unpacked, for its norm (layer
     by layer in a checkpoint that goes so); ``finish`` sets those norms to ones."""
 
-    def __init__(self, quantizer, ops, net, fold_norms: bool):
+    def __init__(self, quantizer, ops, net, fold_norms: bool, device=None):
         self.quantizer, self.ops, self.net, self.fold_norms = quantizer, ops, net, fold_norms
+        self.device = device  # where packing runs: the build's device (None: the weight's)
         self.feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds
         self.fed_by = {p: n for n, p in self.feeds.items()}
         self.norms, self.waiting = {}, set()  # (layer, norm) -> weight; (layer, projection)
         self.folded = set()  # (layer, norm) whose weight lives in its packed projection
 
     def _packed(self, weight, bias):
-        return QuantizedLinear(self.quantizer, self.quantizer.pack(weight), bias, self.ops)
+        # a streamed layer's weight waits in host memory, but packs on the device, as it
+        # would resident: the same packed bits (CUDA divides by a scalar as a multiply by
+        # its reciprocal, the CPU does not)
+        home = weight.device
+        packed = self.quantizer.pack(weight if self.device is None else weight.to(self.device))
+        if self.device is not None and home != torch.device(self.device):
+            packed = map_tensors(packed, lambda t: t.to(home))
+        return QuantizedLinear(self.quantizer, packed, bias, self.ops)
 
     def __call__(self, slot, module, weight):
         m = _LAYER_SLOT.match(slot) if self.fold_norms else None

@@ -42,23 +42,23 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _map_tensors(obj, fn):
+def map_tensors(obj, fn):
     """``obj`` with every tensor inside it replaced by ``fn(tensor)``, in a fixed order:
     a tensor, or attrs / dataclass instances, tuples, lists and dicts holding them."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if attrs.has(type(obj)):
         return attrs.evolve(obj, **{getattr(f, "alias", f.name.lstrip("_")):
-                                    _map_tensors(getattr(obj, f.name), fn)
+                                    map_tensors(getattr(obj, f.name), fn)
                                     for f in attrs.fields(type(obj)) if f.init})
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
+        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn)
                                            for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, (tuple, list)):
-        items = [_map_tensors(x, fn) for x in obj]
+        items = [map_tensors(x, fn) for x in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     return obj
 
 
@@ -76,7 +76,7 @@ def rebind(layer: nn.Module, fn, what: str = "layer") -> None:
                 module._parameters[name] = new if isinstance(new, nn.Parameter) \
                     else nn.Parameter(new, requires_grad=False)
         if "packed" in vars(module):  # core.runner.model.QuantizedLinear
-            module.packed = _map_tensors(module.packed, fn)
+            module.packed = map_tensors(module.packed, fn)
         stray = [k for k, v in vars(module).items() if isinstance(v, torch.Tensor)]
         if stray:
             raise PlanError(f"{what}: module {path or '(the layer)'!r} holds tensor attribute(s) "

@@ -18,15 +18,16 @@ weights all on the GPU, in one process:
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # offload_hf.py, layer_clock.py beside it
+from layer_clock import greedy, layer_times  # noqa: E402
+
 from infergraft import core
-from infergraft.core.request import SamplingParams
 from infergraft.core.tools.bench import bench_ours
 from infergraft.core.tools.plan_offload import host_to_device_bandwidth
 from infergraft.core.tools.provenance import provenance
@@ -51,69 +52,6 @@ def hf_model(shape: dict, device, dtype):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
-def greedy(engine, prompts, new_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    return [list(s.output_ids) for s in seqs]
-
-
-class LayerClock:
-    """Each layer's start and end, per forward (CUDA events on the compute stream, after
-    any wait for a streamed layer's copy; host time on the CPU). ``span(rows, a, b)``:
-    the median time of layers a..b-1 over the forwards of ``rows`` rows."""
-
-    def __init__(self, model, cuda: bool):
-        self.model, self.cuda, self.steps = model, cuda, []
-        for i, layer in enumerate(model.layers):
-            for name in ("forward", "forward_fused"):
-                setattr(layer, name, self._wrap(i, getattr(layer, name)))
-
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def _wrap(self, i, fn):
-        def timed(h, *args, **kw):
-            if i == 0:
-                self.steps.append((h.shape[-2], []))
-            start = self._mark()
-            out = fn(h, *args, **kw)
-            self.steps[-1][1].append((start, self._mark()))
-            return out
-        return timed
-
-    def remove(self):
-        for layer in self.model.layers:
-            for name in ("forward", "forward_fused"):
-                delattr(layer, name)  # the instance's wrapper: the class method again
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def span(self, rows: int, a: int, b: int) -> float:
-        """Seconds (median over the forwards of ``rows`` rows) from layer a's start to
-        layer b-1's end."""
-        def seconds(x, y):
-            return x.elapsed_time(y) / 1e3 if self.cuda else y - x
-        times = [seconds(marks[a][0], marks[b - 1][1]) for r, marks in self.steps
-                 if r == rows and len(marks) >= b]
-        return statistics.median(times) if times else float("nan")
-
-
-def layer_times(engine, prompts, new_tokens, cuda, spans) -> dict:
-    """{name: seconds} of each (a, b) layer span in ``spans`` at decode steps of this batch."""
-    clock = LayerClock(engine.model, cuda)
-    try:
-        greedy(engine, prompts, new_tokens)
-    finally:
-        clock.remove()
-    return {name: clock.span(len(prompts), a, b) for name, (a, b) in spans.items()}
-
-
 def eager(engine):
     """The engine without its CUDA graphs (decode, prefill, mixed steps)."""
     engine.decode_graphs = engine.prefill_graphs = None
@@ -124,6 +62,17 @@ def eager(engine):
 def kv_device_bytes(engine) -> int:
     backend = core.get_plugin_manager().cache_backends().get(engine.plan.cache_backend)
     return getattr(backend, "device_bytes", lambda p: p.kv_bytes_total)(engine.plan)
+
+
+def hf_baseline(result, b_eng, shape, device, dtype, k, prompts, log) -> None:
+    """HF + accelerate with the same layers on the GPU (docs/bench/offload_hf.py)."""
+    from offload_hf import dispatch, hf_offloaded_tpot
+
+    hf = dispatch(hf_model(shape, device, dtype), k)  # the same seed: the same weights
+    for b, batch in prompts.items():
+        tpot = hf_offloaded_tpot(hf, batch)
+        result.setdefault("hf", {})[f"tpot_ms_{b}"] = 1e3 * tpot
+        log(f"HF + accelerate offload, batch {b}: TPOT {1e3 * tpot:.1f} ms")
 
 
 def main(argv=None) -> int:
@@ -207,6 +156,9 @@ def main(argv=None) -> int:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    # what (a) left on the device besides the HF weights (b) is built from: not (b)'s
+    left = max(0, torch.cuda.memory_allocated() - sum(
+        t.untyped_storage().nbytes() for t in [*hf.parameters(), *hf.buffers()])) if cuda else 0
 
     # 4) (b): the layers beyond the budget in host memory
     # (the smoke model's budget: short of a third of its layers, so that some stream)
@@ -220,7 +172,7 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    held = torch.cuda.memory_allocated() if cuda else None
+    held = torch.cuda.memory_allocated() - left if cuda else None
     log(f"(b) built in {b_eng.build_seconds:.1f} s: {k} layers resident, "
         f"{len(placement.streamed)} streamed, {fmt_bytes(placement.copied_bytes)} copied a step; "
         f"device holds {fmt_bytes(held) if held is not None else '-'} of {fmt_bytes(budget)}")
@@ -243,7 +195,8 @@ def main(argv=None) -> int:
     result["b"].update(resident=list(placement.resident), streamed=list(placement.streamed),
                        copied_bytes=placement.copied_bytes, ring_bytes=placement.ring_bytes,
                        device_weight_bytes=b_eng.plan.device_weight_bytes, budget=budget,
-                       device_allocated_after_build=held, layer_copy_bandwidth=layer_bw,
+                       device_allocated_after_build=held, left_by_a=left,
+                       layer_copy_bandwidth=layer_bw,
                        pinned=st.pinned if st is not None else None)
     save()
     bound = placement.copied_bytes / result["h2d_bandwidth"]
@@ -272,15 +225,18 @@ def main(argv=None) -> int:
             f"resident layers {r['resident_ms']:.2f} ms vs {r['resident_a_ms']:.2f} ms in (a)")
         save()
     if cuda:
-        result["b"]["device_peak_allocated"] = torch.cuda.max_memory_allocated()
+        result["b"]["device_peak_allocated"] = torch.cuda.max_memory_allocated() - left
+        hf_baseline(result, b_eng, shape, device, dtype, k, prompts, log)
     save()
     head = ["batch", "(a) TPOT ms", "(a) eager TPOT ms", "(b) TPOT ms", "bound ms", "bound / TPOT",
-            "tokens = (a)", f"resident {k} layers (b) / (a) ms"]
+            "HF + accelerate offload TPOT ms", "tokens = (a)", f"resident {k} layers (b) / (a) ms"]
+    hf_ms = result.get("hf", {})
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b, r in rows:
         lines.append("| " + " | ".join([
             str(b), f"{result['a'][f'tpot_ms_{b}']:.2f}", f"{result['a'][f'tpot_eager_ms_{b}']:.2f}",
             f"{r['tpot_ms']:.1f}", f"{r['bound_ms']:.1f}", f"{r['bound_over_tpot']:.0%}",
+            f"{hf_ms[f'tpot_ms_{b}']:.1f}" if f"tpot_ms_{b}" in hf_ms else "-",
             "yes" if r["tokens_equal"] else f"NO ({r['tokens_differing']} differ)",
             f"{r['resident_ms']:.2f} / {r['resident_a_ms']:.2f}"]) + " |")
     peak = result["b"].get("device_peak_allocated")
