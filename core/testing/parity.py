@@ -19,14 +19,36 @@ def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids], device=dev)).logits[0].float().cpu()
 
 
+def int8_kv_cache(config):
+    """An HF ``DynamicCache`` that stores K/V as our ``kv-int8`` does: each (token, head) row
+    through int8 with its absmax scale (``kv_write.quantize_int8_torch``), back in the
+    model's dtype: HF's reference for a build with int8 K/V."""
+    from transformers.cache_utils import DynamicCache
+
+    from infergraft.kernels.kv_write import quantize_int8_torch
+
+    def through_int8(x):  # x: [B, H, T, D]
+        q, scale = quantize_int8_torch(x)
+        return (q.float() * scale[..., None]).to(x.dtype)
+
+    cache = DynamicCache(config=config)
+    for layer in cache.layers:
+        def update(k, v, *args, _update=layer.update, **kwargs):
+            return _update(through_int8(k), through_int8(v), *args, **kwargs)
+        layer.update = update
+    return cache
+
+
 @torch.inference_mode()
-def hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
-    """HF greedy continuation, cut after the first EOS exactly like the engine stops."""
+def hf_greedy(hf_model, ids: list[int], max_new_tokens: int, kv_int8: bool = False) -> list[int]:
+    """HF greedy continuation, cut after the first EOS exactly like the engine stops;
+    ``kv_int8``: with K/V stored as int8 rows (``int8_kv_cache``)."""
     dev = next(hf_model.parameters()).device
+    cache = {"past_key_values": int8_kv_cache(hf_model.config)} if kv_int8 else {}
     out = hf_model.generate(torch.tensor([ids], device=dev), max_new_tokens=max_new_tokens,
                             min_new_tokens=0, do_sample=False,
                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
-                            pad_token_id=hf_model.config.eos_token_id or 0)
+                            pad_token_id=hf_model.config.eos_token_id or 0, **cache)
     new = out[0, len(ids):].tolist()
     eos = hf_model.config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
