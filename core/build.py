@@ -13,6 +13,7 @@ from .distributed.ranks import rank_device, rank_setup, world_size_for
 from .engine import Engine
 from .errors import PlanError
 from .loading.packing import SlotPacker
+from .loading.gptq import checkpoint_quantizers, weight_quantizer_names
 from .loading.source import resolve_source
 from .loading.weights import load_weights
 from .memory import (activation_bytes, check_fits, device_budget, step_token_budget,
@@ -107,8 +108,12 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     dtype = resolve_dtype(dtype, default_dtype)
     backend = pm.cache_backends().get(sel.cache_backend or DEFAULT_CACHE_BACKEND)
     planner = pm.planners().get(sel.planner or DEFAULT_PLANNER)
-    quantizers = [pm.quantizers().get(n) for n in sel.quantizers]
+    # a GPTQ / AWQ checkpoint's projections arrive as int4 (loading/gptq.py)
+    names = weight_quantizer_names(source.prequantized, sel.quantizers, pm.quantizers())
+    quantizers = [pm.quantizers().get(n) for n in names]
     opts = _split_options([backend, planner, *quantizers], plugin_options)
+    quantizers = [q.configured(**opts[2 + i]) for i, q in enumerate(quantizers)]
+    quantizers = checkpoint_quantizers(source.prequantized, quantizers, plugin_options)
     kv_quant = _kv_quantizer(backend, quantizers)
     weight_quant = _weight_quantizer(quantizers)
 
@@ -125,7 +130,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         dtype=str(dtype).replace("torch.", ""), device=str(device), kernels=ops.backend,
         max_seq_len=max_seq_len, max_batch_size=max_batch_size, cache_backend=backend.name,
         kv_dtype=kv_quant.kv_dtype if kv_quant else str(dtype).replace("torch.", ""),
-        quantizers=tuple(sel.quantizers),
+        quantizers=names,
         planner=planner.name, parallel=parallel,
         weight_bytes=weight_bytes(run_spec, dtype, weight_quant)  # this rank's
         - rank.not_held * element_bytes(dtype),

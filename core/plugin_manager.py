@@ -38,6 +38,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.offload",
     "infergraft.plugins.kv_int8",
     "infergraft.plugins.weight_int8",
+    "infergraft.plugins.weight_int4",
     "infergraft.plugins.single_device",
     "infergraft.plugins.offload_weights",
     "infergraft.plugins.tensor_parallel",

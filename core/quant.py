@@ -48,6 +48,12 @@ class Quantizer:
         per_head = spec.head_dim * self.kv_element_bytes + self.kv_scale_bytes
         return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
+    def configured(self, **options) -> "Quantizer":
+        """This quantiser for a build's ``options`` (those of ``options`` above it was
+        given; unknown ones never reach here). A quantiser with options returns a copy set
+        up for them, refusing a bad value with a ``PlanError``; the default: itself."""
+        return self
+
     # -- weight quantisers (see core.testing.quant_kit for pack / unpack / matmul) -------
     def quantizes(self, slot: str) -> bool:
         """Whether ``core.build`` packs this weight slot: by default every decoder layer's

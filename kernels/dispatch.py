@@ -37,6 +37,7 @@ OPS = {
     "paged_attention": "paged_attention",
     "varlen_attention": "varlen_attention",
     "int8_linear": "int8_linear",
+    "int4_linear": "int4_linear",
     "embed_sum_sq": "embedding",
     "logits_argmax": "greedy",
 }

@@ -35,8 +35,8 @@ _LAYER_SLOT = re.compile(r"^layers\.(\d+)\.")
 def layer_sizes(spec, element_bytes: int, quantizer=None) -> tuple[list[int], list[int]]:
     """(weight bytes of each layer, as the plan counts them; bytes of its packed host
     buffer, each tensor aligned: an upper bound of what ``WeightStreamer`` packs). A
-    quantised slot counts ``packed_bytes_of`` and room for a second aligned tensor (int8:
-    its scales)."""
+    quantised slot counts ``packed_bytes_of`` and room for two more aligned tensors (int8:
+    its scales; int4: its scales and zero-points)."""
     sizes, packed = [0] * spec.num_layers, [0] * spec.num_layers
     for slot, (shape, _) in slot_layout(spec).items():
         m = _LAYER_SLOT.match(slot)
@@ -45,7 +45,7 @@ def layer_sizes(spec, element_bytes: int, quantizer=None) -> tuple[list[int], li
         i = int(m[1])
         if quantizer is not None and quantizer.quantizes(slot):
             n = quantizer.packed_bytes_of(shape, element_bytes)
-            packed[i] += aligned(n) + ALIGN
+            packed[i] += aligned(n) + 2 * ALIGN
         else:
             n = math.prod(shape) * element_bytes
             packed[i] += aligned(n)

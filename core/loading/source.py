@@ -27,6 +27,8 @@ class ModelSource:
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     tokenizer: Optional[Any] = None
     dtype: Optional[torch.dtype] = None  # the dtype the weights are stored in
+    #: a GPTQ / AWQ ``gptq.PrequantFormat``: the projections arrive quantised (loading/gptq.py)
+    prequantized: Optional[Any] = None
 
 
 class ModelSourceError(InfergraftError, ValueError):
@@ -36,7 +38,15 @@ class ModelSourceError(InfergraftError, ValueError):
 def resolve_source(model, tokenizer=None, checkpoint=None) -> ModelSource:
     """``checkpoint`` (loading/checkpoint.py): the weights come from its safetensors files;
     ``model`` then gives only the config (an HF model, e.g. on the meta device, a config
-    object or a directory with config.json), or is None where the checkpoint has one."""
+    object or a directory with config.json), or is None where the checkpoint has one.
+    A config with a GPTQ / AWQ ``quantization_config``: its projections stream in already
+    quantised (loading/gptq.py)."""
+    from .gptq import with_prequantized
+
+    return with_prequantized(_resolve(model, tokenizer, checkpoint))
+
+
+def _resolve(model, tokenizer, checkpoint) -> ModelSource:
     from transformers import PreTrainedModel
 
     if tokenizer is not None and not all(callable(getattr(tokenizer, m, None))

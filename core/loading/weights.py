@@ -58,6 +58,7 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
     ignore = [re.compile(p) for p in wmap.ignore]
     pending: dict[str, set] = {}  # slot -> parts still missing
     buffers: dict[str, torch.Tensor] = {}
+    prequantized: dict[str, dict] = {}  # slot -> part -> a pre-quantised part (gptq.py)
     aliases = dict(wmap.aliases)
     seen, unexpected = set(), []
     for key, tensor in tensors:
@@ -77,6 +78,11 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
             raise WeightLoadError(f"weight {key!r} arrived twice")
         seen.add(key)
         shape, parts = layout[rule.slot]
+        pre = getattr(tensor, "prequantized", False)  # a GPTQ / AWQ projection (gptq.py)
+        if pre and (rule.transpose or place is not None or on_slot_ready is None):
+            raise WeightLoadError(f"weight {key!r} is pre-quantised: it loads on one device "
+                                  "(no tp / pp), as an [out, in] projection, through the "
+                                  "'int4' weight quantiser")
         t = tensor.t() if rule.transpose else tensor
         whole = parts is None or rule.part is None
         want = shape if whole else (parts[rule.part],) + tuple(shape[1:])
@@ -84,6 +90,18 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
             raise WeightLoadError(f"weight {key!r} has shape {tuple(t.shape)}, policy "
                                   f"{policy_name!r} expects {tuple(want)} for {rule.slot!r}")
         to = (device_of and device_of(rule.slot)) or device
+        if pre:  # fused parts concatenated along N once all are in
+            t = t.to(device=to, dtype=dtype)
+            if whole:
+                _install(model, rule.slot, t, on_slot_ready, place)
+                continue
+            got = prequantized.setdefault(rule.slot, {})
+            got[rule.part] = t
+            if len(got) == len(parts):
+                _install(model, rule.slot, type(t).cat([got[i] for i in range(len(parts))]),
+                         on_slot_ready, place)
+                del prequantized[rule.slot]
+            continue
         if whole:
             _install(model, rule.slot, t.to(device=to, dtype=dtype).contiguous(), on_slot_ready,
                      place)

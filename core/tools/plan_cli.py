@@ -41,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "(default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=KVDTYPES,
                    help="K/V storage (auto: the weights dtype; int8: the kv-int8 quantizer)")
-    p.add_argument("--weights", default=None, choices=("auto", "int8"),
-                   help="weight storage (auto: the weights dtype; int8: the int8 quantizer)")
+    p.add_argument("--weights", default=None, choices=("auto", "int8", "int4"),
+                   help="weight storage (auto: the weights dtype; int8 / int4: the int8 "
+                        "(W8A16) / int4 (W4A16, groups of 128) quantizer)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

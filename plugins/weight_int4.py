@@ -1,0 +1,71 @@
+"""int4 weight-only quantiser (name ``int4``, W4A16): ``plugins=["paged", "int4"]``,
+``group_size=`` 128 (default), 64 or 32.
+
+Every decoder layer's projection (qkv, o, gate_up or fc_in, down) is stored as 4-bit
+codes, two a byte, with a float32 scale and a uint8 zero-point per row and group of
+``group_size`` input columns (asymmetric round to nearest at load time,
+``kernels.int4_linear.quantize_int4``; the format, ``Int4Weight``, is what the GPTQ / AWQ
+loaders convert into). ``ops.int4_linear`` unpacks the nibbles in registers: about a
+quarter of bf16's weight bytes (plus 5 bytes a group). Embeddings, the lm_head and norms
+stay in the model dtype. The fused decode layer reads int8 rows only (``int8_rows`` is
+None here): an int4 model runs the plain layer; where the fused layer would have run,
+``core.loading.packing.SlotPacker`` still folds each RMSNorm weight into its projection
+before packing, which the plain layer computes the same.
+"""
+from __future__ import annotations
+
+import math
+
+from infergraft.core.errors import PlanError
+from infergraft.core.hookspecs import hookimpl
+from infergraft.core.quant import Quantizer
+from infergraft.kernels.dispatch import get_op, resolve_backend
+from infergraft.kernels.int4_linear import (GROUP_SIZES, Int4Weight, dequantize_int4,
+                                            quantize_int4)
+
+__all__ = ["WeightInt4", "Int4Weight"]
+
+
+class WeightInt4(Quantizer):
+    name = "int4"
+    applies_to = "weights"
+    options = {"group_size": 128}
+    # |(q - z) s - w| <= s / 2 = (max - min) / 30 <= max|group| / 15, plus unpack's
+    # rounding to a 16-bit dtype
+    max_relative_error = 1.001 / 15 + 1 / 512
+
+    def __init__(self, group_size: int = 128):
+        if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+            raise PlanError(f"quantizer 'int4': group_size={group_size!r} is not accepted; "
+                            f"choose one of {', '.join(map(str, GROUP_SIZES))}")
+        self.group_size = group_size
+
+    def configured(self, group_size: int = 128) -> "WeightInt4":
+        return self if group_size == self.group_size else WeightInt4(group_size)
+
+    def pack(self, weight) -> Int4Weight:
+        return quantize_int4(weight, self.group_size)
+
+    def unpack(self, packed):
+        return dequantize_int4(packed)
+
+    def matmul(self, x, packed, ops=None):
+        # x: [..., K] -> [..., N]; the engine's kernels, else by x's device
+        op = ops.int4_linear if ops is not None else \
+            get_op("int4_linear", resolve_backend(x.device))
+        return op(x, packed.qweight, packed.scales, packed.zeros, packed.group_size,
+                  packed.in_features)
+
+    def packed_bytes(self, packed):
+        return sum(t.numel() * t.element_size()
+                   for t in (packed.qweight, packed.scales, packed.zeros))
+
+    def packed_bytes_of(self, shape, element_bytes):
+        rows, cols = shape
+        groups = math.ceil(cols / self.group_size)
+        return rows * math.ceil(cols / 2) + rows * groups * (4 + 1)  # nibbles, scale, zero
+
+
+@hookimpl
+def infergraft_register_quantizers(register):
+    register(WeightInt4())
