@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
+from ._rows import gemm_rows
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -178,12 +179,8 @@ def int4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
         assert t is None or t.device == x.device, f"{name} on {t.device} but x on {x.device}"
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if k > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, y, lead = gemm_rows(x, k, n)  # [M, K], [M, N]
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     cfg = dict(config or int4_config(m, n, k, group_size))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .cpu_linear import int8_linear_cpu
+from ._rows import gemm_rows
 
 
 # from here on the GEMM is compute-bound: cuBLAS on the weight widened once beats the int8
@@ -117,12 +118,8 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
     for name, t in (("qweight", qweight), ("scale", scale), ("bias", bias)):
         assert t is None or t.device == x.device, f"{name} on {t.device} but x on {x.device}"
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if k > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, y, lead = gemm_rows(x, k, n)  # [M, K], [M, N]
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     if m >= DEQUANT_MIN_ROWS and config is None and x.dtype != torch.float32:
