@@ -166,3 +166,21 @@ def test_a_group_missing_a_tensor_is_named():
 
 def test_a_config_without_quantization_config_is_dense():
     assert prequant_format(tiny_llama_config()) is None
+
+
+def test_plan_sizes_a_prequantized_checkpoint_as_its_build_does(tmp_path, capsys):
+    import json
+
+    from infergraft.core.cli import main
+
+    hf = _hf()
+    hf.save_pretrained(tmp_path / "dense")
+    write_quantized(hf, tmp_path / "gptq", "gptq", group_size=32)
+    plans = {}
+    for name in ("dense", "gptq"):
+        assert main(["plan", str(tmp_path / name), "--json"]) == 0
+        plans[name] = json.loads(capsys.readouterr().out)
+    built = core.build(str(tmp_path / "gptq"), dtype="float32").plan
+    assert plans["gptq"]["weight_bytes"] == built.weight_bytes < plans["dense"]["weight_bytes"]
+    assert main(["plan", str(tmp_path / "gptq"), "--weights", "int8"]) == 2
+    assert "give --weights int4 or leave it out" in capsys.readouterr().err

@@ -83,6 +83,20 @@ def weight_quantizer_for(name: str):
                                  f"weight quantizer named {name!r}")
 
 
+def _weight_quantizer(weights: str, config):
+    """The quantiser ``--weights`` names; a GPTQ / AWQ checkpoint's own (int4 in its groups)
+    where its config says so (``--weights`` may say int4 or auto, nothing else)."""
+    from ..loading.gptq import prequant_format
+
+    fmt = prequant_format(config)
+    if fmt is None:
+        return None if weights == "auto" else weight_quantizer_for(weights)
+    if weights not in ("auto", "int4"):
+        raise PlanError(f"--weights {weights}: the checkpoint is {fmt.method} int4 (its "
+                        "quantization_config); give --weights int4 or leave it out")
+    return weight_quantizer_for("int4").configured(group_size=fmt.group_size)
+
+
 def one_rank(name: str, spec, stages: int, tp: int):
     """(label, spec, elements not held) of the largest rank's share: the first stage (the
     most layers, the embeddings), 1/tp of its layers. The planners refuse what does not
@@ -120,7 +134,7 @@ def run(args) -> int:
         budget, source = device_budget("cuda" if torch.cuda.is_available() else "cpu")
         if budget is None:
             budget, source = host_memory(), "host RAM"
-    weight_quant = None if args.weights == "auto" else weight_quantizer_for(args.weights)
+    weight_quant = _weight_quantizer(args.weights, config)
     mem = plan_memory(spec, model=name, dtype=dtype, kv_quantizer=kv_quant,
                       weight_quantizer=weight_quant,
                       max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
