@@ -99,8 +99,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         if value is not None and not isinstance(value, bool):
             raise PlanError(f"{flag} must be True, False or None (the default), got {value!r}")
     pm, sel = select_plugins(get_plugin_manager(), plugins)
-    source = resolve_source(model, tokenizer) if checkpoint is None else \
-        resolve_source(model, tokenizer, checkpoint=checkpoint)
+    source = resolve_source(model, tokenizer, checkpoint=checkpoint)
     policy = choose_policy(pm, source.config, sel.policy)
     spec = policy.describe(source.config)
     device = resolve_device(device)
