@@ -21,7 +21,7 @@ from ._moved import moved_names
 from .errors import PlanError
 from .scheduler import DEFAULT_BATCHED_TOKENS
 from .units import (KVSizes, activations_label, element_bytes, fmt_bytes,  # noqa: F401
-                    kv_bytes_per_token, parse_bytes)
+                    kv_bytes_per_token, parse_bytes, rows_table)
 
 
 def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
@@ -228,9 +228,7 @@ class MemoryPlan(KVSizes):
         return rows
 
     def __str__(self) -> str:
-        rows = self.rows()
-        w = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+        return rows_table(self.rows())
 
     def refusal(self) -> str:
         n = self.max_num_batched_tokens

@@ -5,7 +5,7 @@ from typing import Any
 
 import attrs
 
-from .units import KVSizes, activations_label, fmt_bytes
+from .units import KVSizes, activations_label, fmt_bytes, rows_table
 
 
 @attrs.frozen
@@ -154,6 +154,4 @@ class Plan(KVSizes):
         return rows + [(f"option {k}", repr(v)) for k, v in self.options]
 
     def __str__(self) -> str:
-        rows = self.rows()
-        w = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+        return rows_table(self.rows())

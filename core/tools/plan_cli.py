@@ -20,6 +20,7 @@ from ..loading.source import spec_of, stored_dtype
 from ..memory import as_bytes, device_budget, element_bytes, host_memory, plan_memory
 from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
+from ..units import rows_table
 from . import plan_offload
 from .config_cli import add_config_argument, plan_config
 
@@ -156,5 +157,5 @@ def run(args) -> int:
                           "max_batch_with_window": mem.max_batch_with_window, **extra},
                          indent=2))
     else:
-        print(plan_offload.table(mem.rows() + rows))
+        print(rows_table(mem.rows() + rows))
     return FITS if mem.fits else DOES_NOT_FIT

@@ -95,8 +95,3 @@ def offload_plan(mem, spec, args, weight_quant, budget):
              "device_bandwidth": dev, "expected_tpot_s": max(copies, reads),
              "copy_s": copies, "read_s": reads, "refused": refused}
     return mem, rows, extra
-
-
-def table(rows) -> str:
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
