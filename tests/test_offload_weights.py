@@ -227,9 +227,33 @@ def test_bad_options_are_refused(hf, options, why):
         core.build(hf, plugins=["offload-weights"], **KW, **options)
 
 
-def test_cuda_graphs_are_refused_while_layers_stream(hf):
-    with pytest.raises(PlanError, match="weights stream from host memory"):
-        core.build(hf, plugins=["offload-weights"], resident_layers=1, cuda_graphs=True, **KW)
+@pytest.mark.parametrize("ring_size", [2, 3])
+def test_self_contained_steps_copy_their_own_first_layers(hf, ring_size):
+    """As from the first CUDA graph capture on: every step issues its first copies in
+    ``begin``, none for the next step; a slot of one layer keeps it; tokens unchanged."""
+    ref = core.build(hf, plugins=["paged"], **KW)
+    engine = core.build(hf, plugins=["offload-weights", "paged"], resident_layers=1,
+                        ring_size=ring_size, **KW)
+    st, placement = engine.model.streamer, engine.plan.weight_placement
+    st.self_contained = True
+    st.log = []
+    steps = 3  # the prefill, two decode steps
+    out = engine.generate(PROMPTS[0], max_new_tokens=steps)
+    assert out[0].token_ids == ref.generate(PROMPTS[0], max_new_tokens=steps)[0].token_ids
+    log = st.log
+    ends = [i for i, e in enumerate(log) if e == ("run", LAYERS - 1)]  # each step's last
+    assert len(ends) == steps and not [e for e in log[ends[-1]:] if e[0] == "copy"]
+    for n in range(steps):
+        part = log[ends[n - 1] + 1 if n else 0:ends[n] + 1]  # from the last step's end
+        copies = [e[1] for e in part if e[0] == "copy"]
+        first = part.index(("run", 0))
+        # each step copies its own layers after the last one ended: every streamed layer
+        # at first, then those that share a slot (a lone slot keeps its layer), each once
+        assert sorted(copies) == list(placement.streamed if n == 0 else placement.copied)
+        # its first copies, one per shared slot, before its first layer runs
+        assert [e[1:] for e in part[:first]] == [
+            (placement.streamed[s], s) for s in range(st.ring_size)
+            if n == 0 or placement.streamed[s] in placement.copied]
 
 
 @pytest.mark.skipif(not (HAVE_TRITON and interpreting()), reason="needs TRITON_INTERPRET=1")
@@ -247,18 +271,31 @@ def test_the_fused_decode_layer_streams_its_folded_int8_rows():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a real copy stream)")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("quantizers", [[], ["int8"], ["kv-int8"]])
-def test_cuda_copy_stream_parity(hf, quantizers):
-    kw = dict(KW, device="cuda", dtype="bfloat16")
-    ref = core.build(hf, plugins=["paged", *quantizers], cuda_graphs=False, **kw)  # eager
+def test_cuda_copy_stream_parity(hf, quantizers, graphs):
+    """Against the all-on-GPU build run the same way (graphs: the same bucket shapes), with
+    the copies inside the graphs; ``logits`` runs eagerly between the replays (those steps
+    copy their own first layers too); a long prompt's chunks replay the step graphs."""
+    kw = dict(KW, device="cuda", dtype="bfloat16", cuda_graphs=graphs,
+              max_num_batched_tokens=16)
+    ref = core.build(hf, plugins=["paged", *quantizers], **kw)
     engine = core.build(hf, plugins=["offload-weights", "paged", *quantizers],
                         resident_layers=1, **kw)
     st = engine.model.streamer
     assert st.cuda and st.pinned and st.slots[0].device.type == "cuda"
     assert all(b.device.type == "cpu" for b in st.host)
-    for prompt in PROMPTS:
+    assert (engine.decode_graphs is not None) == graphs == st.self_contained
+    long_prompt = random_prompt(40, 256, 4)  # three chunks of a 16-token budget
+    for prompt in [*PROMPTS, long_prompt]:
         assert torch.equal(ref.logits(prompt), engine.logits(prompt))
     assert _greedy(engine, 12) == _greedy(ref, 12)
+    replays = engine.decode_graphs.replays if graphs else 0
+    out = engine.generate([long_prompt, PROMPTS[0]], max_new_tokens=8)
+    assert [c.token_ids for c in out] == \
+        [c.token_ids for c in ref.generate([long_prompt, PROMPTS[0]], max_new_tokens=8)]
+    assert not graphs or engine.decode_graphs.replays > replays
+    assert torch.equal(ref.logits(long_prompt), engine.logits(long_prompt))  # eager again
 
 
 def _config_dir(tmp_path):

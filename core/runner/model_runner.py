@@ -60,17 +60,13 @@ class ModelRunner:
 
 
 def decode_graphs_for(net, cache, plan, device, wanted) -> CudaGraphRunner | None:
-    """Decode under CUDA graphs on the GPU (default) when the cache supports it and no
-    layer's weights stream in (the host issues each step's copies: a replay would skip them)."""
-    streams = getattr(net, "streamer", None) is not None
+    """Decode under CUDA graphs on the GPU (default) when the cache supports it. Where
+    layers' weights stream in, each graph holds its step's copies too (``WeightStreamer``)."""
     if wanted is None:
         wanted = device.type == "cuda" and CudaGraphRunner.supported(cache) \
-            and plan.parallel.world_size == 1 and not streams
+            and plan.parallel.world_size == 1
     if not wanted:
         return None
-    if streams:
-        raise PlanError("cuda_graphs=True is not supported where layers' weights stream from "
-                        "host memory (planner 'offload-weights'): those steps run eagerly")
     if plan.parallel.world_size > 1:
         raise PlanError("cuda_graphs=True is not supported across processes yet (world size "
                         f"{plan.parallel.world_size}): decode runs eagerly")

@@ -18,9 +18,16 @@ weight. ``DecoderModel.forward`` calls, each step:
 On CUDA the copies run on a stream of their own, ordered by two events per slot: a layer
 runs once its copy is done, a slot is refilled once the layer in it has run. So the next
 layer's copy overlaps the current layer's compute, and the copy engine never waits for the
-host between steps. On the CPU the same code runs with the host as both sides: each copy
-is a synchronous ``copy_``. ``log``, when a list, receives ("copy", layer, slot) as each
-copy is issued and ("run", layer) as each layer starts (the tests read it).
+host between steps. Under CUDA graph capture the same calls record the copies into the
+graph: the copy stream forks from the capturing stream in ``begin`` and joins it in each
+``before``. From the first capture on, steps are ``self_contained``: each one, replayed or
+eager, issues its own first copies in ``begin`` (after all work issued before it) and none
+for the next step, since a replay leaves the host no record of what the slots hold; the
+first copies then overlap the resident layers instead of the last step's tail.
+
+On the CPU the same code runs with the host as both sides: each copy is a synchronous
+``copy_``. ``log``, when a list, receives ("copy", layer, slot) as each copy is issued and
+("run", layer) as each layer starts (the tests read it).
 """
 from __future__ import annotations
 
@@ -173,10 +180,15 @@ class WeightStreamer:
             rebind(module, lambda t: next(views), f"layer {self.layers[j]}")
         self.holds = [None] * self.ring_size  # the streamed index each slot's last copy holds
         self.log: list | None = None
+        self.capturing = self.self_contained = False
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
-            self.copied = [torch.cuda.Event() for _ in range(self.ring_size)]  # copy done
-            self.used = [torch.cuda.Event() for _ in range(self.ring_size)]  # layer run
+            self.copied = self._events()  # per slot: its copy is done
+            self.used = self._events()  # per slot: the layer in it has run
+            self.eager_events = (self.copied, self.used)
+
+    def _events(self) -> list:
+        return [torch.cuda.Event() for _ in range(self.ring_size)]
 
     @property
     def pinned(self) -> bool:
@@ -189,6 +201,22 @@ class WeightStreamer:
         return sum(b.numel() for b in self.host)
 
     def begin(self) -> None:
+        self.capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        if self.capturing:
+            # from the first capture on, every step copies its own first layers (a replay
+            # cannot leave the host a record of what it copied); events recorded in a
+            # capture cannot be waited on outside it: fresh ones for it
+            self.self_contained = True
+            self.copied, self.used = self._events(), self._events()
+        elif self.cuda and self.copied is not self.eager_events[0]:
+            self.copied, self.used = self.eager_events
+        if self.self_contained:  # a slot of one layer keeps it (no other step writes it)
+            self.holds = [h if s + self.ring_size >= len(self.layers) else None
+                          for s, h in enumerate(self.holds)]
+        if self.cuda and any(self.holds[s] != s for s in range(self.ring_size)):
+            # the copies wait for all work issued so far (a replay reads the slots too; in
+            # a capture this is the copy stream's fork from the capturing stream)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         for s in range(self.ring_size):  # streamed layer s is slot s's first in a step
             self._fill(s, s)
 
@@ -211,8 +239,12 @@ class WeightStreamer:
         if self.cuda:
             self.used[s].record(torch.cuda.current_stream(self.device))
         # the next layer of this slot: later in this step, else the next step's first
+        # (where steps are self-contained, the next step's begin issues that one)
         nxt = j + self.ring_size
-        self._fill(s, nxt if nxt < len(self.layers) else s)
+        if nxt < len(self.layers):
+            self._fill(s, nxt)
+        elif not self.self_contained:
+            self._fill(s, s)
 
     def _fill(self, s: int, j: int) -> None:
         """Slot ``s`` gets streamed layer ``j`` (nothing to do where it holds it)."""

@@ -69,3 +69,52 @@ def layer_times(engine, prompts, new_tokens, cuda, spans) -> dict:
     finally:
         clock.remove()
     return {name: clock.span(len(prompts), a, b) for name, (a, b) in spans.items()}
+
+
+class GraphSpanClock:
+    """The GPU time from layer a's start to layer b-1's end inside the decode graphs'
+    replays: a timing event at each end captured into every graph (``external``: an event
+    record node, re-recorded by each replay), read after each replay. Installing it
+    recaptures the engine's decode graphs (the nodes stay in them)."""
+
+    def __init__(self, engine, a: int, b: int):
+        self.engine, self.marks = engine, {}  # rows -> [start, end] events
+        for layer, end in ((engine.model.layers[a], False), (engine.model.layers[b - 1], True)):
+            for name in ("forward", "forward_fused"):
+                setattr(layer, name, self._wrap(getattr(layer, name), end))
+        graphs = engine.decode_graphs
+        graphs.graphs.clear()
+        graphs.pool = None
+        graphs.capture()
+
+    def _mark(self, rows: int, end: bool) -> None:
+        e = torch.cuda.Event(enable_timing=True, external=True)
+        e.record()
+        self.marks.setdefault(rows, [None, None])[end] = e
+
+    def _wrap(self, fn, end: bool):
+        def timed(h, *args, **kw):
+            capturing = torch.cuda.is_current_stream_capturing()
+            if capturing and not end:
+                self._mark(h.shape[-2], False)
+            out = fn(h, *args, **kw)
+            if capturing and end:
+                self._mark(h.shape[-2], True)
+            return out
+        return timed
+
+    def times(self, prompts, new_tokens: int) -> list[float]:
+        """Seconds of the span in each decode replay of one greedy batch of ``prompts``."""
+        engine, graphs = self.engine, self.engine.decode_graphs
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, params)
+        start, end = self.marks[graphs.bucket(len(prompts))]
+        times = []
+        while engine.has_unfinished():
+            before = graphs.replays
+            engine.step()
+            torch.cuda.synchronize()
+            if graphs.replays > before:  # the latest replay's events
+                times.append(start.elapsed_time(end) / 1e3)
+        return times

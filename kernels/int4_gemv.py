@@ -1,0 +1,163 @@
+"""int4 weight-only GEMV for decode (a few rows of x), on CUDA cores.
+
+At one to a few rows the GEMM reads every weight byte once and does little math on it,
+so the kernel's job is to stream the packed bytes at HBM speed and spend as few
+instructions per nibble as it can. Each program owns BLOCK_N rows of W (output
+columns) and one of SPLIT ranges of K, and reads each byte exactly once, as contiguous
+[BLOCK_N, BLOCK_K / 2] uint8 tiles. A byte holds column 2c in its low nibble and 2c + 1
+in its high one, so nothing is interleaved:
+
+    sum_k w_k x_k = sum_c lo_c x_{2c} + hi_c x_{2c+1}
+
+the low nibbles meet x's even columns and the high ones its odd columns (each loaded
+with stride 2). A nibble becomes a float32 without an int -> float conversion (those
+issue at a quarter of the FMA rate): OR-ed into the mantissa of 2^23 its bits read as
+2^23 + q, and one subtraction of 2^23 + z leaves q - z exactly. The high nibble is
+masked in place (16 q), so it costs the same single LOP3; its sums are scaled by 1/16.
+Each tile is viewed as [BLOCK_N, groups in the tile, columns per group / 2]: the dot is
+summed per group (or per fraction of one, when BLOCK_K < group_size), scaled by that
+group's float32 scale and accumulated in float32 per row of x.
+
+Split-K (SPLIT > 1, for narrow outputs whose column tiles leave SMs idle): split s
+writes float32 partials [S, M, N] and ``_int4_reduce_kernel`` sums them in split order
+(deterministic), adds the bias and rounds; no host sync, so a CUDA graph captures both.
+"""
+import torch
+
+from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
+
+MAX_ROWS = 8  # rows of x one launch takes (each row is an unrolled pass over the tile)
+SMS = 132  # streaming multiprocessors of the H200 the defaults are for
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, KP, G, TILES,
+                          TILES_PER_SPLIT, stride_xm, stride_qn, stride_ym, stride_ys,
+                          ROWS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+                          SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EARLY: tl.constexpr,
+                          PDL: tl.constexpr):
+        # program (n, s): rows rn of W over K tiles [s * TILES_PER_SPLIT, ...) for all
+        # ROWS rows of x; SUB = min(BLOCK_K, GROUP) columns share one scale
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        t_lo = tl.program_id(1) * TILES_PER_SPLIT
+        t_hi = tl.minimum(t_lo + TILES_PER_SPLIT, TILES)
+        nmask = rn < N
+        jg = tl.arange(0, BLOCK_K // SUB)                                       # [GT]
+        cb = jg[:, None] * (SUB // 2) + tl.arange(0, SUB // 2)[None, :]        # [GT, SUB/2]
+        q_rows = q_ptr + rn.to(tl.int64)[:, None, None] * stride_qn            # [BN, 1, 1]
+        sz_rows = rn.to(tl.int64)[:, None] * G                                  # [BN, 1]
+        rm = tl.arange(0, BLOCK_M)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
+        pdl_wait(PDL)
+        if EARLY:  # no shared memory held: the next kernel's CTAs may sit beside ours
+            pdl_release(PDL)
+        for t in range(t_lo, t_hi):
+            c = t * (BLOCK_K // 2) + cb  # byte columns                        # [GT, SUB/2]
+            b = tl.load(q_rows + c[None, :, :], mask=nmask[:, None, None] & (c < KP)[None, :, :],
+                        other=0).to(tl.int32)                                   # [BN, GT, SUB/2]
+            g = (t * BLOCK_K + jg * SUB) // GROUP                               # [GT]
+            gmask = nmask[:, None] & (g < G)[None, :]
+            s = tl.load(s_ptr + sz_rows + g[None, :], mask=gmask, other=0.0)    # [BN, GT]
+            z = tl.load(z_ptr + sz_rows + g[None, :], mask=gmask, other=0).to(tl.int32)
+            # 0x4B000000 is 2^23's float32 bits: v < 2^23 OR-ed in reads as 2^23 + v
+            zl = (z | 0x4B000000).to(tl.float32, bitcast=True)[:, :, None]  # 2^23 + z
+            zh = ((z << 4) | 0x4B000000).to(tl.float32, bitcast=True)[:, :, None]  # + 16 z
+            lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zl  # q - z, exact
+            hi = ((b & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - zh  # 16 (q - z)
+            for r in tl.static_range(ROWS):
+                # x's even and odd columns; a masked x (past K) zeroes the padded nibble
+                xr = x_ptr + r * stride_xm + 2 * c
+                xe = tl.load(xr, mask=2 * c < K, other=0.0).to(tl.float32)        # [GT, SUB/2]
+                xo = tl.load(xr + 1, mask=2 * c + 1 < K, other=0.0).to(tl.float32)
+                d = tl.sum(lo * xe[None, :, :], axis=2) + \
+                    tl.sum(hi * xo[None, :, :], axis=2) * 0.0625               # [BN, GT]
+                part = tl.sum(d * s, axis=1)                                    # [BN]
+                acc = tl.where(rm[:, None] == r, acc + part[None, :], acc)      # [BM, BN]
+        if not EARLY:
+            pdl_release(PDL)
+        mask = (rm[:, None] < ROWS) & nmask[None, :]
+        if PARTIAL:
+            p = y_ptr + tl.program_id(1) * stride_ys + rm[:, None] * stride_ym + rn[None, :]
+            tl.store(p, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _int4_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, S: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # y [M, N] = sum over s of partials [S, M, N] (in split order) + bias, rounded
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < MN
+        pdl_wait(PDL)
+        pdl_release(PDL)
+        acc = tl.load(p_ptr + i, mask=mask, other=0.0)
+        for s in tl.static_range(1, S):
+            acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv_config(m: int, n: int, k: int, group_size: int) -> dict:
+    """Meta-parameters of ``_int4_gemv_kernel`` for an M x N x K GEMM (M <= MAX_ROWS).
+
+    Untuned (``python -m infergraft.kernels.bench.int4 --sweep`` decides them): 32 rows
+    of W by 256 columns (128 bytes a row) on 4 warps is 32 bytes a thread, two 16-byte
+    loads, and each thread's slice of x serves two W rows. SPLIT: the smallest of 1, 2, 4
+    that gives at least two programs per SM, keeping 4 K tiles or more per split."""
+    bn, bk = 32, 256
+    tiles = -(-k // bk)
+    programs = -(-n // bn)
+    split = 1
+    while split < 4 and programs * split < 2 * SMS and tiles // (2 * split) >= 4:
+        split *= 2
+    return dict(PATH="gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4,
+                num_stages=1, EARLY=True)
+
+
+def int4_gemv_triton(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor, group_size: int, in_features: int, bias=None,
+                     config=None, partials: bool = False) -> torch.Tensor:
+    """x2 [M, K] (unit column stride, 1 <= M <= MAX_ROWS), the packed weight as
+    ``int4_linear_torch`` takes it (checked by ``int4_linear_triton``) -> y [M, N] in x's
+    dtype. ``partials``: the float32 split-K partials [S, M, N] instead (bias in none)."""
+    m, k = x2.shape
+    n, kp = qweight.shape
+    g = scales.shape[1]
+    assert 0 < m <= MAX_ROWS, f"the int4 GEMV takes 1..{MAX_ROWS} rows, got {m}"
+    cfg = dict(config or gemv_config(m, n, k, group_size))
+    cfg.pop("PATH", None)
+    bk, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT", 1)
+    assert bk >= 2 and bk & (bk - 1) == 0, f"BLOCK_K {bk} must be a power of 2"
+    tiles = -(-k // bk)
+    per = -(-tiles // split)
+    split = -(-tiles // per)  # no empty split
+    pdl = pdl_launch(x2.device)
+    common = dict(ROWS=m, BLOCK_M=next_pow2(m), GROUP=group_size, SUB=min(bk, group_size),
+                  BLOCK_K=bk, HAS_BIAS=bias is not None and not partials, **cfg, **pdl)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
+    if split == 1 and not partials:
+        y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+        _int4_gemv_kernel[grid](
+            x2, qweight, scales, zeros, qweight if bias is None else bias, y, n, k, kp, g,
+            tiles, per, x2.stride(0), qweight.stride(0), y.stride(0), 0, PARTIAL=False,
+            **common)
+        return y
+    parts = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    _int4_gemv_kernel[grid](
+        x2, qweight, scales, zeros, qweight, parts, n, k, kp, g, tiles, per, x2.stride(0),
+        qweight.stride(0), n, m * n, PARTIAL=True, **dict(common, HAS_BIAS=False))
+    if partials:
+        return parts
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    block = min(1024, next_pow2(m * n))
+    _int4_reduce_kernel[(triton.cdiv(m * n, block),)](
+        parts, qweight if bias is None else bias, y, m * n, n, S=split,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl)
+    return y
