@@ -61,20 +61,22 @@ if HAVE_TRITON:
             g = (t * BLOCK_K + jg * SUB) // GROUP                               # [GT]
             gmask = nmask[:, None] & (g < G)[None, :]
             s = tl.load(s_ptr + sz_rows + g[None, :], mask=gmask, other=0.0)    # [BN, GT]
-            z = tl.load(z_ptr + sz_rows + g[None, :], mask=gmask, other=0).to(tl.int32)
-            # 0x4B000000 is 2^23's float32 bits: v < 2^23 OR-ed in reads as 2^23 + v
-            zl = (z | 0x4B000000).to(tl.float32, bitcast=True)[:, :, None]  # 2^23 + z
-            zh = ((z << 4) | 0x4B000000).to(tl.float32, bitcast=True)[:, :, None]  # + 16 z
-            lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zl  # q - z, exact
-            hi = ((b & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - zh  # 16 (q - z)
+            z = tl.load(z_ptr + sz_rows + g[None, :], mask=gmask, other=0).to(tl.float32)
+            # 0x4B000000 is 2^23's float32 bits: a byte OR-ed in reads as 2^23 + b, and
+            # masked to its high nibble as 2^23 + 16 hi; two exact subtractions
+            v = b | 0x4B000000
+            h = (v & 0x4B0000F0).to(tl.float32, bitcast=True)
+            lo = v.to(tl.float32, bitcast=True) - h  # the low nibble q, exact
+            hi = h - 8388608.0  # 16 q, exact
             for r in tl.static_range(ROWS):
                 # x's even and odd columns; a masked x (past K) zeroes the padded nibble
                 xr = x_ptr + r * stride_xm + 2 * c
                 xe = tl.load(xr, mask=2 * c < K, other=0.0).to(tl.float32)        # [GT, SUB/2]
                 xo = tl.load(xr + 1, mask=2 * c + 1 < K, other=0.0).to(tl.float32)
-                d = tl.sum(lo * xe[None, :, :], axis=2) + \
-                    tl.sum(hi * xo[None, :, :], axis=2) * 0.0625               # [BN, GT]
-                part = tl.sum(d * s, axis=1)                                    # [BN]
+                # sum (q - z) x = sum q x - z sum x, per group
+                sx = tl.sum(xe + xo, axis=1)                                    # [GT]
+                d = tl.sum(lo * xe[None, :, :] + hi * (xo * 0.0625)[None, :, :], axis=2)
+                part = tl.sum((d - z * sx[None, :]) * s, axis=1)                # [BN]
                 acc = tl.where(rm[:, None] == r, acc + part[None, :], acc)      # [BM, BN]
         if not EARLY:
             pdl_release(PDL)
