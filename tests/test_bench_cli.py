@@ -190,3 +190,34 @@ def test_the_commit_is_what_the_sender_says_else_git_else_the_version(monkeypatc
     monkeypatch.delenv("INFERGRAFT_COMMIT")
     monkeypatch.setattr(provenance.subprocess, "run", no_git)
     assert provenance.commit().startswith("infergraft ")
+
+
+def test_bench_compares_plugin_sets_in_one_run(tmp_path, capsys):
+    """--compare-plugins: our engine again with int8, then int4, on the same weights; each
+    row's roofline counts its own packed bytes, beside the first build's."""
+    out = tmp_path / "c"
+    assert main(["--model", "tiny", "--device", "cpu", "--batches", "1", "--prompt-len", "8",
+                 "--new-tokens", "4", "--systems", "infergraft", "--compare-plugins",
+                 "int8,int4", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    floors = {r["system"]: r["roofline_ms"] for r in data["results"]}
+    assert set(floors) == {"infergraft", "infergraft+int8", "infergraft+int4"}
+    assert floors["infergraft+int4"] < floors["infergraft+int8"] < 0.7 * floors["infergraft"]
+    assert "| 1 | infergraft+int4 |" in text and "TPOT vs infergraft" in text
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--compare-plugins", "int8,+"], "distinct plugin sets"),
+    (["--compare-plugins", "int8,int8"], "distinct plugin sets"),
+    (["--compare-plugins", "nope"], "unknown plugin"),
+    (["--plugins", "int8", "--compare-plugins", "int4"], "int4"),  # two weight quantisers
+])
+def test_bench_refuses_bad_plugin_sets_before_building(flags, says, tmp_path, capsys,
+                                                       monkeypatch):
+    import infergraft.core.tools.bench_cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "load_models", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), *flags])
+    assert e.value.code == 2 and says in capsys.readouterr().err

@@ -17,6 +17,7 @@ from ..loading.source import ALIASES
 from ..plugin_manager import get_plugin_manager
 from ..selection import resolve_device, resolve_dtype, select_plugins
 from .bench import SYSTEMS, check_systems, min_new_tokens, run_benchmark
+from .bench_variants import check_quantizers, parse_variants, run_variants, variants_table
 from .config_cli import add_config_argument, bench_config
 from .provenance import provenance
 
@@ -214,6 +215,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugins", type=_names, default="",
                    help="comma list of plugins for our engine, e.g. int8 (weights; the "
                         "roofline then counts the packed bytes)")
+    p.add_argument("--compare-plugins", type=parse_variants, default=[], metavar="SETS",
+                   help="our engine again with each plugin set added, in the same run (sets "
+                        "comma-separated, plugins of one set joined by +), e.g. int8,int4")
     add_config_argument(p)
 
 
@@ -228,7 +232,9 @@ def resolve(args):
     args.new_tokens = args.new_tokens or (64 if gpu else 32)
     args.systems = args.systems or (list(SYSTEMS) if gpu else ["infergraft", "hf-eager"])
     check_systems(args.systems, args.new_tokens, args.device)
-    check_plugins(args.device, args.plugins)
+    for plugins in [args.plugins] + [args.plugins + v for v in args.compare_plugins]:
+        check_plugins(args.device, plugins)
+        check_quantizers(plugins)
     return args
 
 
@@ -266,6 +272,10 @@ def measure(args) -> int:
     print(engine.plan, file=sys.stderr)
     results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, args.systems,
                                 log=lambda m: print(m, file=sys.stderr))
+    del engine  # one build on the device at a time
+    results += run_variants(hf, lambda plugins: build_engine(
+        hf, args.device, dtype, max(batches), prompt_len + new_tokens, args.plugins + plugins,
+        args.max_num_batched_tokens, args.config_options), args, bw)
     device_name = describe_device(args.device)
     title = f"{args.model} {str(dtype)[6:]} on {device_name}"
     out = Path(args.out)
@@ -280,6 +290,8 @@ def measure(args) -> int:
                          roofline_fraction=r.roofline_fraction) for r in results],
     }, indent=2))
     plotted = plot(results, out / "tpot.png", title)
+    if args.compare_plugins:
+        table += "\n\n" + variants_table(results)
     print(f"## {title}, prompt {prompt_len}, {new_tokens} new tokens\n\n{table}")
     print(f"\nwrote {out / 'results.json'}" + (f" and {out / 'tpot.png'}" if plotted else
           " (no tpot.png: matplotlib is not installed; pip install 'infergraft[bench]')"))
