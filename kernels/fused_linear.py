@@ -28,7 +28,7 @@ from infergraft.core.spec import split_qkv
 from . import switches
 from ._triton import HAVE_TRITON, next_pow2, triton
 from .int8_linear import int8_linear_torch, int8_linear_triton
-from .gemv import gemv_config, takes_gemv
+from .gemv import gemv_config, gemv_kind, int8_gemv_config, takes_gemv, takes_int8_gemv
 from .linear import SWAP_TILES, check_gemm, launch_gemm, linear_torch, skinny_config
 from .kv_write import _check_kv_write
 from .rotary import _check_rotary, rotary_kv_write_torch, rotary_kv_write_triton
@@ -82,11 +82,14 @@ def _fusable(x, weight, scale=None) -> bool:
         and weight.dtype == (x.dtype if scale is None else torch.int8)
 
 
-def _tiles(config, default: dict, scale) -> dict:
+def _tiles(config, default: dict, scale, kind: str, m: int, k: int) -> dict:
     """The caller's tiles, else ``default`` (16-bit); an int8 tile carries half the bytes,
-    so where the default's K tiles are short (<= 256) int8 ones are twice as long."""
+    so where the default's K tiles are short (<= 256) int8 ones are twice as long. One int8
+    row takes the word loop (``takes_int8_gemv``) with the ``kind``'s tiles."""
     if config:
         return dict(config)
+    if scale is not None and takes_int8_gemv(m, k):
+        return int8_gemv_config(kind)
     if scale is not None and default["BLOCK_K"] <= 256:
         return dict(default, BLOCK_K=2 * default["BLOCK_K"])
     return dict(default)
@@ -111,7 +114,8 @@ def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
     m, k = x.shape
     n = weight.shape[0]
     y = _output(x, weight, bias, scale, n)
-    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), scale)
+    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), scale, gemv_kind(n, k),
+                 m, k)
     launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, sum_sq=sum_sq,
                 eps=eps, w_scale=scale)
     return y
@@ -138,7 +142,7 @@ def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
     m, k = x.shape
     i = weight.shape[0] // 2
     y = _output(x, weight, bias, scale, i)
-    cfg = _tiles(config, swiglu_config(m, i, k, gemv=scale is None), scale)
+    cfg = _tiles(config, swiglu_config(m, i, k, gemv=scale is None), scale, "swiglu", m, k)
     launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i,
                 sum_sq=sum_sq, eps=eps, w_scale=scale)
     return y
@@ -154,7 +158,8 @@ def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scal
     if not _fusable(x, weight, scale):
         return _with_sum_sq(_gemm(x, weight, bias, scale) + residual, sum_sq)
     y = _output(x, weight, bias, scale, n)
-    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), scale)
+    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), scale, gemv_kind(n, k),
+                 m, k)
     programs = triton.cdiv(n, cfg["BLOCK_N"])
     parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
     launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts,
@@ -206,7 +211,10 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     half = cos.shape[1]
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \
         f"qkv weight has {weight.shape[0]} rows, not (Hq={num_heads} + 2 Hkv={hkv}) x D={d}"
-    cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1], gemv=scale is None), scale)
+    cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1], gemv=scale is None),
+                 scale, "qkv_rope", *x.shape)
+    if cfg.get("GEMV"):
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], half)
     max_rows = QKV_ROPE_MAX_ROWS if cfg.get("SWAP") else min(QKV_ROPE_MAX_ROWS,
                                                               UNSWAPPED_ROPE_MAX_ROWS)
     # the epilogue pairs each tile of dims with its rotate-half partners: a tile must be a

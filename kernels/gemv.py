@@ -6,14 +6,18 @@ kernel's CTAs cannot become resident until this kernel's have left, and every la
 begins with an idle memory pipe. Here W goes straight to registers, so the next kernel's
 CTAs sit beside this one's, and each requests its first tiles *before* its PDL wait:
 weights depend on no earlier kernel, so those bytes arrive while the previous kernel
-finishes. int8 weights stay on the tensor-core tiles: their widening to 16 bits is
-cheaper on the MMA path than in this loop. docs/kernels.md has the figures.
+finishes. int8 weights stay on the tensor-core tiles unless ``INFERGRAFT_GEMV_INT8``: a
+convert instruction per byte would bound this loop, so ``gemv_dot_int8`` reads rows as
+int32 words and widens each byte through a float's mantissa (integer ops and one add).
+docs/kernels.md has the figures.
 """
 from . import switches
 from ._triton import HAVE_TRITON, pdl_release, pdl_wait, tl, triton
 
 # one-row GEMMs take this loop (INFERGRAFT_GEMV=0: the tensor-core tiles instead)
 GEMV_ON = switches.value("INFERGRAFT_GEMV")
+# one-row int8 GEMMs of the fused layer too (gemv_dot_int8), rather than the MMA tiles
+GEMV_INT8 = switches.value("INFERGRAFT_GEMV_INT8")
 
 # tiles per decode GEMM at one row (BLOCK_N rows of W per program, paired kinds take
 # BLOCK_N more: SwiGLU's up rows, RoPE's rotate-half partners); DEPTH tiles in flight;
@@ -37,6 +41,24 @@ def takes_gemv(m: int, gemv: bool = True) -> bool:
 def gemv_config(kind: str) -> dict:
     """Meta-parameters of ``_skinny_gemm_kernel``'s one-row loop for a decode GEMM kind."""
     return dict(GEMV_TILES[kind], BLOCK_M=1, GEMV=True, num_stages=1)
+
+
+def gemv_kind(n: int, k: int) -> str:
+    """The tile kind of a plain decode GEMM [1, K] x [N, K]^T."""
+    return "wide" if n >= 8192 else "o" if k <= 4096 else "down"
+
+
+def takes_int8_gemv(m: int, k: int) -> bool:
+    """Whether an int8 GEMM of the fused layer takes ``gemv_dot_int8`` (rows read as words
+    of four bytes: K a multiple of 4)."""
+    return m == 1 and k % 4 == 0 and GEMV_ON and GEMV_INT8
+
+
+def int8_gemv_config(kind: str) -> dict:
+    """The kind's one-row tiles for int8 rows: the bytes its 16-bit tiles keep in flight,
+    in one tile (DEPTH 1) of twice the columns a step."""
+    cfg = gemv_config(kind)
+    return dict(cfg, BLOCK_K=2 * cfg["BLOCK_K"] * cfg["DEPTH"], DEPTH=1)
 
 
 if HAVE_TRITON:
@@ -104,5 +126,57 @@ if HAVE_TRITON:
         if not EARLY:
             pdl_release(PDL)
         return tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :]    # [1, BN]
+
+    @triton.jit
+    def _int8_words_dot(acc, acc_up, w, u, PAIRED: tl.constexpr, x_ptr, k_el, K):
+        """acc (+ acc_up) += the four int8 columns of each int32 word of w (u) times x's:
+        byte i of a word is column k_el + i. A byte b becomes a float without a convert
+        instruction: (b ^ 0x80) = q + 128 in the mantissa of 2^23, so the float is
+        2^23 + 128 + q exactly, one xor and one subtraction from q."""
+        for i in tl.static_range(4):
+            xi = tl.load(x_ptr + k_el + i, mask=(k_el + i) < K, other=0.0).to(tl.float32)
+            q = (((w >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True)
+            acc += (q - 8388736.0) * xi[None, :]                                 # [BN, BC]
+            if PAIRED:
+                qu = (((u >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True)
+                acc_up += (qu - 8388736.0) * xi[None, :]
+        return acc, acc_up
+
+    @triton.jit
+    def gemv_dot_int8(x_ptr, w_ptr, rn, N, K, stride_wn, UP_ROWS, PAIRED: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+        """``gemv_dot`` for int8 rows read as int32 words (w_ptr: the [N, K / 4] int32
+        view, stride_wn in words; BLOCK_K columns = BLOCK_K / 4 words a tile), one tile
+        ahead in flight; the row scales are the caller's epilogue."""
+        BLOCK_C: tl.constexpr = BLOCK_K // 4
+        rc = tl.arange(0, BLOCK_C)
+        words = K // 4
+        nmask = (rn < N)[:, None]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rc[None, :]     # [BN, BC]
+        u_ptrs = w_ptrs + UP_ROWS * stride_wn
+        wa = tl.load(w_ptrs, mask=nmask & (rc < words)[None, :], other=0)
+        ua = wa
+        if PAIRED:
+            ua = tl.load(u_ptrs, mask=nmask & (rc < words)[None, :], other=0)
+        pdl_wait(PDL)
+        if EARLY:
+            pdl_release(PDL)
+        acc = tl.full(wa.shape, 0.0, tl.float32)                                 # [BN, BC]
+        acc_up = tl.full(wa.shape, 0.0, tl.float32)
+        k_el = 4 * rc  # each word's first column
+        for c0 in range(BLOCK_C, words, BLOCK_C):
+            cmask = (c0 + rc) < words
+            wc = tl.load(w_ptrs + c0, mask=nmask & cmask[None, :], other=0)
+            uc = wc
+            if PAIRED:
+                uc = tl.load(u_ptrs + c0, mask=nmask & cmask[None, :], other=0)
+            acc, acc_up = _int8_words_dot(acc, acc_up, wa, ua, PAIRED, x_ptr, k_el, K)
+            wa = wc
+            ua = uc
+            k_el += BLOCK_K
+        acc, acc_up = _int8_words_dot(acc, acc_up, wa, ua, PAIRED, x_ptr, k_el, K)
+        if not EARLY:
+            pdl_release(PDL)
+        return tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :]    # [1, BN]
 else:
-    gemv_dot = None
+    gemv_dot = gemv_dot_int8 = None

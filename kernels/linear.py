@@ -20,7 +20,7 @@ import torch
 from . import switches
 from .cpu_linear import linear_cpu
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
-from .gemv import gemv_config, gemv_dot, takes_gemv
+from .gemv import gemv_config, gemv_dot, gemv_dot_int8, takes_gemv
 from .rotary import rope_pair_store
 
 # above this many rows cuBLAS streams the weights as fast as this kernel (docs/kernels.md)
@@ -76,7 +76,10 @@ if HAVE_TRITON:
             rn = head * 2 * UP_ROWS + j0 + tl.arange(0, BLOCK_N)
         else:
             rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        if GEMV:  # one row, one split: W in registers, first tiles before the PDL wait
+        if GEMV and W_SCALE:  # one row of int8 words (w_ptr: the int32 view)
+            acc, acc_up = gemv_dot_int8(x_ptr, w_ptr, rn, N, K, stride_wn, UP_ROWS,
+                                        SWIGLU or ROPE, BLOCK_K, EARLY, PDL)    # [1, BN]
+        elif GEMV:  # one row, one split: W in registers, first tiles before the PDL wait
             acc, acc_up = gemv_dot(x_ptr, w_ptr, rn, N, K, stride_wn, UP_ROWS, SWIGLU or ROPE,
                                    BLOCK_K, DEPTH, EARLY, PDL)                  # [1, BN]
         else:
@@ -157,12 +160,10 @@ if HAVE_TRITON:
 
 
 def skinny_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
-    """Tiles and pipelining for [M, K] x [N, K]^T, from a sweep over the LLaMA-7B decode
-    GEMMs (``python -m infergraft.kernels.bench.gemms``): wide N likes wide tiles, narrow N
-    (few programs) likes long K tiles to keep enough bytes in flight per SM. One row
-    (``gemv``) takes the register loop of kernels/gemv.py. ``gemv`` (16-bit weights, one
-    split) also allows the SWAP tiles (W the MMA's 64-row operand, wgmma) where they
-    stream faster (docs/kernels.md)."""
+    """Tiles for [M, K] x [N, K]^T, from a sweep over the LLaMA-7B decode GEMMs (``python
+    -m infergraft.kernels.bench.gemms``): wide N likes wide tiles, narrow N long K tiles.
+    ``gemv`` (16-bit weights, one split): one row takes kernels/gemv.py's register loop,
+    2-32 rows the SWAP tiles (W the MMA's 64-row operand) where faster (docs/kernels.md)."""
     if takes_gemv(m, gemv):
         return gemv_config("wide" if n >= 8192 else "o" if k <= 4096 else "down")
     block_m = max(16, next_pow2(m))
@@ -240,9 +241,13 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
     ``rope`` = (positions, cos, sin, idx0, idx1, k_cache, v_cache, Hq, Hkv) with
     ``up_rows`` = D / 2: the decode qkv projection, y = rotated q [M, Hq * D])."""
     m, k = x.shape
-    if cfg.get("GEMV") and not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)):
-        raise ValueError(f"the one-row GEMV loop takes M=1 unsplit with DEPTH 1 or 2, got M={m}, "
-                         f"{grid[1]} splits, DEPTH={cfg.get('DEPTH', 1)}")
+    words = cfg.get("GEMV") and w_scale is not None  # int8 rows as int32 words of 4 bytes
+    if cfg.get("GEMV") and not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)
+                                and (not words or k % 4 == cfg.get("DEPTH", 1) - 1 == 0)):
+        raise ValueError(f"the one-row GEMV loop takes M=1 unsplit with DEPTH 1 or 2 (int8: 1, "
+                         f"K a multiple of 4), got M={m}, {grid[1]} splits, "
+                         f"DEPTH={cfg.get('DEPTH', 1)}, K={k}")
+    weight = weight.view(torch.int32) if words else weight
     unused = weight  # a valid pointer for the inputs a variant never reads
     pos, cos, sin, idx0, idx1, kc, vc, hq, hkv = rope or (unused,) * 7 + (0, 0)
 

@@ -77,6 +77,10 @@ SWITCHES = _switches(
     Switch("INFERGRAFT_GEMV", BOOL, "1", "import", "`0`",
            "one-row GEMMs on the tensor-core tiles instead of `gemv.py`'s register loop",
            changes_results=True, constant="gemv.GEMV_ON"),
+    Switch("INFERGRAFT_GEMV_INT8", BOOL, "0", "import", "`1`",
+           "one-row int8 GEMMs of the fused layer in `gemv.py`'s register loop (each byte "
+           "widened through a float's mantissa) instead of the tensor-core tiles",
+           changes_results=True, constant="gemv.GEMV_INT8"),
     Switch("INFERGRAFT_SWAP", BOOL, "1", "import", "`0`",
            "unswapped tiles at 2-32 rows in the plain and fused GEMMs",
            changes_results=True, constant="linear.SWAP_TILES"),
@@ -87,6 +91,10 @@ SWITCHES = _switches(
            "up to how many rows the plain layer's qkv / gate_up (and o / down where split-K "
            "does not apply) take the skinny kernel; cuBLAS above",
            changes_results=True, constant="linear.MAX_SKINNY_M"),
+    Switch("INFERGRAFT_FP8_W8A8", BOOL, "1", "launch", "`0`",
+           "fp8 weights above 64 rows widened for cuBLAS instead of W8A8 (x quantised per "
+           "token, `torch._scaled_mm`)",
+           changes_results=True),
     Switch("INFERGRAFT_PDL", BOOL, "1", "launch", "`0`",
            "plain launches instead of programmatic dependent launch (which needs sm90+)",
            changes_results=False),

@@ -36,17 +36,23 @@ def _weight(randn, n, k, dtype, int8, mul):
     return q, s, q.float() * s[:, None]
 
 
-def _gemv_cfgs(m):
-    """At one row, the register loop (kernels/gemv.py) with small tiles, at both depths."""
+def _gemv_cfgs(m, int8=False, k=0):
+    """At one row, the register loop (kernels/gemv.py) with small tiles, at both depths;
+    int8 rows (K a multiple of 4): the word loop, one tile ahead, both PDL releases."""
+    if m != 1 or (int8 and k % 4):
+        return []
+    if int8:
+        return [dict(gemv_config("o"), BLOCK_N=16, BLOCK_K=32, DEPTH=1, EARLY=early)
+                for early in (True, False)]
     return [dict(gemv_config("o"), BLOCK_N=16, BLOCK_K=32, DEPTH=depth, EARLY=depth == 1)
-            for depth in (1, 2)] if m == 1 else []
+            for depth in (1, 2)]
 
 
-def _configs(m, int8):
+def _configs(m, int8, k=0):
     """Small tiles (several K and column tiles), also swapped (y^T = W x^T); int8 weights
     also the default tiles; one row also the register loop."""
     small = (_cfg(m), dict(_cfg(m), SWAP=True))
-    return (small + (None,) if int8 else small) + tuple(_gemv_cfgs(m))
+    return (small + (None,) if int8 else small) + tuple(_gemv_cfgs(m, int8, k))
 
 
 def _close(out, ref32, what):
@@ -65,7 +71,8 @@ def _sum_sq_parts(x, parts):
 
 @pytest.mark.parametrize("m,n,k,parts,int8", [(1, 40, 72, 1, False), (3, 17, 300, 5, False),
                                                (16, 64, 96, 19, False), (2, 23, 136, 2, True),
-                                               (20, 48, 70, 4, True)])
+                                               (20, 48, 70, 4, True), (1, 40, 72, 1, True),
+                                               (1, 24, 70, 2, True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_normed_linear(device, dtype, randn, poisoned_empty, fuse_fp32, m, n, k, parts, int8,
                        bias):
@@ -75,7 +82,7 @@ def test_normed_linear(device, dtype, randn, poisoned_empty, fuse_fp32, m, n, k,
     xf = x.float()
     ref = torch.nn.functional.linear(xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-5),
                                      wf, None if b is None else b.float())
-    for cfg in _configs(m, int8):
+    for cfg in _configs(m, int8, k):
         out = FL.normed_linear_triton(x, w, b, _sum_sq_parts(x, parts), 1e-5, s, config=cfg)
         assert out.shape == (m, n) and out.dtype == dtype
         _close(out, ref, f"M={m} N={n} K={k} int8={int8} tiles {cfg}")
@@ -94,7 +101,7 @@ def _swiglu_rounded_like_the_kernel(x, w, b, eps, dtype):
 
 @pytest.mark.parametrize("m,i,k,parts,int8", [(1, 40, 72, 1, False), (5, 24, 130, 3, False),
                                                (16, 33, 64, 8, False), (3, 20, 100, 2, True),
-                                               (13, 37, 300, 6, True)])
+                                               (13, 37, 300, 6, True), (1, 20, 100, 2, True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_normed_swiglu(device, dtype, randn, poisoned_empty, fuse_fp32, m, i, k, parts, int8,
                        bias):
@@ -103,7 +110,7 @@ def test_normed_swiglu(device, dtype, randn, poisoned_empty, fuse_fp32, m, i, k,
     b = randn(2 * i, dtype=dtype) if bias else None
     ref = _swiglu_rounded_like_the_kernel(x.float(), wf, None if b is None else b.float(),
                                           1e-6, dtype)
-    for cfg in _configs(m, int8):
+    for cfg in _configs(m, int8, k):
         out = FL.normed_swiglu_triton(x, w, b, _sum_sq_parts(x, parts), 1e-6, s, config=cfg)
         assert out.shape == (m, i) and out.dtype == dtype
         _close(out, ref, f"M={m} I={i} K={k} int8={int8} tiles {cfg}")
@@ -111,7 +118,7 @@ def test_normed_swiglu(device, dtype, randn, poisoned_empty, fuse_fp32, m, i, k,
 
 @pytest.mark.parametrize("m,n,k,int8", [(1, 40, 72, False), (7, 17, 300, False),
                                         (16, 64, 96, False), (2, 23, 136, True),
-                                        (9, 40, 200, True)])
+                                        (9, 40, 200, True), (1, 40, 72, True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_residual_and_its_sum_of_squares(device, dtype, randn, poisoned_empty, fuse_fp32,
                                                 m, n, k, int8, bias):
@@ -119,12 +126,13 @@ def test_linear_residual_and_its_sum_of_squares(device, dtype, randn, poisoned_e
     w, s, wf = _weight(randn, n, k, dtype, int8, 1 / k ** 0.5)
     b = randn(n, dtype=dtype) if bias else None
     ref = FL.linear_residual_torch(x.float(), wf, None if b is None else b.float(), r.float())
-    for cfg in _configs(m, int8):
+    for cfg in _configs(m, int8, k):
         out, parts = FL.linear_residual_triton(x, w, b, r, sum_sq=True, scale=s, config=cfg)
         assert out.shape == (m, n) and out.dtype == dtype
         _close(out, ref, f"M={m} N={n} K={k} int8={int8} tiles {cfg}")
         # one partial per program (BLOCK_N columns each), of the values as stored
-        block_n = (cfg or FL._tiles(None, FL.skinny_config(m, n, k, gemv=s is None), s))["BLOCK_N"]
+        block_n = (cfg or FL._tiles(None, FL.skinny_config(m, n, k, gemv=s is None), s,
+                                    FL.gemv_kind(n, k), m, k))["BLOCK_N"]
         assert parts.shape == (-(-n // block_n), m) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(0), out.float().square().sum(-1), rtol=1e-5,
                                    atol=1e-5)
@@ -201,11 +209,48 @@ def test_int8_default_tiles_double_short_k_tiles():
     """An int8 tile carries half a 16-bit one's bytes: K tiles of <= 256 double, not longer
     ones (o, down: 512), nor tiles the caller chose."""
     s = torch.ones(4)  # a scale given: an int8 weight
-    assert FL._tiles(None, dict(BLOCK_N=32, BLOCK_K=128), s) == dict(BLOCK_N=32, BLOCK_K=256)
-    assert FL._tiles(None, dict(BLOCK_N=64, BLOCK_K=256), s)["BLOCK_K"] == 512
-    assert FL._tiles(None, dict(BLOCK_N=32, BLOCK_K=512), s)["BLOCK_K"] == 512
-    assert FL._tiles(None, dict(BLOCK_N=32, BLOCK_K=128), None)["BLOCK_K"] == 128
-    assert FL._tiles(dict(BLOCK_N=16, BLOCK_K=32), dict(BLOCK_K=128), s)["BLOCK_K"] == 32
+    at = ("o", 2, 64)  # kind, rows, K: not one row
+
+    def tiles(config, default, scale):
+        return FL._tiles(config, default, scale, *at)
+    assert tiles(None, dict(BLOCK_N=32, BLOCK_K=128), s) == dict(BLOCK_N=32, BLOCK_K=256)
+    assert tiles(None, dict(BLOCK_N=64, BLOCK_K=256), s)["BLOCK_K"] == 512
+    assert tiles(None, dict(BLOCK_N=32, BLOCK_K=512), s)["BLOCK_K"] == 512
+    assert tiles(None, dict(BLOCK_N=32, BLOCK_K=128), None)["BLOCK_K"] == 128
+    assert tiles(dict(BLOCK_N=16, BLOCK_K=32), dict(BLOCK_K=128), s)["BLOCK_K"] == 32
+
+
+@pytest.mark.parametrize("kind", ["wide", "o", "down", "swiglu", "qkv_rope"])
+def test_int8_one_row_takes_the_word_loop_with_its_switch(monkeypatch, kind):
+    """With INFERGRAFT_GEMV_INT8 one int8 row takes the word loop, its tiles holding the
+    bytes the kind's 16-bit tiles keep in flight; K not a multiple of 4, more rows, or the
+    switch off: the tensor-core tiles."""
+    from infergraft.kernels import gemv
+    s, default = torch.ones(4), dict(BLOCK_N=32, BLOCK_K=128)
+    monkeypatch.setattr(gemv, "GEMV_INT8", True)
+    cfg, g = FL._tiles(None, default, s, kind, 1, 4096), gemv_config(kind)
+    assert cfg["GEMV"] and cfg["DEPTH"] == 1 and cfg["BLOCK_K"] == 2 * g["BLOCK_K"] * g["DEPTH"]
+    for rows, k in ((1, 4098), (2, 4096)):
+        assert not FL._tiles(None, default, s, kind, rows, k).get("GEMV")
+    monkeypatch.setattr(gemv, "GEMV_INT8", False)
+    assert not FL._tiles(None, default, s, kind, 1, 4096).get("GEMV")
+
+
+def test_int8_word_loop_default_matches_the_reference(device, randn, monkeypatch):
+    """The three fused GEMMs at one int8 row through their default tiles with the switch
+    on (the word loop, K tiles longer than K here: one tile) equal the references."""
+    from infergraft.kernels import gemv
+    monkeypatch.setattr(gemv, "GEMV_INT8", True)
+    dt, k, n = torch.float16, 200, 48
+    x, r = randn(1, k, dtype=dt), randn(1, n, dtype=dt)
+    q, s = quantize_int8(randn(n, k) / 6)
+    ss, b = _sum_sq_parts(x, 2), randn(n, dtype=dt)
+    for name, args in (("normed_linear", (ss, 1e-6)), ("normed_swiglu", (ss, 1e-6)),
+                       ("linear_residual", (r, False))):
+        got = getattr(FL, f"{name}_triton")(x, q, b, *args, scale=s)
+        ref = getattr(FL, f"{name}_torch")(x, q, b, *args, scale=s)
+        tol = {key: 2 * v for key, v in TOLERANCES[dt].items()}
+        torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{name}\n{m}")
 
 
 def test_int8_bad_scales_are_rejected(device, randn):

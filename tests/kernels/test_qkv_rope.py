@@ -42,7 +42,7 @@ def _reference(x, wf, b, positions, cos, sin, hq, caches, idx0, idx1, eps):
 
 @pytest.mark.parametrize("m,hq,hkv,d,k,parts,int8", [
     (1, 4, 2, 64, 96, 1, False), (5, 3, 1, 32, 160, 3, False), (16, 2, 2, 64, 64, 7, False),
-    (3, 3, 1, 32, 136, 2, True), (16, 2, 1, 64, 72, 5, True)])
+    (3, 3, 1, 32, 136, 2, True), (16, 2, 1, 64, 72, 5, True), (1, 2, 1, 32, 96, 1, True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_qkv_rope_matches_the_composition(device, dtype, randn, gen, poisoned_empty, fuse_fp32,
                                           monkeypatch, m, hq, hkv, d, k, parts, int8, bias):
@@ -56,7 +56,7 @@ def test_qkv_rope_matches_the_composition(device, dtype, randn, gen, poisoned_em
     cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=16, BLOCK_K=32, num_warps=4,
                num_stages=2)  # several column and K tiles; int8 weights also the defaults
     tiles = (cfg, dict(cfg, SWAP=True))  # also swapped: y^T = W x^T
-    for config in (tiles + (None,) if int8 else tiles) + tuple(_gemv_cfgs(m)):
+    for config in (tiles + (None,) if int8 else tiles) + tuple(_gemv_cfgs(m, int8, k)):
         caches = [torch.full((BLOCKS, BS, hkv, d), -3.25, dtype=dtype, device=device)
                   for _ in range(4)]
         q = FL.normed_qkv_rope_triton(x, w, b, ss, 1e-5, cos, sin, positions, hq, caches[0],
