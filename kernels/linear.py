@@ -1,19 +1,17 @@
 """Skinny GEMM for decode: y = x W^T (+ b) with few rows (M <= 64), weight-bandwidth bound.
 
-At decode every weight is read once per step, so the kernel's job is to stream W at
-full HBM bandwidth: tiles of W [BLOCK_N, BLOCK_K] go through a software-pipelined
-tl.dot (rows of x are padded to 16, the tensor-core minimum; the waste is free because
-the GEMM is memory-bound). One row takes kernels/gemv.py's register loop instead (16-bit
-weights). Larger M goes to cuBLAS (F.linear).
+At decode every weight is read once a step, so the kernel streams W at HBM bandwidth:
+tiles of W [BLOCK_N, BLOCK_K] through a pipelined tl.dot (x's rows padded to 16, free in
+a memory-bound GEMM). One row takes kernels/gemv.py's register loops instead (16-bit
+weights; int8 ones with INFERGRAFT_GEMV_INT8). Larger M goes to cuBLAS (F.linear).
 
 Split-K (``linear_partials``): narrow outputs (N = hidden, the o and down projections)
 give too few column tiles to keep every SM streaming, so the K axis is split over S
 programs too and each writes float32 partial sums [S, M, N]. No reduce kernel: the
 add+RMSNorm that follows these projections sums the partials as it loads them.
 
-int8 weights (``w_scale``): q int8 [N, K] with a float32 scale per row, W = q * s[:, None]
-(``kernels/int8_linear.py``); the tiles are widened in registers and the scales applied
-once, in the epilogue, so the fusions below take either weight.
+int8 weights (``w_scale``): q int8 [N, K], a float32 scale per row, W = q * s[:, None]
+(``kernels/int8_linear.py``), widened in registers, scaled once in the epilogue.
 """
 import torch
 
@@ -234,12 +232,11 @@ def check_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> 
 
 def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps=0.0,
                 residual=None, up_rows=0, sum_sq_out=None, rope=None, w_scale=None):
-    """Launch ``_skinny_gemm_kernel`` (callers check shapes): the optional fusions are on
-    when their inputs are given (``sum_sq`` [P, M] float32 partial sums: RMSNorm with its
-    weight folded into W; ``up_rows`` > 0: SwiGLU; ``sum_sq_out`` [programs, M] float32;
-    ``w_scale`` [N] float32: weight is int8 q, W = q * s[:, None];
-    ``rope`` = (positions, cos, sin, idx0, idx1, k_cache, v_cache, Hq, Hkv) with
-    ``up_rows`` = D / 2: the decode qkv projection, y = rotated q [M, Hq * D])."""
+    """Launch ``_skinny_gemm_kernel`` (callers check shapes), each fusion on where its input
+    is given: ``sum_sq`` [P, M] float32 partials (RMSNorm, weight folded into W); ``up_rows``
+    > 0: SwiGLU; ``sum_sq_out`` [programs, M]; ``w_scale`` [N]: W = int8 q * s[:, None];
+    ``rope`` = (positions, cos, sin, idx0, idx1, k_cache, v_cache, Hq, Hkv), ``up_rows`` =
+    D / 2: the decode qkv projection, y = rotated q [M, Hq * D]."""
     m, k = x.shape
     words = cfg.get("GEMV") and w_scale is not None  # int8 rows as int32 words of 4 bytes
     if cfg.get("GEMV") and not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)
@@ -263,20 +260,18 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
         pos, cos, sin, idx0, idx1, kc, vc, cos.stride(0) if rope else 0,
         *(kc.stride()[:3] if rope else (0, 0, 0)), hq, hkv,
         HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, NORM=sum_sq is not None,
-        BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]),
-        SWIGLU=up_rows > 0 and rope is None, ROPE=rope is not None,
-        RESIDUAL=residual is not None, SUM_SQ=sum_sq_out is not None, **cfg,
+        BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]), ROPE=rope is not None,
+        SWIGLU=up_rows > 0 and rope is None, RESIDUAL=residual is not None,
+        SUM_SQ=sum_sq_out is not None, **cfg,
         LATE_RELEASE=LATE_PDL_RELEASE, **pdl_launch(x.device))
 
 
 # -- split-K for the projections an add+RMSNorm follows -------------------------------------
 
-
 def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
-    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast.
-    Narrow outputs (o, down) give too few column tiles to keep every SM streaming; split
-    over K, each SM has more bytes in flight, and the add+RMSNorm that follows sums the
-    partials as it loads them. Tiles from ``python -m infergraft.kernels.bench.gemms
+    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast. Narrow
+    outputs (o, down) give too few column tiles to fill the SMs; split over K, and the
+    add+RMSNorm that follows sums the partials as it loads them. Tiles from ``python -m infergraft.kernels.bench.gemms
     --split 1,32,64``; docs/kernels.md has the figures."""
     if n > 8192:  # wide outputs already fill the GPU with column tiles
         return None

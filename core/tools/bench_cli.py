@@ -115,8 +115,7 @@ def main(argv=None) -> int:
 
 
 def parse_resolved(p: argparse.ArgumentParser, argv, resolve):
-    """``argv`` parsed by ``p`` and passed through ``resolve``; a PlanError there (flags
-    that do not go together) is a usage error, exit 2, as argparse's own."""
+    """``argv`` parsed by ``p``, then ``resolve``d: a PlanError there is a usage error."""
     args = p.parse_args(argv)
     try:
         resolve(args)
@@ -222,8 +221,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(args):
-    """``args`` with the device's defaults filled in; PlanError for flags that do not go
-    together (the types above check each flag alone)."""
+    """``args`` with the device's defaults; PlanError for flags that do not go together."""
     gpu = args.device.startswith("cuda")
     args.config_options = bench_config(args)
     args.dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
