@@ -1,22 +1,23 @@
-"""int4 weight-only GEMV for decode (a few rows of x), on CUDA cores.
+"""int4 weight-only GEMV for decode (one or a few rows of x), on CUDA cores.
 
-At one to a few rows the GEMM reads every weight byte once and does little math on it,
-so the kernel's job is to stream the packed bytes at HBM speed and spend as few
-instructions per nibble as it can. Each program owns BLOCK_N rows of W (output
-columns) and one of SPLIT ranges of K, and reads each byte exactly once, as contiguous
-[BLOCK_N, BLOCK_K / 2] uint8 tiles. A byte holds column 2c in its low nibble and 2c + 1
-in its high one, so nothing is interleaved:
+At one row the GEMM reads every weight byte once and does little math with it, so the
+kernel must stream the packed bytes at HBM speed in as few instructions a byte as it
+can: it is near the SM's issue limit, not only the memory's. Each program owns BLOCK_N
+rows of W (output columns) and one of SPLIT ranges of K, and reads each byte exactly
+once, as contiguous [BLOCK_N, BLOCK_K / 2] uint8 tiles (16-byte loads). A byte holds
+column 2c in its low nibble and 2c + 1 in its high one, so nothing is interleaved:
 
     sum_k w_k x_k = sum_c lo_c x_{2c} + hi_c x_{2c+1}
 
-the low nibbles meet x's even columns and the high ones its odd columns (each loaded
-with stride 2). A nibble becomes a float32 without an int -> float conversion (those
-issue at a quarter of the FMA rate): OR-ed into the mantissa of 2^23 its bits read as
-2^23 + q, and one subtraction of 2^23 + z leaves q - z exactly. The high nibble is
-masked in place (16 q), so it costs the same single LOP3; its sums are scaled by 1/16.
-Each tile is viewed as [BLOCK_N, groups in the tile, columns per group / 2]: the dot is
-summed per group (or per fraction of one, when BLOCK_K < group_size), scaled by that
-group's float32 scale and accumulated in float32 per row of x.
+the low nibbles meet x's even columns and the high ones its odd columns (x's pairs of
+columns loaded together and split in registers). A nibble becomes a float32 without an
+int -> float conversion (those issue at a quarter of the FMA rate): a byte OR-ed into
+the mantissa of 2^23 reads as 2^23 + b, the same masked to its high nibble as 2^23 +
+16 hi, and two exact subtractions leave lo and 16 hi. The zero-point comes out of the
+sums, sum (q - z) x = sum q x - z sum x, so it costs nothing a nibble. Each tile is
+viewed as [BLOCK_N, groups in the tile, columns per group / 2]: the dot is summed per
+group (or per fraction of one, when BLOCK_K < group_size), scaled by that group's
+float32 scale and accumulated in float32 per row of x.
 
 Split-K (SPLIT > 1, for narrow outputs whose column tiles leave SMs idle): split s
 writes float32 partials [S, M, N] and ``_int4_reduce_kernel`` sums them in split order
@@ -32,7 +33,8 @@ SMS = 132  # streaming multiprocessors of the H200 the defaults are for
 
 if HAVE_TRITON:
 
-    @triton.jit
+    # shape-only arguments stay unspecialised, so the LLaMA shapes share one compile
+    @triton.jit(do_not_specialize=["N", "G", "TILES", "TILES_PER_SPLIT", "stride_ys"])
     def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, KP, G, TILES,
                           TILES_PER_SPLIT, stride_xm, stride_qn, stride_ym, stride_ys,
                           ROWS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
@@ -63,19 +65,21 @@ if HAVE_TRITON:
             s = tl.load(s_ptr + sz_rows + g[None, :], mask=gmask, other=0.0)    # [BN, GT]
             z = tl.load(z_ptr + sz_rows + g[None, :], mask=gmask, other=0).to(tl.float32)
             # 0x4B000000 is 2^23's float32 bits: a byte OR-ed in reads as 2^23 + b, and
-            # masked to its high nibble as 2^23 + 16 hi; two exact subtractions
+            # masked to its high nibble as 2^23 + 16 hi (the module docstring)
             v = b | 0x4B000000
             h = (v & 0x4B0000F0).to(tl.float32, bitcast=True)
             lo = v.to(tl.float32, bitcast=True) - h  # the low nibble q, exact
             hi = h - 8388608.0  # 16 q, exact
             for r in tl.static_range(ROWS):
-                # x's even and odd columns; a masked x (past K) zeroes the padded nibble
-                xr = x_ptr + r * stride_xm + 2 * c
-                xe = tl.load(xr, mask=2 * c < K, other=0.0).to(tl.float32)        # [GT, SUB/2]
-                xo = tl.load(xr + 1, mask=2 * c + 1 < K, other=0.0).to(tl.float32)
+                # x's columns (2c, 2c + 1) as pairs, split into the even and odd halves;
+                # a masked x (past K) zeroes the padded nibble
+                rk = 2 * c[:, :, None] + tl.arange(0, 2)[None, None, :]          # [GT, SUB/2, 2]
+                xe, xo = tl.split(tl.load(x_ptr + r * stride_xm + rk, mask=rk < K,
+                                          other=0.0).to(tl.float32))            # [GT, SUB/2]
                 # sum (q - z) x = sum q x - z sum x, per group
                 sx = tl.sum(xe + xo, axis=1)                                    # [GT]
-                d = tl.sum(lo * xe[None, :, :] + hi * (xo * 0.0625)[None, :, :], axis=2)
+                d = tl.sum(lo * xe[None, :, :], axis=2) + \
+                    tl.sum(hi * xo[None, :, :], axis=2) * 0.0625               # [BN, GT]
                 part = tl.sum((d - z * sx[None, :]) * s, axis=1)                # [BN]
                 acc = tl.where(rm[:, None] == r, acc + part[None, :], acc)      # [BM, BN]
         if not EARLY:
@@ -106,29 +110,48 @@ if HAVE_TRITON:
         tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def split_for(programs: int, tiles: int, max_split: int = 4, min_tiles: int = 4) -> int:
+    """Split-K for a launch of ``programs`` column tiles over ``tiles`` K tiles: the
+    smallest power of 2 up to ``max_split`` that gives two programs per SM, keeping at
+    least ``min_tiles`` K tiles per split."""
+    split = 1
+    while split < max_split and programs * split < 2 * SMS and tiles >= 2 * split * min_tiles:
+        split *= 2
+    return split
+
+
 def gemv_config(m: int, n: int, k: int, group_size: int) -> dict:
     """Meta-parameters of ``_int4_gemv_kernel`` for an M x N x K GEMM (M <= MAX_ROWS).
 
-    Untuned (``python -m infergraft.kernels.bench.int4 --sweep`` decides them): 32 rows
-    of W by 256 columns (128 bytes a row) on 4 warps is 32 bytes a thread, two 16-byte
-    loads, and each thread's slice of x serves two W rows. SPLIT: the smallest of 1, 2, 4
-    that gives at least two programs per SM, keeping 4 K tiles or more per split."""
-    bn, bk = 32, 256
-    tiles = -(-k // bk)
-    programs = -(-n // bn)
-    split = 1
-    while split < 4 and programs * split < 2 * SMS and tiles // (2 * split) >= 4:
-        split *= 2
+    Untuned (``python -m infergraft.kernels.bench.int4 --sweep`` decides them): 128 rows
+    of W by 256 columns (128 bytes a row) on 4 warps is 128 bytes a thread, eight 16-byte
+    loads in flight, and each thread's slice of x serves several W rows: the loop's fixed
+    cost and x's trip through shared memory shrink per byte as the tile per thread grows.
+    SPLIT from ``split_for`` (up to 8, at least 2 K tiles a split)."""
+    bn, bk = 128, 256
+    split = split_for(-(-n // bn), -(-k // bk), max_split=8, min_tiles=2)
     return dict(PATH="gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4,
                 num_stages=1, EARLY=True)
 
 
+def reduce_partials(parts: torch.Tensor, bias, y: torch.Tensor) -> torch.Tensor:
+    """y [M, N] (contiguous) = the sum of float32 partials [S, M, N] in split order, plus
+    the bias, rounded to y's dtype: one launch, no host sync."""
+    s, m, n = parts.shape
+    block = min(1024, next_pow2(m * n))
+    _int4_reduce_kernel[(triton.cdiv(m * n, block),)](
+        parts, parts if bias is None else bias, y, m * n, n, S=s, HAS_BIAS=bias is not None,
+        BLOCK=block, num_warps=4, **pdl_launch(y.device))
+    return y
+
+
 def int4_gemv_triton(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor, group_size: int, in_features: int, bias=None,
-                     config=None, partials: bool = False) -> torch.Tensor:
+                     config=None, partials: bool = False, y=None) -> torch.Tensor:
     """x2 [M, K] (unit column stride, 1 <= M <= MAX_ROWS), the packed weight as
     ``int4_linear_torch`` takes it (checked by ``int4_linear_triton``) -> y [M, N] in x's
-    dtype. ``partials``: the float32 split-K partials [S, M, N] instead (bias in none)."""
+    dtype (into ``y`` if given, contiguous). ``partials``: the float32 split-K partials
+    [S, M, N] instead (no bias)."""
     m, k = x2.shape
     n, kp = qweight.shape
     g = scales.shape[1]
@@ -136,30 +159,19 @@ def int4_gemv_triton(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     cfg = dict(config or gemv_config(m, n, k, group_size))
     cfg.pop("PATH", None)
     bk, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT", 1)
-    assert bk >= 2 and bk & (bk - 1) == 0, f"BLOCK_K {bk} must be a power of 2"
+    assert bk >= 32 and bk & (bk - 1) == 0, f"BLOCK_K {bk} must be a power of 2 >= 32"
     tiles = -(-k // bk)
     per = -(-tiles // split)
     split = -(-tiles // per)  # no empty split
-    pdl = pdl_launch(x2.device)
-    common = dict(ROWS=m, BLOCK_M=next_pow2(m), GROUP=group_size, SUB=min(bk, group_size),
-                  BLOCK_K=bk, HAS_BIAS=bias is not None and not partials, **cfg, **pdl)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
-    if split == 1 and not partials:
+    if y is None:
         y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-        _int4_gemv_kernel[grid](
-            x2, qweight, scales, zeros, qweight if bias is None else bias, y, n, k, kp, g,
-            tiles, per, x2.stride(0), qweight.stride(0), y.stride(0), 0, PARTIAL=False,
-            **common)
-        return y
-    parts = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
-    _int4_gemv_kernel[grid](
-        x2, qweight, scales, zeros, qweight, parts, n, k, kp, g, tiles, per, x2.stride(0),
-        qweight.stride(0), n, m * n, PARTIAL=True, **dict(common, HAS_BIAS=False))
+    out = y if split == 1 and not partials else \
+        torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    _int4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+        x2, qweight, scales, zeros, qweight if bias is None else bias, out, n, k, kp, g,
+        tiles, per, x2.stride(0), qweight.stride(0), n, m * n, ROWS=m,
+        BLOCK_M=next_pow2(m), GROUP=group_size, SUB=min(bk, group_size), BLOCK_K=bk,
+        HAS_BIAS=bias is not None, PARTIAL=out is not y, **cfg, **pdl_launch(x2.device))
     if partials:
-        return parts
-    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    block = min(1024, next_pow2(m * n))
-    _int4_reduce_kernel[(triton.cdiv(m * n, block),)](
-        parts, qweight if bias is None else bias, y, m * n, n, S=split,
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl)
-    return y
+        return out
+    return y if out is y else reduce_partials(out, bias, y)

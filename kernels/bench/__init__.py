@@ -1,1 +1,1 @@
-"""Kernel micro-benchmarks (CUDA): ``python -m infergraft.kernels.bench.gemms``, ``.attention``, ``.read``."""
+"""Kernel micro-benchmarks (CUDA): ``python -m infergraft.kernels.bench.gemms``, ``.attention``, ``.read``, ``.int4``."""

@@ -74,12 +74,17 @@ def test_int4_linear_matches_reference(device, dtype, randn, poisoned_empty, m, 
     p = quantize_int4(randn(n, k) / k ** 0.5, group_size)
     b = randn(n, dtype=dtype) if m % 2 else None  # odd M with a bias, even without
     args = (p.qweight, p.scales, p.zeros, group_size, k, b)
-    small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)  # many tiles
+    # the tensor-core kernel on small tiles: x's even and odd columns loaded with stride
+    # 2; then as pairs split in registers, K split three ways, W x^T on odd M (float32
+    # keeps the IEEE dot); and the defaults for this M
+    small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=min(64, group_size), num_warps=4,
+                 num_stages=2)  # many tiles
+    split = dict(small, PATH="tiles", XSPLIT=True, SPLIT=3, SWAP=m % 2 == 1)
     ref = int4_linear_torch(x, *args)
-    for config in (small, None):  # small tiles, and the defaults for this M
+    for config in (small, split, None):
         out = int4_linear_triton(x, *args, config=config)
         assert out.shape == (m, n) and out.dtype == dtype
-        torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+        torch.testing.assert_close(out, ref, **TOLERANCES[dtype], msg=lambda e: f"{config}\n{e}")
 
 
 def test_reference_is_the_dequantised_weights_matmul(gen):
@@ -93,8 +98,10 @@ def test_int4_config_tiles_stay_inside_a_group():
     for m in (1, 3, 17, 64, 65, 300, 4096):
         for gs in (32, 64, 128):
             cfg = int4_config(m, 4096, 576, gs)
-            assert gs % cfg["BLOCK_K"] == 0 and cfg["BLOCK_M"] >= 16
-    assert int4_config(1, 576, 576, 128)["BLOCK_M"] == 16  # the skinny tile for decode
+            if cfg["PATH"] == "tiles":
+                assert gs % cfg["BLOCK_K"] == 0 and cfg["BLOCK_M"] >= 16
+    assert int4_config(1, 576, 576, 128)["PATH"] == "gemv"  # decode's one row
+    assert int4_config(4096, 576, 576, 128)["PATH"] == "widen"  # compute-bound
 
 
 def test_int4_linear_leading_dims_and_errors(device, randn):
