@@ -110,28 +110,33 @@ if HAVE_TRITON:
         tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def split_for(programs: int, tiles: int, max_split: int = 4, min_tiles: int = 4) -> int:
+def split_for(programs: int, tiles: int, max_split: int = 4, min_tiles: int = 4,
+              per_sm: int = 2) -> int:
     """Split-K for a launch of ``programs`` column tiles over ``tiles`` K tiles: the
-    smallest power of 2 up to ``max_split`` that gives two programs per SM, keeping at
-    least ``min_tiles`` K tiles per split."""
+    smallest power of 2 up to ``max_split`` that gives ``per_sm`` programs per SM, keeping
+    at least ``min_tiles`` K tiles per split."""
     split = 1
-    while split < max_split and programs * split < 2 * SMS and tiles >= 2 * split * min_tiles:
+    while split < max_split and programs * split < per_sm * SMS \
+            and tiles >= 2 * split * min_tiles:
         split *= 2
     return split
 
 
 def gemv_config(m: int, n: int, k: int, group_size: int) -> dict:
-    """Meta-parameters of ``_int4_gemv_kernel`` for an M x N x K GEMM (M <= MAX_ROWS).
-
-    Untuned (``python -m infergraft.kernels.bench.int4 --sweep`` decides them): 128 rows
-    of W by 256 columns (128 bytes a row) on 4 warps is 128 bytes a thread, eight 16-byte
-    loads in flight, and each thread's slice of x serves several W rows: the loop's fixed
-    cost and x's trip through shared memory shrink per byte as the tile per thread grows.
-    SPLIT from ``split_for`` (up to 8, at least 2 K tiles a split)."""
-    bn, bk = 128, 256
-    split = split_for(-(-n // bn), -(-k // bk), max_split=8, min_tiles=2)
-    return dict(PATH="gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4,
-                num_stages=1, EARLY=True)
+    """Meta-parameters of ``_int4_gemv_kernel`` for an M x N x K GEMM (M <= MAX_ROWS): the
+    best of the H200 sweep (``python -m infergraft.kernels.bench.int4 --sweep``, the
+    LLaMA-2-7B decode GEMMs, docs/kernels.md) at one and two rows. Narrow outputs (o,
+    down) take 32 rows of W a program on 2 warps and split K 8 / 4 ways; wide ones (qkv,
+    gate_up) 128 x 256 tiles split 4 ways at one row, 128-column tiles at two."""
+    if n < 8192:
+        return dict(PATH="gemv", BLOCK_N=32, BLOCK_K=256, SPLIT=8 if m == 1 else 4,
+                    num_warps=2, num_stages=1, EARLY=True)
+    if m == 1:
+        return dict(PATH="gemv", BLOCK_N=128, BLOCK_K=256, SPLIT=4, num_warps=4,
+                    num_stages=1, EARLY=True)
+    wide = n >= 16384  # gate_up
+    return dict(PATH="gemv", BLOCK_N=128 if wide else 64, BLOCK_K=128, SPLIT=4,
+                num_warps=4 if wide else 2, num_stages=1, EARLY=True)
 
 
 def reduce_partials(parts: torch.Tensor, bias, y: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from .int4_gemv import gemv_config, int4_gemv_triton, reduce_partials, split_for
 GROUP_SIZES = (32, 64, 128)
 # up to this many rows the CUDA-core GEMV (int4_gemv.py); from WIDEN_MIN_ROWS on, cuBLAS on
 # the widened weight; the tensor-core tiles between (docs/kernels.md)
-GEMV_MAX_ROWS = 1
+GEMV_MAX_ROWS = 2
 WIDEN_MIN_ROWS = 512
 
 
@@ -228,10 +228,13 @@ def int4_config(m: int, n: int, k: int, group_size: int) -> dict:
 
 
 def tiles_config(m: int, n: int, k: int, group_size: int) -> dict:
-    """The tensor-core kernel's tiles for M rows (``int4_config``'s "tiles")."""
+    """The tensor-core kernel's tiles for M rows (``int4_config``'s "tiles"): 64-column K
+    tiles, split K until four programs an SM (at most 8 ways), the best of the H200 sweep
+    at 4-32 rows."""
     bm = min(64, max(16, next_pow2(m)))
-    bk = min(group_size, 128 if m <= 32 else 64)
-    split = split_for(-(-m // bm) * -(-n // 128), -(-k // bk), max_split=8, min_tiles=2)
+    bk = min(group_size, 64)
+    split = split_for(-(-m // bm) * -(-n // 128), -(-k // bk), max_split=8, min_tiles=2,
+                      per_sm=4)
     return dict(PATH="tiles", BLOCK_M=bm, BLOCK_N=128, BLOCK_K=bk, SPLIT=split,
                 SWAP=16 < m <= 32, XSPLIT=True, num_warps=4, num_stages=3)
 
