@@ -56,3 +56,13 @@ class ConfigError(PlanError):
 class ConfigWarning(UserWarning):
     """A config key that is ignored: training-only, unknown (the closest known key named),
     or with no effect here (docs/config.md says why)."""
+
+
+class QuantizedCheckpointError(WeightLoadError):
+    """A pre-quantised checkpoint (GPTQ, AWQ, fp8: ``core/loading/``) in a form infergraft's
+    packed formats cannot hold; the message names the key, its value and what is accepted."""
+
+
+class PerformanceWarning(UserWarning):
+    """What was asked for runs here on a slow path (fp8 weights on the CPU or on a GPU
+    without fp8: the reference, dequantise then the float GEMM); results are unaffected."""

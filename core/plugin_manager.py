@@ -39,6 +39,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.kv_int8",
     "infergraft.plugins.weight_int8",
     "infergraft.plugins.weight_int4",
+    "infergraft.plugins.weight_fp8",
     "infergraft.plugins.single_device",
     "infergraft.plugins.offload_weights",
     "infergraft.plugins.tensor_parallel",

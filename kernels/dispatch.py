@@ -38,6 +38,7 @@ OPS = {
     "varlen_attention": "varlen_attention",
     "int8_linear": "int8_linear",
     "int4_linear": "int4_linear",
+    "fp8_linear": "fp8_linear",
     "embed_sum_sq": "embedding",
     "logits_argmax": "greedy",
 }

@@ -19,7 +19,8 @@ comes out as one ``Prequantized`` under the key ``P.weight``, so the policy's we
 places it like a dense weight (fused parts concatenated along N: rows are independent,
 groups run along K); ``core.loading.packing.SlotPacker`` makes it a ``QuantizedLinear``.
 Act-order (a ``g_idx`` other than ``arange(K) // group_size``) is refused: the int4 format
-needs each group's columns contiguous.
+needs each group's columns contiguous. ``quant_method`` "fp8" is read by ``fp8_checkpoint``
+(``prequant_format`` hands it over; the functions below serve both formats).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Iterable, Iterator, Optional
 import attrs
 import torch
 
-from ..errors import WeightLoadError
+from ..errors import QuantizedCheckpointError, WeightLoadError
 
 QUANT_METHODS = ("gptq", "awq")
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> the offset added to qzeros
@@ -37,15 +38,19 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_REVE
 SHIFTS = tuple(range(0, 32, 4))
 
 
-class QuantizedCheckpointError(WeightLoadError):
-    """A pre-quantised checkpoint in a form the int4 format cannot hold."""
-
-
 @attrs.frozen
 class PrequantFormat:
     method: str  # "gptq" or "awq"
     group_size: int  # -1: one group per row (GPTQ's per-channel)
     zero_offset: int = 0  # GPTQ v1 stores zero - 1
+    quantizer = "int4"  # the weight quantiser whose format the projections load in
+
+    @property
+    def label(self) -> str:
+        return f"{self.method}, 4-bit"
+
+    def stream(self, tensors):
+        return prequantized_tensors(tensors, self)
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -70,9 +75,13 @@ def prequant_format(config) -> Optional[PrequantFormat]:
     if not isinstance(qc, dict):
         qc = qc.to_dict() if callable(getattr(qc, "to_dict", None)) else vars(qc)
     method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        from .fp8_checkpoint import fp8_format
+
+        return fp8_format(qc)
     if method not in QUANT_METHODS:
         _refuse("quant_method", qc.get("quant_method"),
-                "pre-quantised 'gptq' and 'awq' (4-bit) checkpoints only")
+                "pre-quantised 'gptq' and 'awq' (4-bit) and 'fp8' (e4m3) checkpoints only")
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         _refuse("bits", bits, f"4-bit {method} checkpoints only (bits: 4)")
@@ -149,6 +158,9 @@ class Prequantized:
         return attrs.evolve(first, qweight=torch.cat([p.qweight for p in parts]),
                             scales=torch.cat([p.scales for p in parts]),
                             zeros=torch.cat([p.zeros for p in parts]))
+
+    def packed(self):  # what SlotPacker installs
+        return self.int4()
 
     def int4(self):
         """The ``kernels.int4_linear.Int4Weight`` the ``int4`` quantiser multiplies by."""
@@ -244,38 +256,39 @@ def prequantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
 
 
 def with_prequantized(source):
-    """``source`` (a ``ModelSource``) with its GPTQ / AWQ projections converted as they
-    stream, and ``prequantized`` naming the format; unchanged without a quantization_config."""
+    """``source`` (a ``ModelSource``) with its GPTQ / AWQ / fp8 projections converted as
+    they stream, and ``prequantized`` naming the format; unchanged without a
+    quantization_config."""
     fmt = prequant_format(source.config)
     if fmt is None:
         return source
     read = source.tensors
-    return attrs.evolve(source, tensors=lambda: prequantized_tensors(read(), fmt),
-                        prequantized=fmt)
+    return attrs.evolve(source, tensors=lambda: fmt.stream(read()), prequantized=fmt)
 
 
 def weight_quantizer_names(prequantized: Optional[PrequantFormat], names, registered) -> tuple:
-    """The quantiser names a build runs: a pre-quantised checkpoint adds ``int4`` and
-    refuses another weight quantiser (``names``: ``Selection.quantizers``; ``registered``:
-    the quantiser registry)."""
-    if prequantized is None or "int4" in names:
+    """The quantiser names a build runs: a pre-quantised checkpoint adds its format's
+    (``int4``, ``fp8``) and refuses another weight quantiser (``names``:
+    ``Selection.quantizers``; ``registered``: the quantiser registry)."""
+    own = None if prequantized is None else prequantized.quantizer
+    if own is None or own in names:
         return tuple(names)
     from ..errors import PlanError
 
     for n in names:
         if registered.get(n).applies_to == "weights":
-            raise PlanError(f"the checkpoint is pre-quantised ({prequantized.method}, 4-bit): its "
-                            f"projections load in the 'int4' quantiser's format, so weight "
+            raise PlanError(f"the checkpoint is pre-quantised ({prequantized.label}): its "
+                            f"projections load in the {own!r} quantiser's format, so weight "
                             f"quantiser {n!r} cannot pack them; drop {n!r} from plugins "
-                            f"(int4 is chosen automatically), or load a dense checkpoint")
-    return (*names, "int4")
+                            f"({own} is chosen automatically), or load a dense checkpoint")
+    return (*names, own)
 
 
 def checkpoint_quantizers(prequantized: Optional[PrequantFormat], quantizers: list,
                           options: dict) -> list:
     """``quantizers`` with ``int4`` set to the checkpoint's group size (the memory plan
     counts its scales); a ``group_size=`` option naming another is refused."""
-    if prequantized is None:
+    if prequantized is None or prequantized.quantizer != "int4":
         return quantizers
     from ..errors import PlanError
 

@@ -42,8 +42,8 @@ class SlotPacker:
         return QuantizedLinear(self.quantizer, packed, bias, self.ops)
 
     def __call__(self, slot, module, weight):
-        if getattr(weight, "prequantized", False):  # GPTQ / AWQ (gptq.py): its norm stays
-            return QuantizedLinear(self.quantizer, weight.int4(), module.bias, self.ops)
+        if getattr(weight, "prequantized", False):  # GPTQ / AWQ / fp8: its norm stays
+            return QuantizedLinear(self.quantizer, weight.packed(), module.bias, self.ops)
         m = _LAYER_SLOT.match(slot) if self.fold_norms else None
         name = m and m[2]  # a norm, its projection, or another slot
         proj = self.feeds.get(name, name if name in self.fed_by else None)

@@ -78,11 +78,11 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
             raise WeightLoadError(f"weight {key!r} arrived twice")
         seen.add(key)
         shape, parts = layout[rule.slot]
-        pre = getattr(tensor, "prequantized", False)  # a GPTQ / AWQ projection (gptq.py)
+        pre = getattr(tensor, "prequantized", False)  # GPTQ / AWQ / fp8 (gptq.py)
         if pre and (rule.transpose or place is not None or on_slot_ready is None):
             raise WeightLoadError(f"weight {key!r} is pre-quantised: it loads on one device "
                                   "(no tp / pp), as an [out, in] projection, through the "
-                                  "'int4' weight quantiser")
+                                  "checkpoint's weight quantiser ('int4', 'fp8')")
         t = tensor.t() if rule.transpose else tensor
         whole = parts is None or rule.part is None
         want = shape if whole else (parts[rule.part],) + tuple(shape[1:])

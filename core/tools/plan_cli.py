@@ -42,9 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "(default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=KVDTYPES,
                    help="K/V storage (auto: the weights dtype; int8: the kv-int8 quantizer)")
-    p.add_argument("--weights", default=None, choices=("auto", "int8", "int4"),
-                   help="weight storage (auto: the weights dtype; int8 / int4: the int8 "
-                        "(W8A16) / int4 (W4A16, groups of 128) quantizer)")
+    p.add_argument("--weights", default=None, choices=("auto", "int8", "int4", "fp8"),
+                   help="weight storage (auto: the weights dtype; int8 / int4 / fp8: the int8 "
+                        "(W8A16) / int4 (W4A16, groups of 128) / fp8 (e4m3) quantizer)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -85,17 +85,18 @@ def weight_quantizer_for(name: str):
 
 
 def _weight_quantizer(weights: str, config):
-    """The quantiser ``--weights`` names; a GPTQ / AWQ checkpoint's own (int4 in its groups)
-    where its config says so (``--weights`` may say int4 or auto, nothing else)."""
+    """The quantiser ``--weights`` names; a pre-quantised checkpoint's own (GPTQ / AWQ: int4
+    in its groups; fp8) where its config says so (``--weights`` may say that or auto)."""
     from ..loading.gptq import prequant_format
 
     fmt = prequant_format(config)
     if fmt is None:
         return None if weights == "auto" else weight_quantizer_for(weights)
-    if weights not in ("auto", "int4"):
-        raise PlanError(f"--weights {weights}: the checkpoint is {fmt.method} int4 (its "
-                        "quantization_config); give --weights int4 or leave it out")
-    return weight_quantizer_for("int4").configured(group_size=fmt.group_size)
+    if weights not in ("auto", fmt.quantizer):
+        raise PlanError(f"--weights {weights}: the checkpoint is {fmt.label} (its "
+                        f"quantization_config); give --weights {fmt.quantizer} or leave it out")
+    q = weight_quantizer_for(fmt.quantizer)
+    return q.configured(group_size=fmt.group_size) if fmt.quantizer == "int4" else q
 
 
 def one_rank(name: str, spec, stages: int, tp: int):
