@@ -6,9 +6,9 @@ kernel's CTAs cannot become resident until this kernel's have left, and every la
 begins with an idle memory pipe. Here W goes straight to registers, so the next kernel's
 CTAs sit beside this one's, and each requests its first tiles *before* its PDL wait:
 weights depend on no earlier kernel, so those bytes arrive while the previous kernel
-finishes. int8 weights stay on the tensor-core tiles unless ``INFERGRAFT_GEMV_INT8``: a
-convert instruction per byte would bound this loop, so ``gemv_dot_int8`` reads rows as
-int32 words and widens each byte through a float's mantissa (integer ops and one add).
+finishes. int8 rows (``INFERGRAFT_GEMV_INT8``, on) take ``gemv_dot_int8``: a convert
+instruction per byte would bound the loop, so it reads rows as int32 words and widens each
+byte through a float's mantissa (integer ops and one add).
 docs/kernels.md has the figures.
 """
 from . import switches
@@ -16,7 +16,7 @@ from ._triton import HAVE_TRITON, pdl_release, pdl_wait, tl, triton
 
 # one-row GEMMs take this loop (INFERGRAFT_GEMV=0: the tensor-core tiles instead)
 GEMV_ON = switches.value("INFERGRAFT_GEMV")
-# one-row int8 GEMMs of the fused layer too (gemv_dot_int8), rather than the MMA tiles
+# one-row int8 GEMMs of the fused layer too (gemv_dot_int8), not the MMA tiles (kernels.md)
 GEMV_INT8 = switches.value("INFERGRAFT_GEMV_INT8")
 
 # tiles per decode GEMM at one row (BLOCK_N rows of W per program, paired kinds take

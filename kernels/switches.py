@@ -77,9 +77,9 @@ SWITCHES = _switches(
     Switch("INFERGRAFT_GEMV", BOOL, "1", "import", "`0`",
            "one-row GEMMs on the tensor-core tiles instead of `gemv.py`'s register loop",
            changes_results=True, constant="gemv.GEMV_ON"),
-    Switch("INFERGRAFT_GEMV_INT8", BOOL, "0", "import", "`1`",
-           "one-row int8 GEMMs of the fused layer in `gemv.py`'s register loop (each byte "
-           "widened through a float's mantissa) instead of the tensor-core tiles",
+    Switch("INFERGRAFT_GEMV_INT8", BOOL, "1", "import", "`0`",
+           "one-row int8 GEMMs of the fused layer on the tensor-core tiles instead of "
+           "`gemv.py`'s word loop (each byte widened through a float's mantissa)",
            changes_results=True, constant="gemv.GEMV_INT8"),
     Switch("INFERGRAFT_SWAP", BOOL, "1", "import", "`0`",
            "unswapped tiles at 2-32 rows in the plain and fused GEMMs",

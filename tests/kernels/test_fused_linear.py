@@ -274,9 +274,9 @@ def test_int8_bad_scales_are_rejected(device, randn):
 
 
 def test_one_row_takes_the_register_loop_by_default():
-    """The default tiles at M=1 (16-bit weights) are the GEMV loop's; more rows, int8
-    weights (slower in the loop: docs/kernels.md) and split-K keep the tensor-core
-    tiles."""
+    """The default tiles at M=1 (16-bit weights) are the GEMV loop's; more rows, the
+    16-bit configs asked for without it (``gemv=False``: int8 rows take their own word
+    loop, ``_tiles``) and split-K keep the tensor-core tiles."""
     from infergraft.kernels import linear as L
     assert L.skinny_config(1, 4096, 4096).get("GEMV") is True
     assert FL.swiglu_config(1, 11008, 4096).get("GEMV") is True
