@@ -1,5 +1,6 @@
-"""The rows a weight-only GEMM launcher works on: x [..., K] as a row-major [M, K] view (a
-copy only where its last dim is strided) and the output [M, N] it fills."""
+"""What weight-only GEMM launchers share: the checks of 8-bit rows with a scale each, and
+the rows they work on: x [..., K] as a row-major [M, K] view (a copy only where its last
+dim is strided) and the output [M, N] it fills."""
 import torch
 
 
@@ -11,3 +12,23 @@ def gemm_rows(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tens
     if k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     return x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device), lead
+
+
+def check_scaled_rows(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias,
+                      dtype: torch.dtype, dtype_name: str) -> tuple[int, int]:
+    """What a launcher of 8-bit rows with a float32 scale each needs (int8, fp8): x [..., K]
+    in a float dtype, qweight contiguous ``dtype`` [N, K], scale contiguous float32 [N],
+    bias [N], all on x's device. Returns (N, K)."""
+    assert qweight.dim() == 2 and qweight.dtype == dtype and qweight.is_contiguous(), \
+        f"qweight must be contiguous {dtype_name} [N, K], got {tuple(qweight.shape)} " \
+        f"{qweight.dtype}"
+    n, k = qweight.shape
+    assert x.shape[-1] == k, f"x has K={x.shape[-1]} but qweight is {tuple(qweight.shape)}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
+    assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous(), \
+        f"scale must be contiguous float32 [{n}], got {tuple(scale.shape)} {scale.dtype} " \
+        f"stride {scale.stride()}"
+    assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
+    for name, t in (("qweight", qweight), ("scale", scale), ("bias", bias)):
+        assert t is None or t.device == x.device, f"{name} on {t.device} but x on {x.device}"
+    return n, k

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import switches
-from ._rows import gemm_rows
+from ._rows import check_scaled_rows, gemm_rows
 from ._triton import HAVE_TRITON, interpreting, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .cpu_linear import int8_linear_cpu
 from .int8_linear import int8_config
@@ -160,18 +160,7 @@ def fp8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     """Same contract as ``fp8_linear_torch`` (W8A8 above ``SKINNY_MAX_ROWS`` rows: x
     rounded to e4m3 too); x may have leading dims. ``config``: the skinny kernel's tiles,
     at any number of rows."""
-    assert qweight.dim() == 2 and qweight.dtype == FP8 and qweight.is_contiguous(), \
-        f"qweight must be contiguous float8_e4m3fn [N, K], got {tuple(qweight.shape)} " \
-        f"{qweight.dtype}"
-    n, k = qweight.shape
-    assert x.shape[-1] == k, f"x has K={x.shape[-1]} but qweight is {tuple(qweight.shape)}"
-    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
-    assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous(), \
-        f"scale must be contiguous float32 [{n}], got {tuple(scale.shape)} {scale.dtype} " \
-        f"stride {scale.stride()}"
-    assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
-    for name, t in (("qweight", qweight), ("scale", scale), ("bias", bias)):
-        assert t is None or t.device == x.device, f"{name} on {t.device} but x on {x.device}"
+    n, k = check_scaled_rows(x, qweight, scale, bias, FP8, "float8_e4m3fn")
     if not fp8_native(x.device):  # no e4m3 in Triton here (a GPU below sm_89)
         return fp8_linear_torch(x, qweight, scale, bias)
     x2, y, lead = gemm_rows(x, k, n)  # [M, K], [M, N]

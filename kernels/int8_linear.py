@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .cpu_linear import int8_linear_cpu
-from ._rows import gemm_rows
+from ._rows import check_scaled_rows, gemm_rows
 
 
 # from here on the GEMM is compute-bound: cuBLAS on the weight widened once beats the int8
@@ -107,17 +107,7 @@ def int8_config(m: int, n: int, k: int) -> dict:
 def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None,
                        config=None) -> torch.Tensor:
     """Same contract as ``int8_linear_torch``, one kernel; x may have leading dims."""
-    assert qweight.dim() == 2 and qweight.dtype == torch.int8 and qweight.is_contiguous(), \
-        f"qweight must be contiguous int8 [N, K], got {tuple(qweight.shape)} {qweight.dtype}"
-    n, k = qweight.shape
-    assert x.shape[-1] == k, f"x has K={x.shape[-1]} but qweight is {tuple(qweight.shape)}"
-    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
-    assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous(), \
-        f"scale must be contiguous float32 [{n}], got {tuple(scale.shape)} {scale.dtype} " \
-        f"stride {scale.stride()}"
-    assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
-    for name, t in (("qweight", qweight), ("scale", scale), ("bias", bias)):
-        assert t is None or t.device == x.device, f"{name} on {t.device} but x on {x.device}"
+    n, k = check_scaled_rows(x, qweight, scale, bias, torch.int8, "int8")
     x2, y, lead = gemm_rows(x, k, n)  # [M, K], [M, N]
     m = x2.shape[0]
     if m == 0 or n == 0:
