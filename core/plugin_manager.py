@@ -37,6 +37,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.paged",
     "infergraft.plugins.offload",
     "infergraft.plugins.kv_int8",
+    "infergraft.plugins.kv_fp8",
     "infergraft.plugins.weight_int8",
     "infergraft.plugins.weight_int4",
     "infergraft.plugins.weight_fp8",

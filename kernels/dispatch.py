@@ -33,7 +33,7 @@ OPS = {
     "layer_norm": "layer_norm",
     "add_layer_norm": "layer_norm",
     "gelu": "gelu",
-    "kv_write_int8": "kv_write",
+    "kv_write_quant": "kv_write",
     "paged_attention": "paged_attention",
     "varlen_attention": "varlen_attention",
     "int8_linear": "int8_linear",

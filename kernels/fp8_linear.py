@@ -148,10 +148,18 @@ if HAVE_TRITON:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & nmask[None, :])
 
 
-def fp8_config(m: int, n: int, k: int) -> dict:
-    """Decode tiles: int8's (``int8_config``, the same bytes per weight), untuned for e4m3."""
+# shared memory a launch may ask for (the H200 has 227 KiB a block; some left for Triton)
+_SMEM_BUDGET = 200 * 1024
+
+
+def fp8_config(m: int, n: int, k: int, x_bytes: int = 2) -> dict:
+    """Decode tiles: int8's (``int8_config``, the same bytes per weight), untuned for e4m3;
+    float32 x (``x_bytes`` 4) doubles the x tile, so fewer stages where they would not fit."""
     cfg = dict(int8_config(m, n, k))
     cfg.pop("SWAP", None)
+    stage = cfg["BLOCK_K"] * (cfg["BLOCK_M"] * x_bytes + cfg["BLOCK_N"])
+    while cfg["num_stages"] > 1 and cfg["num_stages"] * stage > _SMEM_BUDGET:
+        cfg["num_stages"] -= 1
     return cfg
 
 
@@ -173,7 +181,7 @@ def fp8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
         # compute-bound: W widened once (one rounding, to x's dtype) and cuBLAS
         w = dequantize_fp8(qweight, scale).to(x.dtype)
         return F.linear(x2, w, bias).reshape(*lead, n)
-    cfg = dict(config or fp8_config(m, n, k))
+    cfg = dict(config or fp8_config(m, n, k, x.element_size()))
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     _fp8_linear_kernel[grid](
         x2, qweight.view(torch.uint8), scale, scale if bias is None else bias, y, m, n, k,

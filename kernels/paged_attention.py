@@ -3,7 +3,7 @@
 Token ``p`` of sequence ``b`` lives at ``cache[block_tables[b, p // BS], p % BS]``.
 GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)`` (HF ``repeat_kv`` order).
 Sliding window ``W``: the query at position ``p = len - 1`` sees keys in ``(p - W, p]``.
-int8 K/V carry float32 scales per (token, head): ``k = k_int8 * k_scale``.
+int8 or e4m3 K/V carry float32 scales per (token, head): ``k = k_q * k_scale``.
 
 Flash-decoding: the Triton path splits each sequence's visible keys over S programs per
 (sequence, kv head) so small batches fill the GPU. S comes from shapes (CUDA graphs); the
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
+from .kv_write import QUANT_KV_DTYPES
 from .paged_plan import (_sm_count, check_cache_args, counters_for, launch_plan,  # noqa: F401
                          split_len, split_plan)
 
@@ -27,7 +28,7 @@ MERGE_ELEMS = 8192
 def paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                           window: int | None = None, k_scale=None, v_scale=None, *, counters=None):
     # q: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, MB] int;
-    # context_lens: [B] int (>= 1); k_scale, v_scale: [NB, BS, Hkv] float32 for int8
+    # context_lens: [B] int (>= 1); k_scale, v_scale: [NB, BS, Hkv] float32 for int8 / e4m3
     bsz, bs = q.shape[0], k_cache.shape[1]
     lens = context_lens.to(q.device, torch.long)
     longest = int(lens.max()) if bsz else 0
@@ -38,7 +39,7 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale
     blocks = torch.where(live, block_tables.long()[:, pos // bs], block_tables.long()[:, :1])
     offs = torch.where(live, pos % bs, 0)                              # [B, L]
     k, v = k_cache[blocks, offs], v_cache[blocks, offs]                # [B, L, Hkv, D]
-    if k_cache.dtype == torch.int8:
+    if k_cache.dtype in QUANT_KV_DTYPES:
         k = k.float() * k_scale[blocks, offs][..., None]
         v = v.float() * v_scale[blocks, offs][..., None]
     mask = live
@@ -125,9 +126,9 @@ if HAVE_TRITON:
             off = (pos % BS).to(tl.int64)
             kv_mask = valid[:, None] & dmask[None, :]
             k = tl.load(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks
-                        + hkv * stride_kh + d[None, :], mask=kv_mask, other=0)   # [N, D]
+                        + hkv * stride_kh + d[None, :], mask=kv_mask, other=0.0) # [N, D]
             v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
-                        + hkv * stride_vh + d[None, :], mask=kv_mask, other=0)   # [N, D]
+                        + hkv * stride_vh + d[None, :], mask=kv_mask, other=0.0) # [N, D]
             kf = tl.trans(k.to(q.dtype))                                  # [D, N]
             if IEEE:
                 s = tl.dot(q, kf, input_precision="ieee")                 # [G, N] f32

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from ._triton import next_pow2
+from .kv_write import QUANT_KV_DTYPES
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -156,8 +157,8 @@ def tile_config(nsplit: int, num_warps: int | None, num_stages: int | None) -> d
 
 def check_cache_args(q, k_cache, v_cache, k_scale, v_scale) -> bool:
     """The paged K/V arguments against q ([rows, Hq, D]): shapes and dtypes (16-bit or
-    float32 K/V of q's dtype, or int8 with float32 scales [NB, BS, Hkv]); True for int8.
-    Shared by the decode and the varlen attention launchers."""
+    float32 K/V of q's dtype, or int8 / e4m3 with float32 scales [NB, BS, Hkv]); True for
+    quantised K/V. Shared by the decode and the varlen attention launchers."""
     _, hq, d = q.shape
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype}"
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
@@ -166,15 +167,17 @@ def check_cache_args(q, k_cache, v_cache, k_scale, v_scale) -> bool:
     nb, bs, hkv, dk = k_cache.shape
     assert dk == d, f"q head_dim {d} != cache head_dim {dk}"
     assert hkv >= 1 and hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}"
-    quant = k_cache.dtype == torch.int8
+    quant = k_cache.dtype in QUANT_KV_DTYPES
     if quant:
-        assert v_cache.dtype == torch.int8, f"k_cache is int8 but v_cache is {v_cache.dtype}"
+        assert v_cache.dtype == k_cache.dtype, \
+            f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}"
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             assert s is not None and s.shape == (nb, bs, hkv) and s.dtype == torch.float32, \
-                f"int8 K/V need {name} float32 [{nb}, {bs}, {hkv}], got " \
+                f"{k_cache.dtype} K/V need {name} float32 [{nb}, {bs}, {hkv}], got " \
                 f"{None if s is None else (tuple(s.shape), s.dtype)}"
     else:
         assert k_cache.dtype == v_cache.dtype == q.dtype, \
-            f"cache dtype {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype} (or int8)"
-        assert k_scale is None and v_scale is None, "scales are only for int8 K/V"
+            f"cache dtype {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype} " \
+            "(or be int8 / float8_e4m3fn with scales)"
+        assert k_scale is None and v_scale is None, "scales are only for int8 / e4m3 K/V"
     return quant

@@ -217,7 +217,7 @@ def rotary_kv_write_triton(q, k, v, cos, sin, positions, k_cache, v_cache, idx0,
     """Same contract as ``rotary_kv_write_torch``, in one kernel."""
     t, hq, d, half = _check_rotary(q, k, cos, sin, positions)
     _check_kv_write(k, v, k_cache, v_cache, idx0, idx1)
-    assert k_cache.dtype != torch.int8, "int8 caches quantise on write: use rotary + kv_write_int8"
+    assert k_cache.dtype != torch.int8, "int8 caches quantise on write: use rotary + kv_write_quant"
     hkv = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0 or d == 0:

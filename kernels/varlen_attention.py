@@ -5,9 +5,9 @@ them, 0 for a padding sequence); rows from ``cu_seqlens_q[B]`` to T are padding 
 buckets) and come out zero. ``context_lens[b]`` counts its tokens after this step, whose
 K/V are already in the cache, so its row i sits at position ``context_lens[b] - q_len_b + i``
 and sees keys at positions ``<= `` its own (and ``> pos - W`` with a sliding window ``W``).
-Cache layout, GQA and int8 K/V as ``paged_attention``: token ``p`` at
+Cache layout, GQA and int8 / e4m3 K/V as ``paged_attention``: token ``p`` at
 ``cache[block_tables[b, p // BS], p % BS]``, query head ``h`` reads kv head
-``h // (Hq // Hkv)``, ``k = k_int8 * k_scale``.
+``h // (Hq // Hkv)``, ``k = k_q * k_scale``.
 
 The Triton path (as vLLM's unified Triton attention): a program per (query tile, kv head,
 split) takes BLOCK_Q tokens of one sequence x the GROUP query heads of its kv head, so a

@@ -70,9 +70,9 @@ if HAVE_TRITON:
             off = (pos % BS).to(tl.int64)
             kv_mask = valid[:, None] & dmask[None, :]
             k = tl.load(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
-                        mask=kv_mask, other=0)                              # [N, D]
+                        mask=kv_mask, other=0.0)                            # [N, D]
             v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
-                        mask=kv_mask, other=0)                              # [N, D]
+                        mask=kv_mask, other=0.0)                            # [N, D]
             kf = tl.trans(k.to(q.dtype))                                  # [D, N]
             if IEEE:
                 s = tl.dot(q, kf, input_precision="ieee")                 # [M, N] f32

@@ -1,8 +1,9 @@
 """Contiguous KV cache (the default backend): one preallocated row per sequence.
 
 Per layer K and V are ``[max_batch_size, Hkv, max_seq_len, D]``; a sequence owns one
-row for its whole life, and token ``p`` lives at column ``p``. With ``kv-int8`` they are
-int8 plus float32 scales ``[max_batch_size, Hkv, max_seq_len]`` (``contiguous_store``).
+row for its whole life, and token ``p`` lives at column ``p``. With ``kv-int8`` /
+``kv-fp8`` they are int8 / e4m3 plus float32 scales ``[max_batch_size, Hkv, max_seq_len]``
+(``contiguous_store``).
 
 Sliding-window models (``spec.sliding_window = W < max_seq_len``) get a rolling buffer
 instead: rows are ``W`` columns wide and token ``p`` lives at column ``p % W``, so memory
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
+from infergraft.kernels.kv_write import KV_STORAGE_DTYPES
 
 from .contiguous_graph import ContiguousGraphInputs, ContiguousMeta, DeviceDecodeMeta
 from .contiguous_store import RowStore
@@ -36,7 +38,7 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
         self.device_decode = self.device.type == "cuda"
         shape = (max_batch_size, spec.num_kv_heads, self.width, spec.head_dim)
         self.kv = RowStore(spec.num_layers, shape, dtype=dtype, device=self.device, ops=ops,
-                           quant=kv_quantizer is not None)
+                           kv_dtype=kv_quantizer and KV_STORAGE_DTYPES[kv_quantizer.kv_dtype])
         self.scale = spec.head_dim ** -0.5
         self._free_rows = list(range(max_batch_size))
         self._row: dict = {}
@@ -174,7 +176,7 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
             return self._decode_batched(layer, q, meta, rows, [min(s + 1, w) for s in meta.starts])
         # prefill: attend on (ring contents still in the window) + fresh k/v, then write,
         # since the fresh tokens may overwrite columns that earlier queries still need;
-        # fresh k/v as they will be stored (int8: quantised), like the other paths see them
+        # fresh k/v as they will be stored (int8 / e4m3: quantised), like the other paths see them
         fresh_k, fresh_v = self.kv.as_stored(k), self.kv.as_stored(v)  # [T, Hkv, D]
         out = torch.empty_like(q)
         off = 0
@@ -210,7 +212,7 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
         return min(self._len[seq_id], self.width)
 
     def read(self, seq_id, layer):
-        """K, V of the positions still held, oldest first, in the model dtype (int8
+        """K, V of the positions still held, oldest first, in the model dtype (int8 / e4m3
         dequantised): ([L, Hkv, D], [L, Hkv, D])."""
         row, n = self._row[seq_id], self._len[seq_id]
         cols = slice(0, n) if self.window is None else \
@@ -230,7 +232,7 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
 class ContiguousBackend(CacheBackend):
     name = "contiguous"
     options = {}
-    quantized_kv = ("int8",)  # bytes_per_token (base class) then counts int8 + scales
+    quantized_kv = tuple(KV_STORAGE_DTYPES)  # bytes_per_token (base class) counts them + scales
 
     def create(self, spec, plan, *, device, dtype, ops, kv_quantizer=None):
         if kv_quantizer is not None and kv_quantizer.kv_dtype not in self.quantized_kv:

@@ -1,25 +1,27 @@
 """K/V storage of the contiguous cache: per layer, rows ``[R, Hkv, S, D]``.
 
-Float K/V are kept in the model dtype. With the ``kv-int8`` quantiser they are int8 plus
-one float32 scale per (row, head, column), ``[R, Hkv, S]``: quantised inside the KV-write
-kernel (``ops.kv_write_int8``), dequantised by ``load`` before host attention, or inside
+Float K/V are kept in the model dtype. With the ``kv-int8`` or ``kv-fp8`` quantiser they
+are int8 or e4m3 plus one float32 scale per (row, head, column), ``[R, Hkv, S]``: quantised inside the KV-write
+kernel (``ops.kv_write_quant``), dequantised by ``load`` before host attention, or inside
 ``ops.paged_attention`` (which takes the scales) on the device decode path.
 """
 from __future__ import annotations
 
 import torch
 
-from infergraft.kernels.kv_write import quantize_int8_torch
+from infergraft.kernels.kv_write import quantize_kv_torch
 
 
 class RowStore:
-    def __init__(self, num_layers, shape, *, dtype, device, ops, quant: bool):
-        self.dtype, self.ops, self.quant = dtype, ops, quant
+    def __init__(self, num_layers, shape, *, dtype, device, ops, kv_dtype=None):
+        # kv_dtype: the quantised storage (torch.int8 or float8_e4m3fn), None for float K/V
+        self.dtype, self.ops, self.kv_dtype = dtype, ops, kv_dtype
+        self.quant = quant = kv_dtype is not None
 
         def pool(shp, dt):
             return [torch.zeros(shp, dtype=dt, device=device) for _ in range(num_layers)]
-        self.k = pool(shape, torch.int8 if quant else dtype)  # [R, Hkv, S, D] per layer
-        self.v = pool(shape, torch.int8 if quant else dtype)
+        self.k = pool(shape, kv_dtype or dtype)  # [R, Hkv, S, D] per layer
+        self.v = pool(shape, kv_dtype or dtype)
         self.k_scale = pool(shape[:3], torch.float32) if quant else None  # [R, Hkv, S]
         self.v_scale = pool(shape[:3], torch.float32) if quant else None
 
@@ -35,10 +37,10 @@ class RowStore:
         return k, v, self.k_scale[layer].permute(0, 2, 1), self.v_scale[layer].permute(0, 2, 1)
 
     def write(self, layer, k, v, rows, cols) -> None:
-        """k, v: [T, Hkv, D] -> storage[rows[t], :, cols[t]] (quantised when int8)."""
+        """k, v: [T, Hkv, D] -> storage[rows[t], :, cols[t]] (quantised when int8 / e4m3)."""
         kc, vc, ks, vs = self.views(layer)
         if self.quant:
-            self.ops.kv_write_int8(k, v, kc, vc, ks, vs, rows, cols)
+            self.ops.kv_write_quant(k, v, kc, vc, ks, vs, rows, cols)
         else:
             self.ops.kv_write(k, v, kc, vc, rows, cols)
 
@@ -53,9 +55,9 @@ class RowStore:
 
     def as_stored(self, x):
         """Fresh x [T, Hkv, D] as attention will see it once written: unchanged for float,
-        the int8 round trip (the kernel's exact math) otherwise. For paths that attend
+        the quantised round trip (the kernel's exact math) otherwise. For paths that attend
         before they write, so that every path attends over the same values."""
-        return self._dequant(*quantize_int8_torch(x)) if self.quant else x
+        return self._dequant(*quantize_kv_torch(x, self.kv_dtype)) if self.quant else x
 
     def _dequant(self, q, scale):
         return (q.float() * scale[..., None]).to(self.dtype)

@@ -201,7 +201,7 @@ class OffloadCache(PagedCache):
 class OffloadBackend(PagedBackend):
     name = "offload"
     options = {"block_size": 16, "num_blocks": None, "fast_blocks": None}
-    quantized_kv = ("int8",)
+    quantized_kv = PagedBackend.quantized_kv
 
     def _sizes(self, plan, block_size, num_blocks, fast_blocks):
         bs, nb = cache_sizes(plan, block_size, num_blocks, name=self.name)

@@ -1,6 +1,6 @@
 """Paged KV cache: fixed-size blocks, a ref-counted block allocator, per-sequence tables.
 
-Per layer K and V are ``[num_blocks, block_size, Hkv, D]`` (int8 K/V add float32 scales
+Per layer K and V are ``[num_blocks, block_size, Hkv, D]`` (int8 or e4m3 K/V add float32 scales
 ``[num_blocks, block_size, Hkv]``). Token ``p`` of a sequence lives at
 ``(table[p // block_size], p % block_size)``. A sequence takes blocks as it grows and
 returns them when freed, so the only waste is its last, partial block. ``fork`` shares
@@ -19,6 +19,7 @@ import torch
 from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
+from infergraft.kernels.kv_write import KV_STORAGE_DTYPES
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
 from .paged_graph import PagedGraphInputs, PagedMeta
@@ -35,6 +36,7 @@ class PagedCache(PagedGraphInputs, KVCache):
         self.window = spec.sliding_window
         self.scale = spec.head_dim ** -0.5
         self.quant = kv_quantizer is not None
+        self.kv_dtype = KV_STORAGE_DTYPES[kv_quantizer.kv_dtype] if self.quant else dtype
         self.allocator = BlockAllocator(num_blocks)
         self.k, self.v, self.k_scale, self.v_scale = self._storage(storage_blocks or num_blocks,
                                                                    self.device)
@@ -48,7 +50,7 @@ class PagedCache(PagedGraphInputs, KVCache):
     def _storage(self, n, device, pin=False):
         s = self.spec
         shape = (n, self.block_size, s.num_kv_heads, s.head_dim)
-        kv_dtype = torch.int8 if self.quant else self.dtype
+        kv_dtype = self.kv_dtype
         new = lambda shp, dt: [torch.zeros(shp, dtype=dt, device=device, pin_memory=pin)  # noqa: E731
                                for _ in range(s.num_layers)]
         scales = (new(shape[:3], torch.float32), new(shape[:3], torch.float32)) if self.quant \
@@ -169,7 +171,7 @@ class PagedCache(PagedGraphInputs, KVCache):
     fuses_rotary = True  # RoPE and the K/V write in one kernel
 
     def decode_kv_slots(self, layer, meta):
-        if not meta.decode or self.quant:  # int8 K/V quantise on write
+        if not meta.decode or self.quant:  # int8 / e4m3 K/V quantise on write
             return None
         self._wait(layer)
         return self.k[layer], self.v[layer], meta.slot_block, meta.slot_offset
@@ -179,14 +181,14 @@ class PagedCache(PagedGraphInputs, KVCache):
         kc, vc = self.k[layer], self.v[layer]  # [NB, BS, Hkv, D]
         ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
         if k is None:  # written by the producer (decode_kv_slots), q rotated
-            assert meta.decode and not self.quant, "K/V written ahead only at decode, not int8"
+            assert meta.decode and not self.quant, "K/V written ahead only at decode, not quantised"
         elif rope is not None and not self.quant:  # one kernel for both
             q = self.ops.rotary_kv_write(q, k, v, *rope, kc, vc, meta.slot_block, meta.slot_offset)
         else:
             if rope is not None:
                 q, k = self.ops.rotary(q, k, *rope)  # [T, H, D] each
             if self.quant:
-                self.ops.kv_write_int8(k, v, kc, vc, ks, vs, meta.slot_block, meta.slot_offset)
+                self.ops.kv_write_quant(k, v, kc, vc, ks, vs, meta.slot_block, meta.slot_offset)
             else:
                 self.ops.kv_write(k, v, kc, vc, meta.slot_block, meta.slot_offset)
         if meta.decode:  # q: [B, Hq, D], one token per sequence
@@ -279,7 +281,7 @@ def check_kv_quantizer(name, kv_quantizer) -> None:
 class PagedBackend(CacheBackend):
     name = "paged"
     options = {"block_size": 16, "num_blocks": None}
-    quantized_kv = ("int8",)
+    quantized_kv = tuple(KV_STORAGE_DTYPES)
 
     def create(self, spec, plan, *, device, dtype, ops, block_size=16, num_blocks=None,
                kv_quantizer=None):

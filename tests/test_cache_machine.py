@@ -18,13 +18,18 @@ TestPagedWindowOddBlocks = make_cache_test(
                   block_size=3, num_blocks=14))
 TestPagedInt8 = make_cache_test(cache_factory("paged", block_size=4, num_blocks=12,
                                               kv_quantizer="kv-int8"))
+TestPagedFp8 = make_cache_test(cache_factory("paged", block_size=4, num_blocks=12,
+                                             kv_quantizer="kv-fp8"))
+TestContiguousWindowFp8 = make_cache_test(
+    cache_factory("contiguous", tiny_cache_spec(num_heads=6, num_kv_heads=2, sliding_window=5),
+                  max_batch_size=3, kv_quantizer="kv-fp8"))
 TestOffload = make_cache_test(cache_factory("offload", block_size=4, num_blocks=16,
                                             fast_blocks=7))
 TestOffloadInt8 = make_cache_test(cache_factory("offload", block_size=4, num_blocks=16,
                                                 fast_blocks=6, kv_quantizer="kv-int8"))
 
 
-@pytest.mark.parametrize("kv_quantizer", [None, "kv-int8"])
+@pytest.mark.parametrize("kv_quantizer", [None, "kv-int8", "kv-fp8"])
 def test_contiguous_refused_step_is_atomic(kv_quantizer):
     cache = cache_factory("contiguous", max_batch_size=2, kv_quantizer=kv_quantizer)()
     for s in (0, 1):

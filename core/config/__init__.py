@@ -125,8 +125,8 @@ def _decide(r: Resolution, options) -> dict:
         out["tp_size"] = tp
     elif tp is not None and any(k == "tp_size" for k, _, _ in r.claims["tp_size"]):
         out["tp_size"] = tp  # given as the tp planner's option itself
-    plugins += [name for target, name in (("weights", "int8"), ("kv", "kv-int8"))
-                if r.value(target) is not None]
+    plugins += ["int8"] if r.value("weights") is not None else []
+    plugins += [f"kv-{r.value('kv')}"] if r.value("kv") is not None else []  # kv-int8, kv-fp8
     if r.has("checkpoint"):
         out["checkpoint"] = describe_checkpoint(r.value("checkpoint"), r.value("base_dir"),
                                                 key=r.key_of("checkpoint"))

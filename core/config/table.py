@@ -56,8 +56,9 @@ INFERENCE_KEYS = {
     "quantization.enabled": "true -> plugin \"int8\" (int8 weights, W8A16) with bits 8",
     "quantization.bits": "8 -> plugin \"int8\"; 4 refused (int4 weights are not built yet); "
                          "accepted: 8",
-    "quantization.kv_cache_quant": "true / \"int8\" / 8 -> plugin \"kv-int8\" (int8 K/V; the "
-                                   "contiguous, paged and offload caches store it)",
+    "quantization.kv_cache_quant": "true / \"int8\" / 8 -> plugin \"kv-int8\" (int8 K/V); "
+                                   "\"fp8\" -> plugin \"kv-fp8\" (e4m3 K/V, our spelling); the "
+                                   "contiguous, paged and offload caches store both",
     "quantization.weight.enabled": "true -> plugin \"int8\"; false -> no weight quantiser",
     "quantization.weight.num_bits": "as quantization.bits",
     "quantization.weight.q_type": "\"symmetric\" accepted (ours is); \"asymmetric\" refused",

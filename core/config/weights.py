@@ -42,8 +42,11 @@ def quantization(r, key, value):
     kv = value.get("kv_cache_quant")
     if kv is True or kv == "int8" or (kv == 8 and not isinstance(kv, bool)):
         r.claim("kv", "int8", f"{key}.kv_cache_quant", kv)
+    elif kv == "fp8":
+        r.claim("kv", "fp8", f"{key}.kv_cache_quant", kv)
     elif kv not in (None, False):
-        raise wrong(f"{key}.kv_cache_quant", kv, 'true, "int8" or 8 (int8 K/V), or false')
+        raise wrong(f"{key}.kv_cache_quant", kv,
+                    'true, "int8" or 8 (int8 K/V), "fp8" (e4m3 K/V), or false')
 
 
 def checkpoint(r, key, value):

@@ -246,12 +246,13 @@ class CacheBackendMachine(RuleBasedStateMachine):
             assert st_["blocks_free"] == st_["blocks_total"], f"blocks leaked: {st_}"
 
 
-def int8_stored(dtype=torch.float32):
-    """``stored`` for per-token, per-head symmetric int8 K/V (the kv-int8 format)."""
-    from infergraft.kernels.kv_write import quantize_int8_torch
+def quantized_stored(kv_dtype="int8", dtype=torch.float32):
+    """``stored`` for per-token, per-head scaled K/V: ``kv_dtype`` "int8" (the kv-int8
+    format) or "fp8" (kv-fp8's e4m3), the write kernel's exact math."""
+    from infergraft.kernels.kv_write import KV_STORAGE_DTYPES, quantize_kv_torch
 
     def stored(self, x):
-        q, scale = quantize_int8_torch(x)
+        q, scale = quantize_kv_torch(x, KV_STORAGE_DTYPES[kv_dtype])
         return (q.float() * scale[..., None]).to(dtype)
     return stored
 
@@ -262,11 +263,12 @@ def make_cache_test(factory, *, max_examples: int = 200, step_count: int = 25,
     """A ``unittest.TestCase`` running the machine on caches from ``factory()``.
 
     ``factory`` is a zero-argument callable (see :func:`cache_factory`; a plain function
-    must carry ``.spec`` and ``.max_seq_len`` attributes). For int8 K/V made by a
-    ``cache_factory(..., kv_quantizer="kv-int8")`` the ``stored`` hook is chosen for you.
+    must carry ``.spec`` and ``.max_seq_len`` attributes). For quantised K/V made by a
+    ``cache_factory(..., kv_quantizer="kv-int8")`` (or ``"kv-fp8"``) the ``stored`` hook
+    is chosen for you.
     """
     if stored is None and getattr(factory, "kv_quantizer", None) is not None:
-        stored = int8_stored(factory.dtype)
+        stored = quantized_stored(factory.kv_quantizer.kv_dtype, factory.dtype)
     body = {"make_cache": lambda self: factory(), "spec": factory.spec,
             "max_seq_len": factory.max_seq_len, "dtype": getattr(factory, "dtype", torch.float32),
             "atol": atol, "probe_refused_steps": probe_refused_steps}

@@ -70,8 +70,8 @@ def plan_config(args) -> None:
                                         if "tp" in plugins else None)
         from_config = dict(
             model=options.get("model"), dtype=options.get("dtype"),
-            kv_dtype="int8" if "kv-int8" in plugins else None,
-            weights="int8" if "int8" in plugins else None,
+            kv_dtype=next((q for q in ("int8", "fp8") if f"kv-{q}" in plugins), None),
+            weights=next((q for q in ("int8", "int4", "fp8") if q in plugins), None),
             max_seq_len=options.get("max_seq_len"), max_batch_size=options.get("max_batch_size"),
             max_num_batched_tokens=options.get("max_num_batched_tokens"),
             device_memory=options.get("device_memory"), tensor_parallel=tp,

@@ -24,7 +24,7 @@ from ..units import rows_table
 from . import plan_offload
 from .config_cli import add_config_argument, plan_config
 
-KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 FITS, DOES_NOT_FIT = 0, 1  # and 2, from cli.main, for an InfergraftError
 EPILOG = """exit status:
   0  the plan fits the budget (or no budget could be read)
@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
                                                  "(default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=KVDTYPES,
-                   help="K/V storage (auto: the weights dtype; int8: the kv-int8 quantizer)")
+                   help="K/V storage (auto: the weights dtype; int8 / fp8: the kv-int8 / "
+                   "kv-fp8 quantizer)")
     p.add_argument("--weights", default=None, choices=("auto", "int8", "int4", "fp8"),
                    help="weight storage (auto: the weights dtype; int8 / int4 / fp8: the int8 "
                         "(W8A16) / int4 (W4A16, groups of 128) / fp8 (e4m3) quantizer)")
@@ -126,8 +127,8 @@ def run(args) -> int:
     stored = stored_dtype(config)  # never config.torch_dtype: it warns in transformers 5
     dtype = resolve_dtype(args.dtype, stored if stored in DTYPES.values() else torch.float32)
     kv_quant, kv_dtype = None, dtype
-    if args.kv_dtype == "int8":
-        kv_quant = kv_quantizer_for("int8")
+    if args.kv_dtype in ("int8", "fp8"):
+        kv_quant = kv_quantizer_for(args.kv_dtype)
     elif args.kv_dtype != "auto":
         kv_dtype = resolve_dtype(args.kv_dtype, dtype)
     if args.device_memory is not None:

@@ -1,5 +1,5 @@
 """paged_attention: Triton vs the torch reference (and the reference vs plain math),
-random block tables, GQA ratios 1/3/4/8, sliding windows, int8 K/V, and split-KV
+random block tables, GQA ratios 1/3/4/8, sliding windows, int8 and e4m3 K/V, and split-KV
 (flash-decoding) with forced and automatic split counts, split by the actual length,
 merged by the last split to finish (counters) or by a second kernel. Split counts, tiles
 and the counter pools themselves: test_paged_plan.py."""
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from infergraft.kernels.kv_write import quantize_int8_torch
+from infergraft.kernels.kv_write import quantize_kv_torch
 from infergraft.kernels import paged_attention as pa
 from infergraft.kernels._triton import next_pow2
 from infergraft.kernels.paged_attention import (launch_plan, paged_attention_torch,
@@ -17,10 +17,14 @@ from infergraft.kernels.paged_attention import (launch_plan, paged_attention_tor
 
 from .tolerances import assert_close
 
+KV_QUANT = pytest.mark.parametrize("kv_quant", [None, torch.int8, torch.float8_e4m3fn],
+                                   ids=["float", "int8", "fp8"])
 
-def _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device, width=0):
+
+def _paged(randn, gen, lens, hkv, d, bs, dtype, kv_quant, device, width=0):
     """A cache whose unused blocks and slots are NaN, and each sequence's K/V in order;
-    table entries past a sequence's blocks (at least ``width`` columns) name a NaN block."""
+    table entries past a sequence's blocks (at least ``width`` columns) name a NaN block.
+    ``kv_quant`` (torch.int8, float8_e4m3fn or None): the cache's quantised format."""
     need = [math.ceil(n / bs) for n in lens]
     nb = sum(need) + 3  # spare blocks: never referenced, poisoned
     order = torch.randperm(nb, generator=gen)
@@ -29,8 +33,8 @@ def _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device, width=0):
     v = randn(nb, bs, hkv, d, dtype=dtype)
     k[:], v[:] = float("nan"), float("nan")
     ks = vs = None
-    if int8:
-        kq, vq = (torch.zeros(nb, bs, hkv, d, dtype=torch.int8, device=device) for _ in "kv")
+    if kv_quant is not None:
+        kq, vq = (torch.zeros(nb, bs, hkv, d, dtype=kv_quant, device=device) for _ in "kv")
         ks, vs = (torch.full((nb, bs, hkv), float("nan"), device=device) for _ in "kv")
     seqs, used = [], 0
     for b, (n, m) in enumerate(zip(lens, need)):
@@ -40,16 +44,16 @@ def _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device, width=0):
         kb, vb = randn(n, hkv, d, dtype=dtype), randn(n, hkv, d, dtype=dtype)
         pos = torch.arange(n)
         idx0, idx1 = blocks[pos // bs].to(device), (pos % bs).to(device)
-        if int8:
+        if kv_quant is not None:
             for x, c, s in ((kb, kq, ks), (vb, vq, vs)):
-                qx, sx = quantize_int8_torch(x)
+                qx, sx = quantize_kv_torch(x, kv_quant)
                 c[idx0, idx1], s[idx0, idx1] = qx, sx
-            kb = (quantize_int8_torch(kb)[0].float() * quantize_int8_torch(kb)[1][..., None])
-            vb = (quantize_int8_torch(vb)[0].float() * quantize_int8_torch(vb)[1][..., None])
+            kb, vb = (qx.float() * sx[..., None] for qx, sx in
+                      (quantize_kv_torch(kb, kv_quant), quantize_kv_torch(vb, kv_quant)))
         else:
             k[idx0, idx1], v[idx0, idx1] = kb, vb
         seqs.append((kb.float().cpu(), vb.float().cpu()))
-    if int8:
+    if kv_quant is not None:
         k, v = kq, vq
     return k, v, ks, vs, tables.to(device), seqs
 
@@ -75,19 +79,19 @@ CASES = [  # (Hq, Hkv, D, block_size, lens)
 ]
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@KV_QUANT
 @pytest.mark.parametrize("window", [None, 7, 1], ids=["full", "window7", "window1"])
 @pytest.mark.parametrize("hq,hkv,d,bs,lens", CASES, ids=["mha", "gqa3", "gqa4", "mqa8"])
 def test_paged_attention_matches_reference(device, dtype, randn, gen, poisoned_empty,
-                                           hq, hkv, d, bs, lens, window, int8):
-    k, v, ks, vs, tables, seqs = _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device)
+                                           hq, hkv, d, bs, lens, window, kv_quant):
+    k, v, ks, vs, tables, seqs = _paged(randn, gen, lens, hkv, d, bs, dtype, kv_quant, device)
     q = randn(len(lens), hq, d, dtype=dtype)
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = d ** -0.5
     out = paged_attention_triton(q, k, v, tables, ctx, scale, window, ks, vs)
     ref = paged_attention_torch(q, k, v, tables, ctx, scale, window, ks, vs)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert_close(out, ref, f"Hq={hq} Hkv={hkv} window={window} int8={int8}")
+    assert_close(out, ref, f"Hq={hq} Hkv={hkv} window={window} kv={kv_quant}")
     # and the reference is the plain math (float64, one sequence and head at a time)
     torch.testing.assert_close(ref.double().cpu(), _naive(q.cpu(), seqs, scale, window).to(ref.dtype).double(),
                                atol=2e-3 if dtype != torch.float32 else 1e-5,
@@ -95,7 +99,7 @@ def test_paged_attention_matches_reference(device, dtype, randn, gen, poisoned_e
 
 
 def test_window_longer_than_sequence_is_full_attention(device, randn, gen):
-    k, v, _, _, tables, _ = _paged(randn, gen, [5, 12], 2, 16, 4, torch.float32, False, device)
+    k, v, _, _, tables, _ = _paged(randn, gen, [5, 12], 2, 16, 4, torch.float32, None, device)
     q = randn(2, 4, 16)
     ctx = torch.tensor([5, 12], device=device)
     full = paged_attention_triton(q, k, v, tables, ctx, 0.25)
@@ -104,14 +108,14 @@ def test_window_longer_than_sequence_is_full_attention(device, randn, gen):
 
 
 def test_paged_attention_rejects_bad_inputs(device, randn, gen):
-    k, v, _, _, tables, _ = _paged(randn, gen, [5, 9], 2, 16, 4, torch.float32, False, device)
+    k, v, _, _, tables, _ = _paged(randn, gen, [5, 9], 2, 16, 4, torch.float32, None, device)
     q = randn(2, 4, 16)
     ctx = torch.tensor([5, 9], dtype=torch.int32, device=device)
     with pytest.raises(AssertionError, match="not a multiple of Hkv"):
         paged_attention_triton(randn(2, 3, 16), k, v, tables, ctx, 0.25)
     with pytest.raises(AssertionError, match="must equal q dtype"):
         paged_attention_triton(q.half(), k, v, tables, ctx, 0.25)
-    with pytest.raises(AssertionError, match="int8 K/V need k_scale"):
+    with pytest.raises(AssertionError, match="torch.int8 K/V need k_scale"):
         paged_attention_triton(q, k.to(torch.int8), v.to(torch.int8), tables, ctx, 0.25)
     with pytest.raises(AssertionError, match="block_tables must be"):
         paged_attention_triton(q, k, v, tables[:1], ctx, 0.25)
@@ -134,12 +138,12 @@ SPLIT_CASES = [  # (Hq, Hkv, D, block_size, lens, table width in blocks, block_n
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, None], ids=lambda s: f"S{s or 'auto'}")
 @pytest.mark.parametrize("window", [None, 5, 37], ids=["full", "window5", "window37"])
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@KV_QUANT
 @pytest.mark.parametrize("hq,hkv,d,bs,lens,width,block_n", SPLIT_CASES, ids=["mha", "gqa4", "gqa3"])
 def test_split_kv_matches_reference(device, dtype, randn, gen, poisoned_empty, hq, hkv, d, bs,
-                                    lens, width, block_n, window, int8, num_splits):
+                                    lens, width, block_n, window, kv_quant, num_splits):
     # unused cache blocks, table padding and the (torch.empty) scratch are all NaN
-    k, v, ks, vs, tables, seqs = _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device, width)
+    k, v, ks, vs, tables, seqs = _paged(randn, gen, lens, hkv, d, bs, dtype, kv_quant, device, width)
     q = randn(len(lens), hq, d, dtype=dtype)
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = d ** -0.5
@@ -147,12 +151,12 @@ def test_split_kv_matches_reference(device, dtype, randn, gen, poisoned_empty, h
                                  num_splits=num_splits, block_n=block_n)
     ref = paged_attention_torch(q, k, v, tables, ctx, scale, window, ks, vs)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert_close(out, ref, f"S={num_splits} block_n={block_n} window={window} int8={int8}")
+    assert_close(out, ref, f"S={num_splits} block_n={block_n} window={window} kv={kv_quant}")
 
 
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 8, 2), (128, 4, 1)])
 def test_tuning_knobs(device, randn, gen, poisoned_empty, block_n, num_warps, num_stages):
-    k, v, _, _, tables, _ = _paged(randn, gen, [3, 150], 2, 32, 16, torch.float32, False, device, 12)
+    k, v, _, _, tables, _ = _paged(randn, gen, [3, 150], 2, 32, 16, torch.float32, None, device, 12)
     q = randn(2, 4, 32)
     ctx = torch.tensor([3, 150], dtype=torch.int32, device=device)
     out = paged_attention_triton(q, k, v, tables, ctx, 0.2, block_n=block_n, num_warps=num_warps,
@@ -173,23 +177,23 @@ WIDE = 2048  # table tokens: a graph captured for long contexts, replayed with s
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16, None], ids=lambda s: f"S{s or 'auto'}")
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@KV_QUANT
 def test_short_contexts_in_a_wide_table(device, dtype, randn, gen, poisoned_empty, num_splits,
-                                        window, int8):
+                                        window, kv_quant):
     lens, bs = [1, 5, 33, 576], 16
-    k, v, ks, vs, tables, _ = _paged(randn, gen, lens, 1, 16, bs, dtype, int8, device, WIDE // bs)
+    k, v, ks, vs, tables, _ = _paged(randn, gen, lens, 1, 16, bs, dtype, kv_quant, device, WIDE // bs)
     q = randn(len(lens), 2, 16, dtype=dtype)
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
     out = paged_attention_triton(q, k, v, tables, ctx, 0.25, window, ks, vs, num_splits=num_splits)
     assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.25, window, ks, vs),
-                 f"S={num_splits} window={window} int8={int8}")
+                 f"S={num_splits} window={window} kv={kv_quant}")
 
 
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
 def test_splits_follow_the_actual_length(device, randn, gen, poisoned_empty, monkeypatch, window):
     # the two-kernel path's scratch m [B, Hq, S]: finite where a split had keys
     lens, bs, nsplit = [576, 33, 1], 16, 16
-    k, v, _, _, tables, _ = _paged(randn, gen, lens, 1, 16, bs, torch.float32, False, device,
+    k, v, _, _, tables, _ = _paged(randn, gen, lens, 1, 16, bs, torch.float32, None, device,
                                    WIDE // bs)
     q = randn(len(lens), 1, 16)
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
@@ -228,7 +232,7 @@ def test_fused_combine_matches_two_kernels(device, dtype, randn, gen, poisoned_e
     one_head = next_pow2(nsplit) * max(16, next_pow2(d))  # [1, S, D]: a loop over the group
     monkeypatch.setattr(pa, "MERGE_ELEMS", {"default": pa.MERGE_ELEMS, "one-head": one_head,
                                             "too-big": one_head - 1}[merge])
-    k, v, _, _, tables, _ = _paged(randn, gen, lens, hkv, d, bs, dtype, False, device, width)
+    k, v, _, _, tables, _ = _paged(randn, gen, lens, hkv, d, bs, dtype, None, device, width)
     q = randn(len(lens), hq, d, dtype=dtype)
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
     launches = _combine_launches(monkeypatch)

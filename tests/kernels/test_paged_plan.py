@@ -82,7 +82,7 @@ def _plan_vs_reference(device, dtype, randn, gen, pairs_per_sm, hq, window):
     sms = pa._sm_count(torch.device(device))
     bsz = math.ceil(pairs_per_sm * sms / hkv)
     lens = torch.randint(1, 200, (bsz,), generator=gen).tolist()
-    k, v, _, _, tables, _ = _paged(randn, gen, lens, hkv, d, bs, dtype, False, device, 13)
+    k, v, _, _, tables, _ = _paged(randn, gen, lens, hkv, d, bs, dtype, None, device, 13)
     q = randn(bsz, hq, d, dtype=dtype)
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
     out = paged_attention_triton(q, k, v, tables, ctx, d ** -0.5, window)
@@ -116,7 +116,7 @@ def test_large_gqa_plan_matches_reference(device, dtype, randn, gen, poisoned_em
 def test_semaphores_are_zero_again_for_the_next_call(device, randn, gen, poisoned_empty,
                                                      shared_counters):
     # the same buffers with new lengths written in place: what a CUDA graph replay does
-    k, v, _, _, tables, _ = _paged(randn, gen, [128] * 3, 2, 16, 8, torch.float32, False, device)
+    k, v, _, _, tables, _ = _paged(randn, gen, [128] * 3, 2, 16, 8, torch.float32, None, device)
     q = randn(3, 4, 16)
     ctx = torch.zeros(3, dtype=torch.int32, device=device)
     for lens in ([100, 7, 64], [3, 90, 1], [128, 128, 128]):
@@ -131,7 +131,7 @@ def test_callers_own_counter_pools_share_no_counters(device, randn, gen, poisone
                                                      shared_counters):
     # two engines (each cache its own pool) replaying on two streams must not count on
     # the same counters: each call takes its caller's pool, the shared one stays unused
-    k, v, _, _, tables, _ = _paged(randn, gen, [70, 33], 2, 16, 8, torch.float32, False, device, 16)
+    k, v, _, _, tables, _ = _paged(randn, gen, [70, 33], 2, 16, 8, torch.float32, None, device, 16)
     q = randn(2, 4, 16)
     ctx = torch.tensor([70, 33], dtype=torch.int32, device=device)
     ref = paged_attention_torch(q, k, v, tables, ctx, 0.25)
@@ -146,7 +146,7 @@ def test_callers_own_counter_pools_share_no_counters(device, randn, gen, poisone
 
 def test_capture_that_would_grow_the_semaphores_falls_back(device, randn, gen, poisoned_empty,
                                                            monkeypatch, shared_counters):
-    k, v, _, _, tables, _ = _paged(randn, gen, [50, 9], 2, 16, 8, torch.float32, False, device, 16)
+    k, v, _, _, tables, _ = _paged(randn, gen, [50, 9], 2, 16, 8, torch.float32, None, device, 16)
     q = randn(2, 4, 16)  # the buffers are keyed by a tensor's device (cuda:0, not cuda)
     ctx = torch.tensor([50, 9], dtype=torch.int32, device=device)
     ref = paged_attention_torch(q, k, v, tables, ctx, 0.25)

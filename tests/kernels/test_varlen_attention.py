@@ -3,7 +3,7 @@ math, on mixed steps: decode tokens and prompt chunks (fresh or on a cached pref
 ending mid-block) in one launch, zero-length padding sequences and padding rows after
 ``cu_seqlens_q[B]``, GQA ratios 1/3/4, sliding windows shorter than a chunk (the blocks
 that left every window, and the slots before the first visible key, poisoned with NaN),
-int8 K/V, forced and automatic query tiles and splits, merged by the last split or a
+int8 and e4m3 K/V, forced and automatic query tiles and splits, merged by the last split or a
 second kernel; the launch rule itself (shapes only); one CUDA graph replayed at other
 lengths."""
 import functools
@@ -20,13 +20,14 @@ from .test_paged_attention import _paged
 from .tolerances import assert_close
 
 
-def _step(randn, gen, seqs, hkv, d, bs, dtype, int8, device, window=None, width=0):
+def _step(randn, gen, seqs, hkv, d, bs, dtype, kv_quant, device, window=None, width=0):
     """Cache, tables, cu_seqlens_q and context_lens of a step of ``seqs`` = (cached prefix,
     q_len) pairs, unused blocks and slots NaN; with a window, table entries of blocks
     before the first key a sequence's first query sees name a NaN block (freed blocks) and
     that key's block is NaN before it. Also each sequence's K/V in order (float32, CPU)."""
     lens = [p + n for p, n in seqs]
-    k, v, ks, vs, tables, kv = _paged(randn, gen, lens, hkv, d, bs, dtype, int8, device, width)
+    k, v, ks, vs, tables, kv = _paged(randn, gen, lens, hkv, d, bs, dtype, kv_quant, device,
+                                      width)
     if window:
         used = {int(x) for row, n in zip(tables.cpu(), lens) for x in row[:-(-n // bs)]}
         freed = min(set(range(k.shape[0])) - used)  # a spare block: NaN throughout
@@ -34,7 +35,7 @@ def _step(randn, gen, seqs, hkv, d, bs, dtype, int8, device, window=None, width=
             first = max(0, prefix - window + 1) if n else 0
             for p in range(first // bs * bs, first):  # slots before the first visible key
                 blk, off = int(tables[b, p // bs]), p % bs
-                if int8:
+                if kv_quant is not None:
                     ks[blk, off], vs[blk, off] = float("nan"), float("nan")
                 else:
                     k[blk, off], v[blk, off] = float("nan"), float("nan")
@@ -62,24 +63,24 @@ def _naive(q, seqs, kv, scale, window):
     return out
 
 
-def _inputs(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window=None, int8=False,
+def _inputs(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window=None, kv_quant=None,
             width=0):
     """(the positional arguments of one call, q to v_scale; each sequence's K/V): q has
     ``pad`` padding rows after the sequences' rows."""
-    k, v, ks, vs, tables, cu, ctx, kv = _step(randn, gen, seqs, hkv, d, bs, dtype, int8, device,
+    k, v, ks, vs, tables, cu, ctx, kv = _step(randn, gen, seqs, hkv, d, bs, dtype, kv_quant, device,
                                               window, width)
     q = randn(sum(n for _, n in seqs) + pad, hq, d, dtype=dtype)
     return (q, k, v, tables, cu, ctx, d ** -0.5, window, ks, vs), kv
 
 
-def _run(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window=None, int8=False,
+def _run(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window=None, kv_quant=None,
          width=0, check_naive=True, **knobs):
-    args, kv = _inputs(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window, int8, width)
+    args, kv = _inputs(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window, kv_quant, width)
     q = args[0]
     out = varlen_attention_triton(*args, **knobs)
     ref = varlen_attention_torch(*args)
     assert out.shape == q.shape and out.dtype == q.dtype
-    msg = f"Hq={hq} Hkv={hkv} seqs={seqs} window={window} int8={int8} {knobs}"
+    msg = f"Hq={hq} Hkv={hkv} seqs={seqs} window={window} kv={kv_quant} {knobs}"
     assert_close(out, ref, msg)
     assert (out[q.shape[0] - pad:] == 0).all(), f"padding rows not zero: {msg}"
     if check_naive:  # and the reference is the plain math
@@ -102,12 +103,13 @@ CASES = [  # (Hq, Hkv, D, block_size, [(cached prefix, q_len)], padding rows)
 ]
 
 
-@pytest.mark.parametrize("window,int8", [(None, False), (6, True), (1, False)],
-                         ids=["full", "window6-int8", "window1"])
+@pytest.mark.parametrize("window,kv_quant", [(None, None), (6, torch.int8), (1, None),
+                                             (None, torch.float8_e4m3fn)],
+                         ids=["full", "window6-int8", "window1", "full-fp8"])
 @pytest.mark.parametrize("hq,hkv,d,bs,seqs,pad", CASES, ids=["mha", "gqa3", "gqa4", "decode"])
 def test_varlen_matches_reference(device, dtype, randn, gen, poisoned_empty, hq, hkv, d, bs,
-                                  seqs, pad, window, int8):
-    _run(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window, int8)
+                                  seqs, pad, window, kv_quant):
+    _run(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window, kv_quant)
 
 
 @pytest.mark.parametrize("block_m,block_n,window", [(16, 16, 4), (32, 64, None), (64, 32, 4)])
@@ -125,17 +127,20 @@ def test_query_tiles(device, dtype, randn, gen, poisoned_empty, hq, hkv, block_m
 WIDE = 40  # table blocks: a graph captured for long contexts, replayed with short ones
 
 
-@pytest.mark.parametrize("num_splits,fused,window,int8", [
-    (2, True, None, True), (5, True, 9, False), (5, False, None, False), (None, True, 9, True),
-    (None, False, None, False), (3, False, 9, False)],
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("num_splits,fused,window,kv_quant", [
+    (2, True, None, torch.int8), (5, True, 9, None), (5, False, None, None),
+    (None, True, 9, torch.int8), (None, False, None, None), (3, False, 9, FP8)],
     ids=["S2-int8", "S5-window9", "S5-two-kernel", "Sauto-window9-int8", "Sauto-two-kernel",
-         "S3-two-kernel-window9"])
+         "S3-two-kernel-window9-fp8"])
 def test_split_kv(device, dtype, randn, gen, poisoned_empty, shared_counters, num_splits, fused,
-                  window, int8):
+                  window, kv_quant):
     # long contexts in a wide table, short queries: the automatic plan splits on the
     # interpreter's 4 SMs; the (torch.empty) scratch is NaN
     _run(randn, gen, device, dtype, 8, 2, 16, 4, [(70, 1), (0, 1), (33, 3), (120, 1)], 1, window,
-         int8, width=WIDE, check_naive=False, num_splits=num_splits, fused_combine=fused)
+         kv_quant, width=WIDE, check_naive=False, num_splits=num_splits, fused_combine=fused)
 
 
 def _combine_launches(monkeypatch) -> list:
@@ -169,7 +174,7 @@ def test_fused_merge_matches_two_kernels(device, randn, gen, poisoned_empty, mon
 
 def test_padding_only_steps(device, randn, gen, poisoned_empty):
     k, v, _, _, tables, cu, ctx, _ = _step(randn, gen, [(4, 0), (0, 0)], 2, 16, 4,
-                                           torch.float32, False, device)
+                                           torch.float32, None, device)
     q = randn(5, 4, 16)
     for fn in (varlen_attention_triton, varlen_attention_torch):  # only padding: zeros
         assert (fn(q, k, v, tables, cu, ctx, 0.25) == 0).all()
@@ -180,12 +185,12 @@ def test_padding_only_steps(device, randn, gen, poisoned_empty):
 
 def test_rejects_bad_inputs(device, randn, gen):
     k, v, _, _, tables, cu, ctx, _ = _step(randn, gen, [(3, 2), (0, 4)], 2, 16, 4,
-                                           torch.float32, False, device)
+                                           torch.float32, None, device)
     q = randn(7, 4, 16)
     bad = [((randn(6, 3, 16), k, v, tables, cu, ctx), "not a multiple of Hkv"),
            ((q[0], k, v, tables, cu, ctx), r"q must be \[T, Hq, D\]"),
            ((q.half(), k, v, tables, cu, ctx), "must equal q dtype"),
-           ((q, k.to(torch.int8), v.to(torch.int8), tables, cu, ctx), "int8 K/V need k_scale"),
+           ((q, k.to(torch.int8), v.to(torch.int8), tables, cu, ctx), "torch.int8 K/V need k_scale"),
            ((q, k, v[:, :, :1], tables, cu, ctx), "must both be"),
            ((q, k, v, tables[0], cu, ctx), "block_tables must be"),
            ((q, k, v, tables, cu[1:], ctx), r"cu_seqlens_q must be int32 \[3\]"),
@@ -264,7 +269,7 @@ def test_one_graph_replays_other_lengths(shared_counters):
     randn = lambda *s, dtype=torch.float32: torch.randn(*s, generator=gen).to("cuda", dtype)  # noqa: E731
     steps = [[(0, 30), (50, 1), (7, 1), (0, 0)], [(200, 1), (3, 5), (0, 22), (90, 3)],
              [(0, 1), (0, 1), (0, 1), (600, 1)]]
-    made = [_step(randn, gen, s, 2, 64, 16, torch.bfloat16, False, "cuda", width=48) for s in steps]
+    made = [_step(randn, gen, s, 2, 64, 16, torch.bfloat16, None, "cuda", width=48) for s in steps]
     k, v = torch.cat([m[0] for m in made]), torch.cat([m[1] for m in made])
     offset, tables = 0, []
     for m in made:
