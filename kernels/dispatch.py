@@ -21,6 +21,7 @@ OPS = {
     "add_rms_norm": "rms_norm",
     "rotary": "rotary",
     "rotary_kv_write": "rotary",
+    "rotary_kv_write_quant": "rotary_quant",
     "silu_mul": "silu_mul",
     "kv_write": "kv_write",
     "linear": "linear",

@@ -131,14 +131,13 @@ if HAVE_TRITON:
         return r * step
 
     @triton.jit
-    def _quant_write_heads(src_ptr, dst_ptr, scale_ptr, tok, slot, sslot, stride_t, stride_h,
-                           stride_ch, stride_sh, H, D, BLOCK_H: tl.constexpr,
-                           BLOCK_D: tl.constexpr, FP8: tl.constexpr, INV: tl.constexpr):
+    def quant_store_heads(x, mask, dst_ptr, scale_ptr, slot, sslot, stride_ch, stride_sh, H,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                          INV: tl.constexpr):
+        # x: [BLOCK_H, BLOCK_D] float32, one token's heads (0 where masked) -> the cache
+        # slot's rows (int8 or e4m3, by dst's type) and one scale a head
         heads = tl.arange(0, BLOCK_H)[:, None]
         dims = tl.arange(0, BLOCK_D)[None, :]
-        mask = (heads < H) & (dims < D)                                  # [BLOCK_H, BLOCK_D]
-        x = tl.load(src_ptr + tok * stride_t + heads * stride_h + dims, mask=mask,
-                    other=0.0).to(tl.float32)
         scale = tl.max(tl.abs(x), axis=1) * INV                           # [BLOCK_H]
         safe = tl.where(scale > 0, scale, 1.0)
         y = tl.math.div_rn(x, safe[:, None])                             # |y| <= QMAX
@@ -153,6 +152,18 @@ if HAVE_TRITON:
                  mask=mask)
         h1 = tl.arange(0, BLOCK_H)
         tl.store(scale_ptr + sslot + h1 * stride_sh, scale, mask=h1 < H)
+
+    @triton.jit
+    def _quant_write_heads(src_ptr, dst_ptr, scale_ptr, tok, slot, sslot, stride_t, stride_h,
+                           stride_ch, stride_sh, H, D, BLOCK_H: tl.constexpr,
+                           BLOCK_D: tl.constexpr, FP8: tl.constexpr, INV: tl.constexpr):
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < H) & (dims < D)                                  # [BLOCK_H, BLOCK_D]
+        x = tl.load(src_ptr + tok * stride_t + heads * stride_h + dims, mask=mask,
+                    other=0.0).to(tl.float32)
+        quant_store_heads(x, mask, dst_ptr, scale_ptr, slot, sslot, stride_ch, stride_sh, H,
+                          BLOCK_H, BLOCK_D, FP8, INV)
 
     @triton.jit
     def _kv_write_quant_kernel(
@@ -178,12 +189,7 @@ if HAVE_TRITON:
 
 def kv_write_quant_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) -> None:
     """Same contract as ``kv_write_quant_torch``: writes in place, returns None."""
-    t, h, d = _check_kv_write(k, v, k_cache, v_cache, idx0, idx1, quant=True)
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        assert s.shape == k_cache.shape[:3], \
-            f"{name} must be [{', '.join(map(str, k_cache.shape[:3]))}], got {tuple(s.shape)}"
-        assert s.dtype == torch.float32, f"{name} must be float32, got {s.dtype}"
-        assert s.device == k.device, f"{name} on {s.device} but k on {k.device}"
+    t, h, d = check_quant_write(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1)
     if t == 0 or h == 0 or d == 0:
         return None
     idx0, idx1 = idx0.contiguous(), idx1.contiguous()
@@ -200,6 +206,17 @@ def kv_write_quant_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) 
         num_warps=4 if block_h * block_d <= 2048 else 8,
         **pdl_launch(k.device))
     return None
+
+
+def check_quant_write(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1):
+    """``_check_kv_write`` for int8 / e4m3 caches and their scales; returns (T, Hkv, D)."""
+    t, h, d = _check_kv_write(k, v, k_cache, v_cache, idx0, idx1, quant=True)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        assert s.shape == k_cache.shape[:3], \
+            f"{name} must be [{', '.join(map(str, k_cache.shape[:3]))}], got {tuple(s.shape)}"
+        assert s.dtype == torch.float32, f"{name} must be float32, got {s.dtype}"
+        assert s.device == k.device, f"{name} on {s.device} but k on {k.device}"
+    return t, h, d
 
 
 def _check_kv_write(k, v, k_cache, v_cache, idx0, idx1, quant: bool = False):

@@ -180,17 +180,17 @@ class PagedCache(PagedGraphInputs, KVCache):
         self._wait(layer)
         kc, vc = self.k[layer], self.v[layer]  # [NB, BS, Hkv, D]
         ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.quant else (None, None)
+        slots = (meta.slot_block, meta.slot_offset)
         if k is None:  # written by the producer (decode_kv_slots), q rotated
             assert meta.decode and not self.quant, "K/V written ahead only at decode, not quantised"
-        elif rope is not None and not self.quant:  # one kernel for both
-            q = self.ops.rotary_kv_write(q, k, v, *rope, kc, vc, meta.slot_block, meta.slot_offset)
+        elif rope is not None and self.quant:  # one kernel for both, quantising
+            q = self.ops.rotary_kv_write_quant(q, k, v, *rope, kc, vc, ks, vs, *slots)
+        elif rope is not None:
+            q = self.ops.rotary_kv_write(q, k, v, *rope, kc, vc, *slots)
+        elif self.quant:
+            self.ops.kv_write_quant(k, v, kc, vc, ks, vs, *slots)
         else:
-            if rope is not None:
-                q, k = self.ops.rotary(q, k, *rope)  # [T, H, D] each
-            if self.quant:
-                self.ops.kv_write_quant(k, v, kc, vc, ks, vs, meta.slot_block, meta.slot_offset)
-            else:
-                self.ops.kv_write(k, v, kc, vc, meta.slot_block, meta.slot_offset)
+            self.ops.kv_write(k, v, kc, vc, *slots)
         if meta.decode:  # q: [B, Hq, D], one token per sequence
             return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
                                             self.scale, self.window, ks, vs, counters=self.counters)

@@ -107,6 +107,29 @@ def test_plan_prints_the_fp8_kv_memory(tmp_path, capsys):
     assert "fp8" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("kv", ["kv-fp8", "kv-int8"])
+def test_triton_kernels_in_the_engine_match_the_reference_ops(kv, monkeypatch):
+    """Triton (the interpreter here): RoPE and the quantised write in one kernel
+    (``rotary_kv_write_quant``), attention on the 8-bit pool, against the torch ops."""
+    hf = random_model(tiny_llama_config(), seed=3, scale=2.0)
+    kw = dict(plugins=["paged", kv], max_seq_len=64, max_batch_size=2, block_size=8)
+    tri, ref = core.build(hf, kernels="triton", **kw), core.build(hf, kernels="torch", **kw)
+    calls, real = [], tri.cache.ops.rotary_kv_write_quant
+
+    def spy(*args):
+        calls.append(args[6].dtype)  # the K cache
+        return real(*args)
+    monkeypatch.setattr(tri.cache, "ops", types.SimpleNamespace(
+        **{**vars(tri.cache.ops), "rotary_kv_write_quant": spy}))
+    prompts = [random_prompt(n, hf.config.vocab_size, n) for n in (5, 19)]
+    for p in prompts:
+        a, b = tri.logits(p), ref.logits(p)
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-3
+    want = [c.token_ids for c in ref.generate(prompts, max_new_tokens=8)]
+    assert [c.token_ids for c in tri.generate(prompts, max_new_tokens=8)] == want
+    assert set(calls) == {FP8 if kv == "kv-fp8" else torch.int8}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available()
                     or torch.cuda.get_device_capability() < (8, 9), reason="needs CUDA sm_89+")
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])

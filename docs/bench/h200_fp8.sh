@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The fp8 figures of docs/BENCHMARKS.md (issue 27) on one H200:
+#   bash docs/bench/h200_fp8.sh OUT_DIR [tests] [weights] [kv] [throughput]
+# tests: the GPU tests of fp8 weights, kv-fp8 and their kernels; weights: infergraft bench
+# on the LLaMA-2-7B shape (batches 1 and 32, 512-token prompts) with fp8 weights beside bf16
+# and HF eager; kv: batch 16 at 4,000-token prompts with kv-fp8 and kv-int8 beside bf16 K/V
+# (the attention-bound case); throughput: bench throughput on the LLaMA-3-8B shape, 1000
+# uniform requests of 512 / 256 tokens, fp8 (and fp8 + kv-fp8) beside bf16, HF on a slice.
+set -u
+OUT=${1:?OUT_DIR}
+shift
+PARTS=${*:-tests weights kv}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+export INFERGRAFT_COMMIT=${INFERGRAFT_COMMIT:-$(git describe --always --dirty 2>/dev/null)}
+ig() { python3 -c 'import sys; from infergraft.core.cli import main; sys.exit(main())' "$@"; }
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+if has tests; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    -m "not slow" tests/kernels/test_fp8_linear.py tests/test_weight_fp8.py tests/test_kv_fp8.py \
+    tests/kernels/test_kv_write_quant.py tests/kernels/test_fused_scaled_rows.py \
+    tests/kernels/test_paged_attention.py tests/kernels/test_varlen_attention.py \
+    -k "${TESTS_K:-cuda or gpu}" > "$OUT/gpu_tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -12
+fi
+if has weights; then
+  ig bench --model llama2-7b --batches 1,32 --systems infergraft,hf-eager \
+    --compare-plugins fp8 --out "$OUT/weights" > "$OUT/weights.txt" 2>&1
+  tail -14 "$OUT/weights.txt"
+fi
+if has kv; then
+  ig bench --model llama2-7b --batches 16 --prompt-len 4000 --new-tokens 32 \
+    --systems infergraft,hf-eager --compare-plugins kv-fp8,kv-int8 --out "$OUT/kv" \
+    > "$OUT/kv.txt" 2>&1
+  tail -12 "$OUT/kv.txt"
+fi
+if has throughput; then
+  ig bench throughput --model llama3-8b --dataset uniform --num-prompts 1000 \
+    --prompt-len 512 --output-len 256 --hf-num-prompts "${HF_PROMPTS:-48}" \
+    --compare-plugins fp8,fp8+kv-fp8 --out "$OUT/throughput" > "$OUT/throughput.txt" 2>&1
+  tail -16 "$OUT/throughput.txt"
+fi
