@@ -60,8 +60,9 @@ class Quantizer:
         projection (qkv, o, gate_up or fc_in, down); embeddings, lm_head and norms stay."""
         return bool(_PROJECTION.search(slot))
 
-    def int8_rows(self, packed):
-        """``packed`` as (q int8 [N, K], scale float32 [N]), weight = q * scale row by row,
+    def scaled_rows(self, packed):
+        """``packed`` as 8-bit rows with a float32 scale each, (q [N, K] ``torch.int8`` or
+        ``torch.float8_e4m3fn``, scale float32 [N]), weight = q.float() * scale[:, None],
         when it is that form: the fused decode GEMMs then read it directly (norm weights
         folded in before packing). None (the default): the plain decode layer runs."""
         return None

@@ -3,6 +3,16 @@ the rows they work on: x [..., K] as a row-major [M, K] view (a copy only where 
 dim is strided) and the output [M, N] it fills."""
 import torch
 
+#: the dtypes of 8-bit weight rows with a float32 scale each, W = q.float() * s[:, None]
+#: (``Quantizer.scaled_rows``): int8 (``int8_linear``) and e4m3 (``fp8_linear``)
+SCALED_ROW_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def check_row_dtype(qweight: torch.Tensor) -> None:
+    """A weight given with a scale must be 8-bit rows of one of ``SCALED_ROW_DTYPES``."""
+    assert qweight.dtype in SCALED_ROW_DTYPES, \
+        f"a weight with a scale must be int8 or float8_e4m3fn rows, got {qweight.dtype}"
+
 
 def gemm_rows(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """(x2 [M, K] with unit column stride, y [M, N] empty in x's dtype, x's leading dims):

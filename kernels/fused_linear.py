@@ -17,9 +17,12 @@ residual adds' round trips (docs/kernels.md has the step times of both layers). 
 references compose torch ops, and so do the Triton entry points where the kernel does not
 apply (float32: exact cuBLAS; more rows than ``FUSE_MAX_ROWS``).
 
-Each takes an int8 weight too: ``scale`` [N] float32 per row, W = q * s[:, None]
-(``quantize_int8``); the references compute that GEMM as ``int8_linear_torch`` does, the
-fallbacks with ``int8_linear_triton``.
+Each takes 8-bit weight rows too (``Quantizer.scaled_rows``): q int8 (``quantize_int8``)
+or float8_e4m3fn (``quantize_fp8``) [N, K] with ``scale`` [N] float32 per row, W =
+q.float() * s[:, None]. The references compute that GEMM as ``int8_linear_torch`` /
+``fp8_linear_torch`` do, the fallbacks with ``int8_linear_triton`` / ``fp8_linear_triton``.
+Both take the same tiles (one byte a weight); only int8 rows take the one-row word loop
+(``gemv_dot_int8`` reads bytes as int8): one e4m3 row takes the tensor-core tiles.
 """
 import torch
 
@@ -27,6 +30,8 @@ from infergraft.core.spec import split_qkv
 
 from . import switches
 from ._triton import HAVE_TRITON, next_pow2, triton
+from ._rows import check_row_dtype
+from .fp8_linear import FP8, fp8_linear_torch, fp8_linear_triton, fp8_native
 from .int8_linear import int8_linear_torch, int8_linear_triton
 from .gemv import gemv_config, gemv_kind, int8_gemv_config, takes_gemv, takes_int8_gemv
 from .linear import SWAP_TILES, check_gemm, launch_gemm, linear_torch, skinny_config
@@ -46,9 +51,15 @@ def _normed(x, sum_sq, eps):
     return (x.float() * rstd).to(x.dtype)
 
 
-def _linear(x, weight, bias, scale, int8_linear=int8_linear_torch):
-    # x: [M, K], weight: [N, K] in x's dtype, or int8 with scale [N] -> [M, N] in x's dtype
-    return linear_torch(x, weight, bias) if scale is None else int8_linear(x, weight, scale, bias)
+def _linear(x, weight, bias, scale, kernel=False):
+    # x: [M, K], weight: [N, K] in x's dtype, or 8-bit rows with scale [N] -> [M, N] in x's
+    # dtype; each row format through its own GEMM (its Triton launcher with ``kernel``)
+    if scale is None:
+        return linear_torch(x, weight, bias)
+    check_row_dtype(weight)
+    if weight.dtype == FP8:
+        return (fp8_linear_triton if kernel else fp8_linear_torch)(x, weight, scale, bias)
+    return (int8_linear_triton if kernel else int8_linear_torch)(x, weight, scale, bias)
 
 
 def _with_sum_sq(out, sum_sq: bool):
@@ -73,24 +84,34 @@ def linear_residual_torch(x, weight, bias, residual, sum_sq: bool = False, scale
 
 def _gemm(x, weight, bias, scale):
     # the Triton entry points' GEMM where the fused kernel does not apply
-    return _linear(x, weight, bias, scale, int8_linear_triton if HAVE_TRITON else int8_linear_torch)
+    return _linear(x, weight, bias, scale, kernel=HAVE_TRITON)
 
 
 def _fusable(x, weight, scale=None) -> bool:
-    # 16-bit x with a weight of its dtype, or an int8 one with its scales
-    return HAVE_TRITON and 0 < x.shape[0] <= FUSE_MAX_ROWS and x.dtype != torch.float32 \
-        and weight.dtype == (x.dtype if scale is None else torch.int8)
+    # 16-bit x with a weight of its dtype, or 8-bit rows with their scales (e4m3: where
+    # Triton loads it, else the fallback's reference)
+    if not (HAVE_TRITON and 0 < x.shape[0] <= FUSE_MAX_ROWS and x.dtype != torch.float32):
+        return False
+    if scale is None:
+        return weight.dtype == x.dtype
+    return weight.dtype == torch.int8 or (weight.dtype == FP8 and fp8_native(x.device))
 
 
-def _tiles(config, default: dict, scale, kind: str, m: int, k: int) -> dict:
-    """The caller's tiles, else ``default`` (16-bit); an int8 tile carries half the bytes,
-    so where the default's K tiles are short (<= 256) int8 ones are twice as long. One int8
-    row takes the word loop (``takes_int8_gemv``) with the ``kind``'s tiles."""
+def _row_dtype(weight, scale):
+    # the dtype of 8-bit weight rows (a scale given), None for a 16-bit weight
+    return None if scale is None else weight.dtype
+
+
+def _tiles(config, default: dict, rows, kind: str, m: int, k: int) -> dict:
+    """The caller's tiles, else ``default`` (16-bit). ``rows``: the dtype of 8-bit weight
+    rows (``_row_dtype``), None for 16-bit ones. An 8-bit tile carries half the bytes, so
+    where the default's K tiles are short (<= 256) 8-bit ones are twice as long. One int8
+    row takes the word loop (``takes_int8_gemv``) with the ``kind``'s tiles; e4m3 never."""
     if config:
         return dict(config)
-    if scale is not None and takes_int8_gemv(m, k):
+    if rows == torch.int8 and takes_int8_gemv(m, k):
         return int8_gemv_config(kind)
-    if scale is not None and default["BLOCK_K"] <= 256:
+    if rows is not None and default["BLOCK_K"] <= 256:
         return dict(default, BLOCK_K=2 * default["BLOCK_K"])
     return dict(default)
 
@@ -114,8 +135,8 @@ def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
     m, k = x.shape
     n = weight.shape[0]
     y = _output(x, weight, bias, scale, n)
-    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), scale, gemv_kind(n, k),
-                 m, k)
+    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), _row_dtype(weight, scale),
+                 gemv_kind(n, k), m, k)
     launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, sum_sq=sum_sq,
                 eps=eps, w_scale=scale)
     return y
@@ -142,7 +163,8 @@ def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
     m, k = x.shape
     i = weight.shape[0] // 2
     y = _output(x, weight, bias, scale, i)
-    cfg = _tiles(config, swiglu_config(m, i, k, gemv=scale is None), scale, "swiglu", m, k)
+    cfg = _tiles(config, swiglu_config(m, i, k, gemv=scale is None), _row_dtype(weight, scale),
+                 "swiglu", m, k)
     launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i,
                 sum_sq=sum_sq, eps=eps, w_scale=scale)
     return y
@@ -158,8 +180,8 @@ def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scal
     if not _fusable(x, weight, scale):
         return _with_sum_sq(_gemm(x, weight, bias, scale) + residual, sum_sq)
     y = _output(x, weight, bias, scale, n)
-    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), scale, gemv_kind(n, k),
-                 m, k)
+    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), _row_dtype(weight, scale),
+                 gemv_kind(n, k), m, k)
     programs = triton.cdiv(n, cfg["BLOCK_N"])
     parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
     launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts,
@@ -188,8 +210,8 @@ ROPE_SWAP_TILES = switches.value("INFERGRAFT_ROPE_SWAP")
 
 def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
     """Two [BN, BK] tiles a step (dims and their rotate-half partners); 16-bit weights take
-    swapped 64-wide tiles, int8 ones unswapped 32-wide tiles: each the best of an
-    in-model comparison of tiles (docs/kernels.md)."""
+    swapped 64-wide tiles, 8-bit ones unswapped 32-wide tiles: each the best of an
+    in-model comparison of tiles (int8's; docs/kernels.md)."""
     if takes_gemv(m, gemv):  # one row: kernels/gemv.py's register loop
         cfg = gemv_config("qkv_rope")
         return dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], half))
@@ -212,7 +234,7 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \
         f"qkv weight has {weight.shape[0]} rows, not (Hq={num_heads} + 2 Hkv={hkv}) x D={d}"
     cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1], gemv=scale is None),
-                 scale, "qkv_rope", *x.shape)
+                 _row_dtype(weight, scale), "qkv_rope", *x.shape)
     if cfg.get("GEMV"):
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], half)
     max_rows = QKV_ROPE_MAX_ROWS if cfg.get("SWAP") else min(QKV_ROPE_MAX_ROWS,

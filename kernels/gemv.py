@@ -8,7 +8,8 @@ CTAs sit beside this one's, and each requests its first tiles *before* its PDL w
 weights depend on no earlier kernel, so those bytes arrive while the previous kernel
 finishes. int8 rows (``INFERGRAFT_GEMV_INT8``, on) take ``gemv_dot_int8``: a convert
 instruction per byte would bound the loop, so it reads rows as int32 words and widens each
-byte through a float's mantissa (integer ops and one add).
+byte through a float's mantissa (integer ops and one add). That reads int8 bytes only:
+e4m3 rows (``fp8``) never take either loop, one row of them runs on the tensor-core tiles.
 docs/kernels.md has the figures.
 """
 from . import switches
@@ -50,7 +51,7 @@ def gemv_kind(n: int, k: int) -> str:
 
 def takes_int8_gemv(m: int, k: int) -> bool:
     """Whether an int8 GEMM of the fused layer takes ``gemv_dot_int8`` (rows read as words
-    of four bytes: K a multiple of 4)."""
+    of four bytes: K a multiple of 4). For int8 rows only, never e4m3 ones."""
     return m == 1 and k % 4 == 0 and GEMV_ON and GEMV_INT8
 
 

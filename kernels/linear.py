@@ -3,15 +3,15 @@
 At decode every weight is read once a step, so the kernel streams W at HBM bandwidth:
 tiles of W [BLOCK_N, BLOCK_K] through a pipelined tl.dot (x's rows padded to 16, free in
 a memory-bound GEMM). One row takes kernels/gemv.py's register loops instead (16-bit
-weights; int8 ones with INFERGRAFT_GEMV_INT8). Larger M goes to cuBLAS (F.linear).
+weights; int8 ones with INFERGRAFT_GEMV_INT8; never e4m3). Larger M goes to cuBLAS.
 
 Split-K (``linear_partials``): narrow outputs (N = hidden, the o and down projections)
 give too few column tiles to keep every SM streaming, so the K axis is split over S
 programs too and each writes float32 partial sums [S, M, N]. No reduce kernel: the
 add+RMSNorm that follows these projections sums the partials as it loads them.
 
-int8 weights (``w_scale``): q int8 [N, K], a float32 scale per row, W = q * s[:, None]
-(``kernels/int8_linear.py``), widened in registers, scaled once in the epilogue.
+8-bit weight rows (``w_scale``: q int8 or e4m3 [N, K], a float32 scale s each, W = q s[:, None];
+``int8_linear.py``, ``fp8_linear.py``): widened exactly in registers, scaled in the epilogue.
 """
 import torch
 
@@ -19,6 +19,7 @@ from . import switches
 from .cpu_linear import linear_cpu
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .gemv import gemv_config, gemv_dot, gemv_dot_int8, takes_gemv
+from ._rows import check_row_dtype
 from .rotary import rope_pair_store
 
 # above this many rows cuBLAS streams the weights as fast as this kernel (docs/kernels.md)
@@ -51,7 +52,7 @@ if HAVE_TRITON:
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                             LATE_RELEASE: tl.constexpr, GEMV: tl.constexpr = False,
                             DEPTH: tl.constexpr = 1, EARLY: tl.constexpr = False,
-                            SWAP: tl.constexpr = False):
+                            SWAP: tl.constexpr = False, W_FP8: tl.constexpr = False):
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
         # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
         # Fusions (kernels/fused_linear.py), all outside the loop, whose operands stay
@@ -62,7 +63,7 @@ if HAVE_TRITON:
         # sum of squares over this program's columns, to ss_out [programs, M]; ROPE = the
         # qkv projection at decode: columns paired with their rotate-half partners (UP_ROWS
         # = head_dim / 2 below), rotated, q stored to y [M, HQ * D], k / v to cache slots.
-        # W_SCALE: W is int8 with a float32 scale per row s [N]: (x q^T) * s == x (q * s)^T.
+        # W_SCALE: W is 8-bit rows (int8; e4m3 with W_FP8), a float32 scale s [N] each: (x q^T) s.
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_lo = split * K_SPLIT
@@ -95,8 +96,8 @@ if HAVE_TRITON:
                 wmask = (rn[:, None] < N) & kmask[None, :]
                 x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=wmask, other=0.0)
-                if W_SCALE:  # int8 -> x's dtype, exact (|q| <= 127); scales in the epilogue
-                    w = w.to(x.dtype)
+                if W_SCALE:  # 8-bit -> x's dtype, exact; e4m3 as bytes (a masked 0 is +0)
+                    w = (w.to(tl.float8e4nv, bitcast=True) if W_FP8 else w).to(x.dtype)
                 if SWAP:
                     acc += tl.dot(w, tl.trans(x))                               # [BN, BM]
                 else:
@@ -104,7 +105,7 @@ if HAVE_TRITON:
                 if SWIGLU or ROPE:
                     wu = tl.load(w_ptrs + UP_ROWS * stride_wn, mask=wmask, other=0.0)
                     if W_SCALE:
-                        wu = wu.to(x.dtype)
+                        wu = (wu.to(tl.float8e4nv, bitcast=True) if W_FP8 else wu).to(x.dtype)
                     if SWAP:
                         acc_up += tl.dot(wu, tl.trans(x))                       # [BN, BM]
                     else:
@@ -214,15 +215,14 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None,
 
 
 def check_gemm(x: torch.Tensor, weight: torch.Tensor, bias=None, scale=None) -> None:
-    """What ``_skinny_gemm_kernel`` needs of x [M, K], weight [N, K] (x's dtype, or int8
-    with its ``scale`` [N]) and bias [N]."""
+    """What ``_skinny_gemm_kernel`` needs of x [M, K], weight [N, K] (x's dtype, or 8-bit
+    rows, int8 or float8_e4m3fn, with their ``scale`` [N]) and bias [N]."""
     k, n = x.shape[1], weight.shape[0]
     assert weight.dim() == 2 and weight.shape[1] == k, f"x has K={k} but weight is {tuple(weight.shape)}"
     if scale is None:
-        assert x.dtype == weight.dtype, \
-            f"x {x.dtype} != weight {weight.dtype} (an int8 weight needs its scale)"
+        assert x.dtype == weight.dtype, f"x {x.dtype} != weight {weight.dtype} (8-bit rows need a scale)"
     else:
-        assert weight.dtype == torch.int8, f"a weight with a scale must be int8, got {weight.dtype}"
+        check_row_dtype(weight)
         assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous(), \
             f"scale must be contiguous float32 [{n}] (one per weight row), got " \
             f"{tuple(scale.shape)} {scale.dtype} stride {scale.stride()}"
@@ -234,17 +234,18 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
                 residual=None, up_rows=0, sum_sq_out=None, rope=None, w_scale=None):
     """Launch ``_skinny_gemm_kernel`` (callers check shapes), each fusion on where its input
     is given: ``sum_sq`` [P, M] float32 partials (RMSNorm, weight folded into W); ``up_rows``
-    > 0: SwiGLU; ``sum_sq_out`` [programs, M]; ``w_scale`` [N]: W = int8 q * s[:, None];
+    > 0: SwiGLU; ``sum_sq_out`` [programs, M]; ``w_scale`` [N]: W = 8-bit q * s[:, None];
     ``rope`` = (positions, cos, sin, idx0, idx1, k_cache, v_cache, Hq, Hkv), ``up_rows`` =
     D / 2: the decode qkv projection, y = rotated q [M, Hq * D]."""
     m, k = x.shape
+    fp8 = w_scale is not None and weight.dtype == torch.float8_e4m3fn  # read as bytes
     words = cfg.get("GEMV") and w_scale is not None  # int8 rows as int32 words of 4 bytes
-    if cfg.get("GEMV") and not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)
-                                and (not words or k % 4 == cfg.get("DEPTH", 1) - 1 == 0)):
+    if cfg.get("GEMV") and (fp8 or not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)
+                                        and (not words or k % 4 == cfg.get("DEPTH", 1) - 1 == 0))):
         raise ValueError(f"the one-row GEMV loop takes M=1 unsplit with DEPTH 1 or 2 (int8: 1, "
-                         f"K a multiple of 4), got M={m}, {grid[1]} splits, "
-                         f"DEPTH={cfg.get('DEPTH', 1)}, K={k}")
-    weight = weight.view(torch.int32) if words else weight
+                         f"K a multiple of 4; e4m3 rows: never), got M={m}, {grid[1]} splits, "
+                         f"DEPTH={cfg.get('DEPTH', 1)}, K={k}, weight {weight.dtype}")
+    weight = weight.view(torch.int32) if words else weight.view(torch.uint8) if fp8 else weight
     unused = weight  # a valid pointer for the inputs a variant never reads
     pos, cos, sin, idx0, idx1, kc, vc, hq, hkv = rope or (unused,) * 7 + (0, 0)
 
@@ -262,16 +263,15 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
         HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, NORM=sum_sq is not None,
         BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]), ROPE=rope is not None,
         SWIGLU=up_rows > 0 and rope is None, RESIDUAL=residual is not None,
-        SUM_SQ=sum_sq_out is not None, **cfg,
+        SUM_SQ=sum_sq_out is not None, W_FP8=fp8, **cfg,
         LATE_RELEASE=LATE_PDL_RELEASE, **pdl_launch(x.device))
 
 
 # -- split-K for the projections an add+RMSNorm follows -------------------------------------
 
 def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
-    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast. Narrow
-    outputs (o, down) give too few column tiles to fill the SMs; split over K, and the
-    add+RMSNorm that follows sums the partials as it loads them. Tiles from ``python -m infergraft.kernels.bench.gemms
+    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast (the
+    module docstring says why). Tiles from ``python -m infergraft.kernels.bench.gemms
     --split 1,32,64``; docs/kernels.md has the figures."""
     if n > 8192:  # wide outputs already fill the GPU with column tiles
         return None

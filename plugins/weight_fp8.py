@@ -9,8 +9,13 @@ dtype. ``ops.fp8_linear`` multiplies: on a GPU with fp8 (sm_89+) decode widens t
 tiles in registers (half bf16's weight bytes) and prefill runs W8A8 on the fp8 tensor
 cores with a per-token activation scale; elsewhere (the CPU, older GPUs) the reference
 dequantises and runs the float GEMM, and the build warns once (``PerformanceWarning``).
-The fused decode layer reads int8 rows only (``int8_rows`` is None): fp8 runs the plain
-layer, its norms unfolded.
+The packed form is 8-bit rows with a scale each (``scaled_rows``), so where the fused
+decode layer runs (Triton, 16-bit) ``core.loading.packing.SlotPacker`` folds each RMSNorm
+weight into its projection before packing (e4m3 rounds each element relative to itself
+but in the subnormal tail, so a column's norm weight costs the others little), and the
+fused GEMMs read the e4m3 rows and scales: int8's tiles, the e4m3 widened in registers
+(never int8's one-row word loop). A checkpoint already in fp8 keeps its projections and
+norms as stored: the plain layer.
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ class WeightFp8(Quantizer):
     def pack(self, weight):
         q, scale = quantize_fp8(weight)
         return Fp8Weight(q, scale, weight.dtype)
+
+    def scaled_rows(self, packed):
+        return packed.q, packed.scale  # the fused decode GEMMs read these directly
 
     def unpack(self, packed):
         return dequantize_fp8(packed.q, packed.scale).to(packed.dtype)

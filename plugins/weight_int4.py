@@ -7,10 +7,10 @@ codes, two a byte, with a float32 scale and a uint8 zero-point per row and group
 ``kernels.int4_linear.quantize_int4``; the format, ``Int4Weight``, is what the GPTQ / AWQ
 loaders convert into). ``ops.int4_linear`` unpacks the nibbles in registers: about a
 quarter of bf16's weight bytes (plus 5 bytes a group). Embeddings, the lm_head and norms
-stay in the model dtype. The fused decode layer reads int8 rows only (``int8_rows`` is
-None here): an int4 model runs the plain layer; where the fused layer would have run,
-``core.loading.packing.SlotPacker`` still folds each RMSNorm weight into its projection
-before packing, which the plain layer computes the same.
+stay in the model dtype. The fused decode layer reads 8-bit rows with a scale each only
+(``scaled_rows`` is None here): an int4 model runs the plain layer, its norms unfolded
+(``core.loading.packing.SlotPacker`` folds norms into 8-bit rows only: W g's groups
+would widen with the norm's outliers).
 """
 from __future__ import annotations
 

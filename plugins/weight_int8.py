@@ -6,7 +6,7 @@ packed as the checkpoint streams in and multiplied by ``ops.int8_linear``, which
 the int8 tiles in registers: decode reads about half the bytes of bf16. Embeddings, the
 lm_head and norms stay in the model dtype. Where the fused decode layer runs (Triton,
 16-bit), ``core.quant.SlotPacker`` folds each RMSNorm weight into its projection before
-packing, and the fused GEMMs read the int8 rows and scales (``int8_rows``). On the CPU
+packing, and the fused GEMMs read the int8 rows and scales (``scaled_rows``). On the CPU
 the rows are widened to float32 a cache-sized chunk at a time (``cpu_linear``): float32's
 speed with half its weight bytes; the format is for GPU decode, where the weight bytes
 bound the step.
@@ -40,7 +40,7 @@ class WeightInt8(Quantizer):
         q, scale = quantize_int8(weight)
         return Int8Weight(q, scale, weight.dtype)
 
-    def int8_rows(self, packed):
+    def scaled_rows(self, packed):
         return packed.q, packed.scale  # the fused decode GEMMs read these directly
 
     def unpack(self, packed):

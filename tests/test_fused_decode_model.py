@@ -2,11 +2,16 @@
 inside them) inside the model: steps of <= ``fuse_max_rows`` tokens take it. Runs the
 Triton kernels in the interpreter (float16: the interpreter's bf16 differs from the GPU's)
 and compares logits and greedy tokens with the torch-reference kernels, which never fuse
-and keep the weights as loaded."""
+and keep the weights as loaded; 16-bit weights, and 8-bit rows (int8, fp8) packed from the
+folded weights."""
+import copy
+
 import pytest
 import torch
 
 from infergraft import core
+from infergraft.core.runner.model import gemm_operands
+from infergraft.core.slots import folded
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             with_random_norm_weights)
 from infergraft.core.testing.parity import relative_error
@@ -23,10 +28,10 @@ def fused_layer_on(monkeypatch):
     monkeypatch.delenv("INFERGRAFT_FUSE", raising=False)  # the default: on
 
 
-def _count_fused_calls(engine):
+def _count_fused_calls(engine, names=("normed_linear", "normed_swiglu", "linear_residual")):
     calls = []
     ops = engine.model.ops
-    for name in ("normed_linear", "normed_swiglu", "linear_residual"):
+    for name in names:
         op = getattr(ops, name)
         setattr(ops, name, lambda *a, _op=op, _n=name, **k: calls.append((_n, a[0].shape[0])) or _op(*a, **k))
     return calls
@@ -105,3 +110,54 @@ def test_paged_decode_steps_write_k_v_from_the_qkv_gemm(backend):
     fused = [rows for name, rows in calls if name == "normed_qkv_rope"]
     assert len(fused) == 4 * layers and set(fused) == {2}, calls  # 4 decode steps, 2 rows each
     assert all(rows > 2 for name, rows in calls if name == "normed_linear")  # the prompts
+
+
+def _norms_folded_by_hand(hf):
+    """A copy of ``hf`` with each RMSNorm weight moved into the projections it feeds as
+    ``core.slots.folded`` moves it (in ``hf``'s dtype) and the norms ones: the same model,
+    whose projections a quantiser packs as a build that folds them packs ``hf``'s."""
+    out = copy.deepcopy(hf)
+    with torch.no_grad():
+        for layer in out.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for norm, projs in ((layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
+                for proj in projs:
+                    proj.weight.copy_(folded(proj.weight, norm.weight))
+                norm.weight.fill_(1)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::infergraft.core.errors.PerformanceWarning")  # fp8, torch ops
+@pytest.mark.parametrize("quantizer", ["int8", "fp8"])
+def test_8bit_rows_take_the_fused_layer_with_their_norms_folded_before_packing(quantizer):
+    """An int8 or fp8 engine on the Triton ops runs the fused layer on its 8-bit rows, qkv
+    and gate_up packed from W g (norms ones), decode steps through the qkv + RoPE GEMM:
+    the same packed rows, greedy tokens and (closely) logits as the plain layer (torch
+    ops) on the same model with its norms folded by hand."""
+    config = tiny_llama_config(hidden_size=256, intermediate_size=512)  # head_dim 64
+    hf = with_random_norm_weights(random_model(config, seed=8, dtype=torch.float16, scale=2.0))
+    plugins = ["paged", quantizer]
+    ref = core.build(_norms_folded_by_hand(hf), kernels="torch", plugins=plugins, **KW)
+    engine = core.build(hf, kernels="triton", plugins=plugins, **KW)
+    assert engine.model.norms_folded and engine.model._fused(1) and not ref.model._fused(1)
+    for a, b in zip(ref.model.layers, engine.model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            pa, pb = getattr(a, name).packed, getattr(b, name).packed
+            assert pb.q.dtype == pa.q.dtype and pb.q.element_size() == 1, name
+            assert torch.equal(pa.q.view(torch.uint8), pb.q.view(torch.uint8)), name
+            assert torch.equal(pa.scale, pb.scale), name
+            assert gemm_operands(getattr(b, name))[0] is pb.q  # what the fused GEMMs read
+        for norm in ("attn_norm", "mlp_norm"):
+            assert torch.equal(getattr(b, norm).weight, getattr(a, norm).weight)  # ones
+    calls = _count_fused_calls(engine, ("normed_qkv_rope", "normed_linear", "normed_swiglu",
+                                        "linear_residual"))
+    prompt = random_prompt(9, hf.config.vocab_size, 9)
+    err = relative_error(engine.logits(prompt).float(), ref.logits(prompt).float())
+    assert err < 1e-2, err
+    calls.clear()
+    assert engine.generate(prompt, max_new_tokens=6)[0].token_ids == \
+        ref.generate(prompt, max_new_tokens=6)[0].token_ids
+    layers = hf.config.num_hidden_layers
+    decode = [name for name, rows in calls if rows == 1]  # 5 decode steps, 4 GEMMs a layer
+    assert len(decode) == 4 * layers * 5 and decode.count("normed_qkv_rope") == layers * 5

@@ -96,7 +96,7 @@ def test_unknown_policy_name_fails_clearly(models):
         _build(models["mistral"], ["mistrall"])
     # what is registered, by kind, to pick from
     assert "Registered policies: " in str(err.value) and "llama, mistral" in str(err.value)
-    assert "quantizers: fp8, int4, int8, kv-int8" in str(err.value)
+    assert "quantizers: fp8, int4, int8, kv-fp8, kv-int8" in str(err.value)
 
 
 def test_two_claimants_without_a_choice_name_both(models, rival):

@@ -66,7 +66,7 @@ def test_int4_engine_equals_the_float_engine_on_dequantised_weights(group_size):
         for name in ("qkv", "o", "gate_up", "down"):
             lin = getattr(layer, name)
             assert isinstance(lin, QuantizedLinear) and isinstance(lin.packed, Int4Weight)
-            assert lin.packed.group_size == group_size and lin.int8_rows() is None
+            assert lin.packed.group_size == group_size and lin.scaled_rows() is None
     assert not any(layer.fusable() for layer in engine.model.layers)
     prompt = random_prompt(12, hf.config.vocab_size, 1)
     got, want = engine.logits(prompt).float(), ref.logits(prompt).float()

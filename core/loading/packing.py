@@ -20,10 +20,11 @@ class SlotPacker:
     by layer in a checkpoint that goes so); ``finish`` sets those norms to ones."""
 
     def __init__(self, quantizer, ops, net, fold_norms: bool, device=None):
-        # norms fold only into a form the fused decode layer reads (int8 rows): a group-wise
-        # format (int4) would quantise W g, whose groups the norm's outliers widen
+        # norms fold only into a form the fused decode layer reads (8-bit rows, a scale
+        # each): a group-wise format (int4) would quantise W g, whose groups the norm's
+        # outliers widen
         if fold_norms:
-            fold_norms = quantizer.int8_rows(quantizer.pack(torch.ones(1, 128))) is not None
+            fold_norms = quantizer.scaled_rows(quantizer.pack(torch.ones(1, 128))) is not None
         self.quantizer, self.ops, self.net, self.fold_norms = quantizer, ops, net, fold_norms
         self.device = device  # where packing runs: the build's device (None: the weight's)
         self.feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds

@@ -50,18 +50,18 @@ class QuantizedLinear(nn.Module):
         y = self.quantizer.matmul(x, self.packed, **self._kw)  # [T, K] -> [T, N]
         return y if self.bias is None else y + self.bias
 
-    def int8_rows(self):
-        """(q int8 [N, K], scale float32 [N]) when the quantiser packs that form (the fused
-        decode GEMMs read it), else None."""
-        return self.quantizer.int8_rows(self.packed)
+    def scaled_rows(self):
+        """(q [N, K] int8 or float8_e4m3fn, scale float32 [N]) when the quantiser packs that
+        form (the fused decode GEMMs read it: ``Quantizer.scaled_rows``), else None."""
+        return self.quantizer.scaled_rows(self.packed)
 
 
 def gemm_operands(lin):
     """(weight, bias, scale) of a projection for the fused decode GEMMs: a Linear's weight
-    (scale None), or a quantised one's int8 rows and their scales; None if neither."""
+    (scale None), or a quantised one's 8-bit rows and their scales; None if neither."""
     if type(lin) is Linear:
         return lin.weight, lin.bias, None
-    rows = lin.int8_rows() if isinstance(lin, QuantizedLinear) else None
+    rows = lin.scaled_rows() if isinstance(lin, QuantizedLinear) else None
     return None if rows is None else (rows[0], lin.bias, rows[1])
 
 
@@ -101,7 +101,7 @@ class DecoderLayer(nn.Module):
         self.down = Linear(ops, partials)
 
     def fusable(self) -> bool:
-        """RMSNorm + SwiGLU, every projection our own Linear or int8 rows (other quantised
+        """RMSNorm + SwiGLU, every projection our own Linear or 8-bit rows (other quantised
         forms have their own forward), and norms the fused layer can drop: a Linear
         takes them at ``fold_norm_weights``, packed weights only before packing
         (``core.quant.SlotPacker``). The shape ``forward_fused`` knows."""

@@ -1,6 +1,6 @@
 """The decode qkv GEMM with RoPE and the K/V cache write in its epilogue
 (``normed_qkv_rope``) vs the composition it replaces, on fresh random inputs; 16-bit
-weights, and int8 ones with a scale per row."""
+weights, and 8-bit rows (int8, fp8 e4m3) with a scale each."""
 import pytest
 import torch
 
@@ -9,18 +9,19 @@ from infergraft.kernels import fused_linear as FL
 from infergraft.kernels.int8_linear import quantize_int8
 from infergraft.kernels.rotary import rotary_kv_write_torch
 
-from .test_fused_linear import _gemv_cfgs, _sum_sq_parts, _weight, fuse_fp32  # noqa: F401 (fixture)
+from .test_fused_linear import (QUANTIZE, _each_8bit, _gemv_cfgs, _sum_sq_parts,  # noqa: F401
+                                _weight, fuse_fp32)  # (fuse_fp32: a fixture)
 from .test_rotary import MAX_POS, _cos_sin
 from .tolerances import TOLERANCES
 
 BLOCKS, BS = 9, 4  # cache [BLOCKS, BS, Hkv, D]: room for QKV_ROPE_MAX_ROWS + 1 tokens
 
 
-def _inputs(randn, gen, device, dtype, m, hq, hkv, d, k, bias, parts, int8=False):
+def _inputs(randn, gen, device, dtype, m, hq, hkv, d, k, bias, parts, rows=None):
     """x, (weight, scale, its float32 value) as ``_weight`` draws them, bias, sum_sq
     parts, positions, idx0, idx1."""
     x = randn(m, k, dtype=dtype) * 2
-    w = _weight(randn, (hq + 2 * hkv) * d, k, dtype, int8, 1 / k ** 0.5)
+    w = _weight(randn, (hq + 2 * hkv) * d, k, dtype, rows, 1 / k ** 0.5)
     b = randn(w[0].shape[0], dtype=dtype) if bias else None
     positions = torch.randint(0, MAX_POS, (m,), generator=gen).to(device)
     slots = torch.randperm(BLOCKS * BS, generator=gen)[:m]
@@ -40,23 +41,23 @@ def _reference(x, wf, b, positions, cos, sin, hq, caches, idx0, idx1, eps):
     return rotary_kv_write_torch(q, k, v, cos, sin, positions, *caches, idx0, idx1)
 
 
-@pytest.mark.parametrize("m,hq,hkv,d,k,parts,int8", [
-    (1, 4, 2, 64, 96, 1, False), (5, 3, 1, 32, 160, 3, False), (16, 2, 2, 64, 64, 7, False),
-    (3, 3, 1, 32, 136, 2, True), (16, 2, 1, 64, 72, 5, True), (1, 2, 1, 32, 96, 1, True)])
+@pytest.mark.parametrize("m,hq,hkv,d,k,parts,rows", _each_8bit([
+    (1, 4, 2, 64, 96, 1, None), (5, 3, 1, 32, 160, 3, None), (16, 2, 2, 64, 64, 7, None),
+    (3, 3, 1, 32, 136, 2, "8"), (16, 2, 1, 64, 72, 5, "8"), (1, 2, 1, 32, 96, 1, "8")]))
 @pytest.mark.parametrize("bias", [False, True])
 def test_qkv_rope_matches_the_composition(device, dtype, randn, gen, poisoned_empty, fuse_fp32,
-                                          monkeypatch, m, hq, hkv, d, k, parts, int8, bias):
+                                          monkeypatch, m, hq, hkv, d, k, parts, rows, bias):
     def unfused(*a, **kw):
         raise AssertionError("took the unfused composition")
     monkeypatch.setattr(FL, "rotary_kv_write_triton", unfused)  # the one-kernel path only
     x, (w, s, wf), b, ss, positions, idx0, idx1 = _inputs(randn, gen, device, dtype, m, hq, hkv,
-                                                          d, k, bias, parts, int8)
+                                                          d, k, bias, parts, rows)
     cos, sin = _cos_sin(d, device)
     x0 = x.clone()
     cfg = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=16, BLOCK_K=32, num_warps=4,
-               num_stages=2)  # several column and K tiles; int8 weights also the defaults
+               num_stages=2)  # several column and K tiles; 8-bit rows also the defaults
     tiles = (cfg, dict(cfg, SWAP=True))  # also swapped: y^T = W x^T
-    for config in (tiles + (None,) if int8 else tiles) + tuple(_gemv_cfgs(m, int8, k)):
+    for config in (tiles + (None,) if rows else tiles) + tuple(_gemv_cfgs(m, rows, k)):
         caches = [torch.full((BLOCKS, BS, hkv, d), -3.25, dtype=dtype, device=device)
                   for _ in range(4)]
         q = FL.normed_qkv_rope_triton(x, w, b, ss, 1e-5, cos, sin, positions, hq, caches[0],
@@ -117,17 +118,18 @@ def test_qkv_rope_rejects_bad_inputs(device, randn, gen):
                                   idx0, idx1, s8[:-1])
 
 
-def test_qkv_rope_int8_default_tiles_and_the_unfused_fallbacks(device, randn, gen):
-    """int8 weights, the one-kernel path with its default tiles and more rows than
-    UNSWAPPED_ROPE_MAX_ROWS (int8 tiles are not swapped: the fused normed GEMM + the rotary
-    kernel), and the reference: all
+@pytest.mark.parametrize("rows", sorted(QUANTIZE))
+def test_qkv_rope_8bit_default_tiles_and_the_unfused_fallbacks(device, randn, gen, rows):
+    """8-bit rows (int8, e4m3), the one-kernel path with its default tiles (one row: int8's
+    word loop, e4m3's tiles) and more rows than UNSWAPPED_ROPE_MAX_ROWS (8-bit tiles are
+    not swapped: the fused normed GEMM + the rotary kernel), and the reference: all
     equal the float32 math on the dequantised weight, within the reference's roundings
     (normed x to float16, then the projection: two ulps). Past FUSE_MAX_ROWS it is the
-    int8 GEMM kernel, as in test_fused_linear.test_int8_weights_off_the_fused_path."""
+    rows' own GEMM kernel, as in test_fused_scaled_rows.test_8bit_rows_off_the_fused_path."""
     dt, hq, hkv, d, k = torch.float16, 2, 1, 64, 96
-    for m in (3, FL.UNSWAPPED_ROPE_MAX_ROWS + 1, FL.QKV_ROPE_MAX_ROWS + 1):
+    for m in (1, 3, FL.UNSWAPPED_ROPE_MAX_ROWS + 1, FL.QKV_ROPE_MAX_ROWS + 1):
         x, (q8, s, wf), b, ss, positions, idx0, idx1 = _inputs(randn, gen, device, dt, m, hq, hkv,
-                                                               d, k, True, 2, int8=True)
+                                                               d, k, True, 2, rows=rows)
         cos, sin = _cos_sin(d, device)
         caches = [torch.zeros((BLOCKS, BS, hkv, d), dtype=dt, device=device) for _ in range(6)]
         q = FL.normed_qkv_rope_triton(x, q8, b, ss, 1e-6, cos, sin, positions, hq, caches[0],
