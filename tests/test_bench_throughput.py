@@ -4,6 +4,7 @@ writes the table and JSON; each dataset draws its lengths; the floor's FLOPs aga
 torch's own counter; bad flags refused before any model is built."""
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -119,6 +120,41 @@ def test_a_budget_sweep_runs_ours_once_per_budget_and_hf_on_the_first_requests(t
     assert hf["completed"] == 2 and hf["num_prompts"] == 2 and hf["total_output_tokens"] == 6
 
 
+def test_compare_plugins_runs_each_set_on_the_same_requests(tmp_path, capsys):
+    """--compare-plugins: after the base run, our engine again with each set added to
+    --plugins, on the same requests; each set's summary under "variants", the keys of a
+    run without it unchanged."""
+    rc = cli_main(["bench", "throughput", "--model", "tiny", "--device", "cpu",
+                   "--num-prompts", "3", "--prompt-len", "8", "--output-len", "3",
+                   "--plugins", "kv-int8", "--compare-plugins", "int8,int4", "--no-hf",
+                   "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    for name in ("infergraft+int8", "infergraft+int4", "Output tok/s / infergraft"):
+        assert name in captured.out, name
+    for added in ("int8", "int4"):  # each build's own plan, logged before its run
+        plan = captured.err.split(f"infergraft+{added}:\n")[1]
+        assert re.search(r"quantizers +(.*)\n", plan)[1] == f"kv-int8, {added}"
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    base = data["infergraft"]
+    assert list(data["runs"]) == ["infergraft"] and data["hf"] is None
+    assert data["args"]["compare_plugins"] == [["int8"], ["int4"]]
+    variants = data["variants"]
+    assert [(v["name"], v["plugins"], v["build_plugins"]) for v in variants] == [
+        ("infergraft+int8", ["int8"], ["kv-int8", "int8"]),
+        ("infergraft+int4", ["int4"], ["kv-int8", "int4"])]
+    for v in variants:
+        assert (v["completed"], v["failed"]) == (base["completed"], 0) == (3, 0)
+        for key in ("total_input_tokens", "total_output_tokens"):
+            assert v[key] == base[key]
+        assert v["output_throughput"] > 0 and v["engine"]["num_steps"] == 3
+        assert v["output_throughput_vs_base"] == pytest.approx(
+            v["output_throughput"] / base["output_throughput"])
+        assert v["over_floor"] == pytest.approx(
+            v["output_throughput"] / data["floor"]["output_throughput"])
+        _ordered(v)
+
+
 # 2) The workload and the floor, without a run
 def _resolved(*flags):
     p = bench_throughput.argparse.ArgumentParser()
@@ -202,6 +238,15 @@ BAD_FLAGS = [  # (flags over a good tiny run, what the message must say)
     (["--max-num-batched-tokens", "64,64"], "distinct positive integers"),
     (["--hf-num-prompts", "0"], "positive integer"),
     (["--step-gaps"], "needs --device cuda"),
+    (["--compare-plugins", "int8,+"], "distinct plugin sets"),
+    (["--compare-plugins", "int8,int8"], "distinct plugin sets"),
+    (["--compare-plugins", "nope"], "unknown plugin"),
+    # a second weight quantiser: over --plugins, or within one set
+    (["--compare-plugins", "kv-int8,int4", "--plugins", "int8"],
+     "two weights quantizers, 'int8' and 'int4'"),
+    (["--compare-plugins", "int8+fp8"], "two weights quantizers, 'int8' and 'fp8'"),
+    (["--compare-plugins", "int8", "--max-num-batched-tokens", "8,64"],
+     "with the --max-num-batched-tokens sweep 8,64"),
 ]
 
 
@@ -228,5 +273,5 @@ def test_help_lists_every_flag(capsys):
     for flag in ("--model", "--num-prompts", "--dataset", "--prompt-len", "--output-len",
                  "--out", "--max-batch-size", "--max-num-batched-tokens", "--max-seq-len",
                  "--dtype", "--device", "--plugins", "--no-hf", "--seed", "--hf-num-prompts",
-                 "--step-gaps"):
+                 "--step-gaps", "--compare-plugins"):
         assert flag in out, flag

@@ -12,12 +12,12 @@ from pathlib import Path
 import attrs
 import torch
 
-from ..errors import InfergraftError, PlanError
+from ..errors import PlanError
 from ..loading.source import ALIASES
-from ..plugin_manager import get_plugin_manager
-from ..selection import resolve_device, resolve_dtype, select_plugins
+from ..selection import resolve_device, resolve_dtype
 from .bench import SYSTEMS, check_systems, min_new_tokens, run_benchmark
-from .bench_variants import check_quantizers, parse_variants, run_variants, variants_table
+from .bench_variants import (add_variants_argument, check_variants, engine_plugins,
+                             run_variants, variants_table)
 from .config_cli import add_config_argument, bench_config
 from .provenance import provenance
 
@@ -214,9 +214,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugins", type=_names, default="",
                    help="comma list of plugins for our engine, e.g. int8 (weights; the "
                         "roofline then counts the packed bytes)")
-    p.add_argument("--compare-plugins", type=parse_variants, default=[], metavar="SETS",
-                   help="our engine again with each plugin set added, in the same run (sets "
-                        "comma-separated, plugins of one set joined by +), e.g. int8,int4")
+    add_variants_argument(p, "each row against its own roofline")
     add_config_argument(p)
 
 
@@ -230,19 +228,8 @@ def resolve(args):
     args.new_tokens = args.new_tokens or (64 if gpu else 32)
     args.systems = args.systems or (list(SYSTEMS) if gpu else ["infergraft", "hf-eager"])
     check_systems(args.systems, args.new_tokens, args.device)
-    for plugins in [args.plugins] + [args.plugins + v for v in args.compare_plugins]:
-        check_plugins(args.device, plugins)
-        check_quantizers(plugins)
+    check_variants(args.device, args.plugins, args.compare_plugins)
     return args
-
-
-def check_plugins(device, plugins) -> None:
-    """PlanError naming --plugins for a plugin list build would refuse, resolved as it
-    resolves the names it will be given (``engine_plugins``)."""
-    try:
-        select_plugins(get_plugin_manager(), engine_plugins(device, plugins))
-    except InfergraftError as e:
-        raise PlanError(f"--plugins {','.join(plugins)}: {e}") from None
 
 
 def describe_device(device) -> str:
@@ -250,11 +237,6 @@ def describe_device(device) -> str:
     if str(device).startswith("cuda"):
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
-
-
-def engine_plugins(device, plugins) -> list[str]:
-    """Our engine's plugins: the paged cache on CUDA, then ``plugins``."""
-    return (["paged"] if str(device).startswith("cuda") else []) + list(plugins)
 
 
 def run(args) -> int:

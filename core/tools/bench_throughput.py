@@ -6,15 +6,17 @@ weights, and the workload's compute floor, in one run (as ``vllm bench throughpu
 vocabulary, ``ignore_eos``, exact output lengths) are submitted to the engine all at once
 (``add_request``) and stepped until every one has finished, after a short warm-up
 (serve_offline.py); then the same requests through HF's continuous batching (serve_hf.py),
-unless ``--no-hf``. The matmul rate the floor is taken at is measured first, in the same
-run (throughput_report.py says what the floor counts). Prints a table of both systems and
-the floor; writes ``throughput.json`` (every argument, the commit and switches, the
-device, both summaries, the floor) and ``throughput.png`` to ``--out``.
+unless ``--no-hf``. ``--compare-plugins int8,int4+kv-int8``: after the base run (its
+``--plugins``) our engine runs the same requests again with each set added, one build
+alive at a time (bench_variants.py); HF and the floor are measured once. The matmul rate
+the floor is taken at is measured first, in the same run (throughput_report.py says what
+the floor counts). Prints a table of every run and the floor; writes ``throughput.json``
+(every argument, the commit and switches, the device, the summaries, each plugin set's
+under ``variants``, the floor) and ``throughput.png`` to ``--out``.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -25,9 +27,10 @@ import torch
 from ..errors import InfergraftError, PlanError
 from .bench import matmul_rate
 from .bench_cli import (SHAPES, _batches, _device, _dtype, _model, _names, _out, _positive,
-                        build_engine, check_plugins, describe_device, load_models,
-                        parse_resolved)
+                        build_engine, describe_device, load_models, parse_resolved)
 from .bench_serve import add_workload_arguments, resolve_workload
+from .bench_variants import (BASE, add_variants_argument, check_variants, each_variant,
+                             free_device, variant_name)
 from .config_cli import add_config_argument, bench_config
 from .provenance import provenance
 from .serve_hf import hf_summary
@@ -66,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugins", type=_names, default="",
                    help="comma list of plugins for our engine, e.g. int8 (the paged cache "
                         "is added on CUDA)")
+    add_variants_argument(p, "each runs the same requests, its output tok/s set against "
+                             "the base run's (one --max-num-batched-tokens only)")
     add_config_argument(p)
     p.add_argument("--no-hf", action="store_true",
                    help="skip HF transformers' continuous batching (the baseline)")
@@ -89,7 +94,12 @@ def resolve(args):
     args.config_options = bench_config(args)
     args.dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda")
                                 else torch.float32)
-    check_plugins(args.device, args.plugins)
+    check_variants(args.device, args.plugins, args.compare_plugins)
+    budgets = args.max_num_batched_tokens or []
+    if args.compare_plugins and len(budgets) > 1:
+        raise PlanError(f"--compare-plugins with the --max-num-batched-tokens sweep "
+                        f"{','.join(map(str, budgets))}: each plugin set runs at the base "
+                        f"run's one budget; give one budget, or sweep without --compare-plugins")
     resolve_workload(args)
     args.requests = make_requests(args.dataset, args.num_prompts, args.prompt_len,
                                   args.output_len, vocab_size(args.model), seed=args.seed)
@@ -136,11 +146,21 @@ def measure(args) -> int:
         if i:
             engine = build_engine(hf, device, args.dtype, args.max_batch_size,
                                   args.max_seq_len, args.plugins, budget, args.config_options)
-        label, summary, config = _ours(args, engine, len(budgets) > 1)
-        rows[label], spec = summary, engine.spec
+        print(engine.plan, file=sys.stderr)
+        summary, config = _ours(args, engine)
+        steps = config["max_num_batched_tokens"]
+        rows[f"{BASE} ({steps} tok)" if len(budgets) > 1 else BASE] = summary
+        spec = engine.spec
         del engine  # before the next is built: one engine's cache on the device at a time
-        _free(device)
-    # 3) HF after ours, on the first --hf-num-prompts requests
+        free_device()
+    # 3) Each --compare-plugins set on the same requests (no sweep: one budget)
+    def build_variant(plugins):
+        return build_engine(hf, device, args.dtype, args.max_batch_size, args.max_seq_len,
+                            args.plugins + plugins, budgets[0], args.config_options)
+    variants = each_variant(args.compare_plugins, build_variant,
+                            lambda plugins, engine: _variant(args, plugins, engine, rows[BASE]),
+                            lambda msg: print(msg, file=sys.stderr))
+    # 4) HF after ours, on the first --hf-num-prompts requests
     hf_requests = requests[:args.hf_num_prompts or len(requests)]
     hf_row = None if args.no_hf else _hf(hf, hf_requests)
     if hf_row is not None and "completed" in hf_row:
@@ -148,18 +168,17 @@ def measure(args) -> int:
         rows["HF CB" if len(hf_requests) == len(requests) else
              f"HF CB (first {len(hf_requests)})"] = hf_row
     floor = compute_floor(spec, requests, rate, measured)
-    for s in rows.values():
+    for s in [*rows.values(), *variants]:
         s["over_floor"] = s["output_throughput"] / floor["output_throughput"]
-    _write(args, config, rows, hf_row, floor)
-    return 0 if all(r["completed"] == len(requests) for k, r in rows.items()
-                    if not k.startswith("HF")) else 1
+    _write(args, config, rows, variants, hf_row, floor)
+    ours = [s for k, s in rows.items() if not k.startswith("HF")] + variants
+    return 0 if all(s["completed"] == len(requests) for s in ours) else 1
 
 
-def _ours(args, engine, sweep: bool):
-    """(row label, summary, engine config) of one run of our engine."""
-    print(engine.plan, file=sys.stderr)
+def _ours(args, engine, name: str = BASE):
+    """(summary, engine config) of one run of our engine (``name``: the log's for it)."""
     budget = engine.scheduler.max_num_batched_tokens
-    print(f"infergraft ({budget}-token steps): {len(args.requests)} requests at once ...",
+    print(f"{name} ({budget}-token steps): {len(args.requests)} requests at once ...",
           file=sys.stderr)
     gaps = []
     ours = offline_summary(engine, args.requests, None, after_warm_up=(
@@ -170,14 +189,18 @@ def _ours(args, engine, sweep: bool):
               "max_seq_len": engine.plan.max_seq_len, "max_num_batched_tokens": budget,
               "cache_backend": engine.plan.cache_backend}
     ours["engine_config"] = config
-    label = f"infergraft ({budget} tok)" if sweep else "infergraft"
-    return label, ours, config
+    return ours, config
 
 
-def _free(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def _variant(args, plugins, engine, base: dict) -> dict:
+    """One ``--compare-plugins`` set's summary: named, its plugins (the set, and all of the
+    build's), its output tok/s over the base run's."""
+    summary, _ = _ours(args, engine, variant_name(plugins))
+    ratio = summary["output_throughput"] / base["output_throughput"] \
+        if base["output_throughput"] else None
+    return {"name": variant_name(plugins), "plugins": plugins,
+            "build_plugins": args.plugins + plugins, **summary,
+            "output_throughput_vs_base": ratio}
 
 
 def _hf(hf, requests) -> dict:
@@ -190,7 +213,7 @@ def _hf(hf, requests) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _write(args, config, rows, hf_row, floor) -> None:
+def _write(args, config, rows, variants, hf_row, floor) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = describe_device(args.device)
@@ -199,13 +222,18 @@ def _write(args, config, rows, hf_row, floor) -> None:
         "args": _arguments(args), "device": device, "engine_config": config,
         "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(),
         "infergraft": next(iter(rows.values())), "runs": rows, "hf": hf_row, "floor": floor,
+        "variants": variants,
     }), indent=2))
-    print(table(rows, floor))
+    # the table and plot: ours, each plugin set, then HF
+    shown = {**{k: s for k, s in rows.items() if not k.startswith("HF")},
+             **{v["name"]: v for v in variants},
+             **{k: s for k, s in rows.items() if k.startswith("HF")}}
+    print(table(shown, floor, base=BASE if variants else None))
     if hf_row is not None and "error" in hf_row:
         print(f"HF continuous batching failed: {hf_row['error']}")
     title = (f"{args.model} {str(args.dtype)[6:]} on {device}, {args.num_prompts} x "
              f"{args.dataset} ({args.prompt_len} + {args.output_len})")
-    plotted = plot(rows, floor, out / "throughput.png", title)
+    plotted = plot(shown, floor, out / "throughput.png", title)
     print(f"\nwrote {out / 'throughput.json'}" + (f" and {out / 'throughput.png'}" if plotted
           else " (no throughput.png: matplotlib is not installed; "
                "pip install 'infergraft[bench]')"))

@@ -1,7 +1,9 @@
-"""``infergraft bench --compare-plugins int8,int4``: our engine built again with each of
-those plugin sets added to ``--plugins`` (several in one set joined by ``+``, e.g.
-``int8+kv-int8``), on the same HF weights in the same run, one build alive at a time; each
-row's roofline counts that build's own bytes (packed weights, its K/V format)."""
+"""``--compare-plugins int8,int4`` of ``infergraft bench`` and ``infergraft bench
+throughput``: our engine built again with each of those plugin sets added to ``--plugins``
+(several in one set joined by ``+``, e.g. ``int8+kv-int8``), on the same HF weights in the
+same run, one build alive at a time. In ``bench`` each row's roofline counts that build's
+own bytes (packed weights, its K/V format); in ``bench throughput`` each set runs the base
+run's requests and its output tok/s is set against the base run's."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +12,9 @@ import sys
 
 import torch
 
-from ..errors import PlanError
+from ..errors import InfergraftError, PlanError
+from ..plugin_manager import get_plugin_manager
+from ..selection import select_plugins
 from .bench import run_benchmark
 
 BASE = "infergraft"
@@ -26,21 +30,75 @@ def parse_variants(text: str) -> list[list[str]]:
     return sets
 
 
-def check_quantizers(plugins) -> None:
-    """PlanError naming --plugins where a set names two quantisers of one kind (weights,
-    or K/V), as build would refuse it."""
-    from ..plugin_manager import get_plugin_manager
+def add_variants_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """``--compare-plugins SETS``; ``what``: what each set's run is measured against."""
+    p.add_argument("--compare-plugins", type=parse_variants, default=[], metavar="SETS",
+                   help="our engine again with each plugin set added to --plugins, in the "
+                        "same run (sets comma-separated, plugins of one set joined by +), "
+                        f"e.g. int8,int4 or int8+kv-int8; {what}")
 
+
+def engine_plugins(device, plugins) -> list[str]:
+    """Our engine's plugins: the paged cache on CUDA, then ``plugins``."""
+    return (["paged"] if str(device).startswith("cuda") else []) + list(plugins)
+
+
+def check_plugins(device, plugins, flags: str | None = None) -> None:
+    """PlanError naming ``flags`` (default ``--plugins ...``) for a plugin list build would
+    refuse, resolved as it resolves the names it will be given (``engine_plugins``)."""
+    try:
+        select_plugins(get_plugin_manager(), engine_plugins(device, plugins))
+    except InfergraftError as e:
+        raise PlanError(f"{flags or '--plugins ' + ','.join(plugins)}: {e}") from None
+
+
+def check_quantizers(plugins, flags: str | None = None) -> None:
+    """PlanError naming ``flags`` (default ``--plugins ...``) where a set names two
+    quantisers of one kind (weights, or K/V), as build would refuse it."""
     kinds = {q.name: q.applies_to for q in get_plugin_manager().quantizers()}
     for kind in ("weights", "kv"):
         named = [p for p in plugins if kinds.get(p) == kind]
         if len(named) > 1:
-            raise PlanError(f"--plugins {','.join(plugins)}: two {kind} quantizers, "
-                            f"{named[0]!r} and {named[1]!r}; choose one")
+            raise PlanError(f"{flags or '--plugins ' + ','.join(plugins)}: two {kind} "
+                            f"quantizers, {named[0]!r} and {named[1]!r}; choose one")
+
+
+def check_variants(device, plugins, variants) -> None:
+    """``check_plugins`` and ``check_quantizers`` for ``--plugins`` and for it plus each
+    ``--compare-plugins`` set, before any model is built."""
+    check_plugins(device, plugins)
+    check_quantizers(plugins)
+    for v in variants:
+        flags = (f"--plugins {','.join(plugins)} with " if plugins else "") + \
+            f"--compare-plugins {'+'.join(v)}"
+        check_plugins(device, plugins + v, flags)
+        check_quantizers(plugins + v, flags)
 
 
 def variant_name(plugins) -> str:
     return "+".join([BASE, *plugins])
+
+
+def free_device() -> None:
+    """Drop what the last engine left (cycles, the CUDA cache) before the next is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def each_variant(variants, build_variant, measure, log) -> list:
+    """``measure(plugins, engine)`` for each plugin set of ``variants``, the engine built by
+    ``build_variant(plugins)``; one build alive at a time. ``measure``'s result must not
+    hold the engine: the engine is freed as soon as it returns."""
+    results = []
+    for plugins in variants:
+        free_device()
+        engine = build_variant(plugins)
+        log(f"{variant_name(plugins)}:\n{engine.plan}")
+        results.append(measure(plugins, engine))
+        del engine
+    free_device()
+    return results
 
 
 def run_variants(hf, build_variant, args, bandwidth: float) -> list:
@@ -48,21 +106,15 @@ def run_variants(hf, build_variant, args, bandwidth: float) -> list:
     builds it), system named ``infergraft+<plugins>``, timed as bench's first build was."""
     def log(msg):
         print(msg, file=sys.stderr)
-    batches, prompt_len, new_tokens = args.batches, args.prompt_len, args.new_tokens
-    results = []
-    for plugins in args.compare_plugins:
-        engine = build_variant(plugins)
-        log(f"{variant_name(plugins)}:\n{engine.plan}")
-        rows, _ = run_benchmark(hf, engine, batches, prompt_len, new_tokens, (BASE,),
-                                bandwidth=bandwidth, log=log)
+
+    def measure(plugins, engine):
+        rows, _ = run_benchmark(hf, engine, args.batches, args.prompt_len, args.new_tokens,
+                                (BASE,), bandwidth=bandwidth, log=log)
         for r in rows:
             r.system = variant_name(plugins)
-        results += rows
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return results
+        return rows
+    return [r for rows in each_variant(args.compare_plugins, build_variant, measure, log)
+            for r in rows]
 
 
 def variants_table(results) -> str:

@@ -62,9 +62,11 @@ def compute_floor(spec, requests, rate: float, measured: str) -> dict:
             "request_throughput": len(requests) / seconds}
 
 
-def table(rows: dict[str, dict], floor: dict) -> str:
+def table(rows: dict[str, dict], floor: dict, base: str | None = None) -> str:
     """Each system's summary (serve_workload.summarise, ``over_floor`` added) in a column,
-    the floor's throughputs beside them, then how the floor was reached."""
+    the floor's throughputs beside them, then how the floor was reached; ``base``: a
+    column (``--compare-plugins``' base run) whose output tok/s each column's is set
+    against."""
     names = [*rows, "compute floor"]
     col = max(COLUMN, 2 + max(map(len, names)))  # a sweep's labels name their budget
     width = LABEL + col * len(names)
@@ -86,6 +88,9 @@ def table(rows: dict[str, dict], floor: dict) -> str:
     line("Total token throughput (tok/s)", "total_token_throughput",
          floor["total_token_throughput"])
     line("Output tok/s / compute floor", lambda s: _percent(s.get("over_floor")))
+    ref = rows[base]["output_throughput"] if base else None
+    if ref:
+        line(f"Output tok/s / {base}", lambda s: f"{s['output_throughput'] / ref:.2f}x")
     for key, short, title in SECTIONS[:3]:  # TTFT, TPOT, ITL
         lines.append(f" {title} ".center(width, "-"))
         for q in QUANTILES:
