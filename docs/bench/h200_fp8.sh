@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The fp8 figures of docs/BENCHMARKS.md (issue 27) on one H200:
-#   bash docs/bench/h200_fp8.sh OUT_DIR [tests] [weights] [kv] [throughput]
-# tests: the GPU tests of fp8 weights, kv-fp8 and their kernels; weights: infergraft bench
+#   bash docs/bench/h200_fp8.sh OUT_DIR [tests] [attn] [weights] [kv] [throughput]
+# tests: the GPU tests of fp8 weights, kv-fp8 and their kernels; attn: one layer's decode
+# attention over bf16 / int8 / e4m3 K/V at 4,032 tokens, shipped and forced plans; weights: infergraft bench
 # on the LLaMA-2-7B shape (batches 1 and 32, 512-token prompts) with fp8 weights beside bf16
 # and HF eager; kv: batch 16 at 4,000-token prompts with kv-fp8 and kv-int8 beside bf16 K/V
 # (the attention-bound case); throughput: bench throughput on the LLaMA-3-8B shape, 1000
@@ -22,6 +23,10 @@ if has tests; then
     tests/kernels/test_paged_attention.py tests/kernels/test_varlen_attention.py \
     -k "${TESTS_K:-cuda or gpu}" > "$OUT/gpu_tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -12
+fi
+if has attn; then
+  python3 docs/bench/kv_quant_attention.py > "$OUT/attn.txt" 2>&1
+  cat "$OUT/attn.txt"
 fi
 if has weights; then
   ig bench --model llama2-7b --batches 1,32 --systems infergraft,hf-eager \
