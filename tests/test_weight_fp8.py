@@ -162,7 +162,9 @@ def test_gpu_paths_in_the_model_match_the_reference_ops(monkeypatch):
     hf = random_model(tiny_llama_config(hidden_size=128, intermediate_size=256), seed=7,
                       scale=2.0)
     kw = dict(KW, device="cuda", max_seq_len=256)
-    for dtype, n, tol in (("float16", 9, 5e-3), ("bfloat16", 100, 5e-2)):
+    # bf16 at 100 tokens: x rounded to e4m3 per token (up to 2^-4 of each value; measured
+    # 0.073 of the largest logit on the H200), which the reference does not do
+    for dtype, n, tol in (("float16", 9, 5e-3), ("bfloat16", 100, 0.12)):
         with warnings.catch_warnings():
             warnings.simplefilter("error", PerformanceWarning)
             engine = core.build(hf, plugins=["paged", "fp8"], dtype=dtype, **kw)
