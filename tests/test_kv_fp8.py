@@ -4,7 +4,6 @@ same stored values on every backend, closeness to float K/V, the tensor-only dec
 import json
 import types
 
-import pydoc_data.topics
 import pytest
 import torch
 
@@ -12,6 +11,8 @@ from infergraft import core
 from infergraft.core.cli import main
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             tiny_mistral_config)
+
+from demo_support import demo_answer, demo_engine, perplexity, text_ids
 
 FP8 = torch.float8_e4m3fn
 # e4m3 has 3 mantissa bits (a relative step of up to 2^-3) where int8 rounds a uniform
@@ -158,40 +159,24 @@ def test_gpu_kernels_match_the_reference_ops(backend):
     assert agree / total > 0.95, agree / total
 
 
-def _demo(plugins):
-    kw = dict(max_seq_len=2048, max_batch_size=1, dtype="float32", device="cpu")
-    return core.build("smollm2-135m", plugins=plugins, **kw)
-
-
 @pytest.mark.slow
 def test_demo_model_perplexity_with_fp8_kv_within_two_percent():
     """Real weights (SmolLM2-135M), 2048 tokens of pydoc's topics: kv-fp8's perplexity
     over float K/V's <= 1.02, on the paged and the contiguous cache."""
-    text = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
-    f32 = _demo(["paged"])
-    ids = f32.tokenizer.encode(text)[:2048]
-
-    def ppl(engine):
-        logits = engine.logits(ids)
-        return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
-    p_float = ppl(f32)
+    f32 = demo_engine(["paged"])
+    ids = text_ids(f32)
+    p_float = perplexity(f32, ids)
     del f32
-    assert len(ids) == 2048 and 1.0 < p_float < 100.0
+    assert 1.0 < p_float < 100.0
     for backend in ("paged", "contiguous"):
-        fp8 = _demo([backend, "kv-fp8"])
-        p_fp8 = ppl(fp8)
+        p_fp8 = perplexity(demo_engine([backend, "kv-fp8"]), ids)
         print(f"perplexity over {len(ids)} tokens: float K/V {p_float:.4f}, {backend} "
               f"fp8 K/V {p_fp8:.4f} (ratio {p_fp8 / p_float:.4f})")
         assert p_fp8 != p_float and p_fp8 / p_float <= 1.02, backend
-        del fp8
 
 
 @pytest.mark.slow
 def test_demo_model_with_fp8_kv_answers_paris():
-    engine = _demo(["paged", "kv-fp8"])
-    chat = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=False)
-    answer = engine.generate(chat, max_new_tokens=32)[0].text
+    answer = demo_answer(demo_engine(["paged", "kv-fp8"]))
     print(f"kv-fp8 answer: {answer!r}")
     assert "Paris" in answer, answer

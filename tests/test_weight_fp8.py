@@ -25,6 +25,8 @@ from infergraft.plugins import weight_fp8
 from infergraft.plugins.weight_fp8 import WeightFp8
 from infergraft.plugins.weight_int8 import WeightInt8
 
+from demo_support import demo_answer, demo_engine, perplexity, text_ids
+
 KW = dict(max_seq_len=64, max_batch_size=2)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 pytestmark = pytest.mark.filterwarnings("ignore::infergraft.core.errors.PerformanceWarning")
@@ -209,39 +211,26 @@ def test_plan_counts_the_packed_bytes(tmp_path, capsys):
         assert q.packed_bytes(q.pack(w)) == q.packed_bytes_of(tuple(w.shape), 4)
 
 
-def _demo(plugins):
-    kw = dict(max_seq_len=2048, max_batch_size=1, dtype="float32", device="cpu")
-    return core.build("smollm2-135m", plugins=plugins, **kw)
-
-
 @pytest.mark.slow
 def test_demo_model_perplexity_with_fp8_weights_within_two_percent():
     """Real weights (SmolLM2-135M) on English text, 2048 tokens of pydoc's topics: the
     ratio of fp8's perplexity to float's <= 1.02, in < 45% of the float32 weight bytes."""
-    import pydoc_data.topics
-
-    text = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
     ppl, plans = [], []
     for plugins in (["paged"], ["paged", "fp8"]):
-        engine = _demo(plugins)
-        ids = engine.tokenizer.encode(text)[:2048]
-        logits = engine.logits(ids)
-        ppl.append(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item())
+        engine = demo_engine(plugins)
+        ids = text_ids(engine)
+        ppl.append(perplexity(engine, ids))
         plans.append(engine.plan.weight_bytes)
         del engine
     print(f"perplexity over {len(ids)} tokens: float {ppl[0]:.4f}, fp8 weights {ppl[1]:.4f} "
           f"(ratio {ppl[1] / ppl[0]:.4f}); weight bytes {plans[1]} vs {plans[0]}")
-    assert len(ids) == 2048 and 1.0 < ppl[0] < 100.0 and ppl[1] != ppl[0]
+    assert 1.0 < ppl[0] < 100.0 and ppl[1] != ppl[0]
     assert ppl[1] / ppl[0] <= 1.02
     assert plans[1] < 0.45 * plans[0]
 
 
 @pytest.mark.slow
 def test_demo_model_with_fp8_weights_answers_paris():
-    engine = _demo(["paged", "fp8"])
-    chat = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=False)
-    answer = engine.generate(chat, max_new_tokens=32)[0].text
+    answer = demo_answer(demo_engine(["paged", "fp8"]))
     print(f"fp8 answer: {answer!r}")
     assert "Paris" in answer, answer

@@ -18,6 +18,8 @@ from infergraft.kernels._triton import HAVE_TRITON, interpreting
 from infergraft.kernels.int4_linear import Int4Weight, dequantize_int4, quantize_int4
 from infergraft.plugins.weight_int4 import WeightInt4
 
+from demo_support import demo_answer, demo_engine
+
 KW = dict(max_seq_len=64, max_batch_size=2)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -152,18 +154,10 @@ def test_where_the_fused_layer_would_run_no_norm_folds_into_int4():
             assert torch.equal(getattr(b, norm).weight, getattr(a, norm).weight)
 
 
-def _demo(plugins):
-    kw = dict(max_seq_len=2048, max_batch_size=1, dtype="float32", device="cpu")
-    return core.build("smollm2-135m", plugins=plugins, **kw)
-
-
 @pytest.mark.slow
 def test_demo_model_with_int4_weights_answers_paris_in_a_third_of_the_bytes():
-    engine = _demo(["paged", "int4"])
-    chat = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=False)
-    answer = engine.generate(chat, max_new_tokens=32)[0].text
+    engine = demo_engine(["paged", "int4"])
+    answer = demo_answer(engine)
     assert "Paris" in answer, answer
-    dense = _demo(["paged"]).plan.weight_bytes  # float32
+    dense = demo_engine(["paged"]).plan.weight_bytes  # float32
     assert engine.plan.weight_bytes < 0.35 * dense

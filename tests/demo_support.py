@@ -1,0 +1,34 @@
+"""Helpers of the quality tests on the real demo model (SmolLM2-135M-Instruct, ``slow``):
+the engine as those tests build it, its perplexity over 2,048 tokens of English that ships
+with Python (pydoc's topics), and its answer to the demo question."""
+import pydoc_data.topics
+import torch
+
+from infergraft import core
+
+QUESTION = "What is the capital of France?"
+TEXT = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
+
+
+def demo_engine(plugins, **overrides):
+    kw = dict(max_seq_len=2048, max_batch_size=1, dtype="float32", device="cpu", **overrides)
+    return core.build("smollm2-135m", plugins=plugins, **kw)
+
+
+def text_ids(engine, n: int = 2048) -> list[int]:
+    ids = engine.tokenizer.encode(TEXT)[:n]
+    assert len(ids) == n, len(ids)
+    return ids
+
+
+def perplexity(engine, ids) -> float:
+    """exp(mean next-token cross-entropy) of ``ids`` under the engine, one prefill."""
+    logits = engine.logits(ids)
+    return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
+
+
+def demo_answer(engine, max_new_tokens: int = 32) -> str:
+    """The greedy answer to the demo question, through the model's chat template."""
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                add_generation_prompt=True, tokenize=False)
+    return engine.generate(chat, max_new_tokens=max_new_tokens)[0].text
