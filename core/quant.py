@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Any
 
 from ._moved import moved_names
@@ -59,6 +60,15 @@ class Quantizer:
         """Whether ``core.build`` packs this weight slot: by default every decoder layer's
         projection (qkv, o, gate_up or fc_in, down); embeddings, lm_head and norms stay."""
         return bool(_PROJECTION.search(slot))
+
+    def __init_subclass__(cls, **kw):
+        # ``int8_rows`` was this hook's name: a plugin still defining only it would lose
+        # the fused decode layer without a word, so it is read as ``scaled_rows``, warned
+        super().__init_subclass__(**kw)
+        if "int8_rows" in vars(cls) and "scaled_rows" not in vars(cls):
+            warnings.warn(f"{cls.__qualname__}.int8_rows is now called scaled_rows (int8 "
+                          "or float8_e4m3fn rows); rename it", DeprecationWarning, stacklevel=2)
+            cls.scaled_rows = cls.int8_rows
 
     def scaled_rows(self, packed):
         """``packed`` as 8-bit rows with a float32 scale each, (q [N, K] ``torch.int8`` or

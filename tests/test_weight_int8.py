@@ -156,3 +156,14 @@ def test_demo_model_perplexity_with_int8_weights_within_one_percent():
     assert 1.0 < ppl[0] < 100.0 and ppl[1] != ppl[0]
     assert abs(ppl[1] - ppl[0]) / ppl[0] < 0.01
     assert plans[1] < 0.45 * plans[0]
+
+
+def test_a_plugin_still_naming_the_hook_int8_rows_is_warned_and_keeps_the_fused_layer():
+    from infergraft.core.quant import Quantizer
+
+    with pytest.warns(DeprecationWarning, match=r"OldRows.int8_rows is now called scaled_rows"):
+        class OldRows(Quantizer):
+            def int8_rows(self, packed):
+                return packed
+    assert OldRows().scaled_rows("rows") == "rows"
+    assert Quantizer().scaled_rows("rows") is None
