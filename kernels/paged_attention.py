@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import switches
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
 from .kv_write import QUANT_KV_DTYPES
 from .paged_plan import (_sm_count, check_cache_args, counters_for, launch_plan,  # noqa: F401
@@ -93,7 +94,8 @@ if HAVE_TRITON:
         scale, window, BS, GROUP, D,
         QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+        K_T: tl.constexpr = False):
         pdl_enter(PDL)
         # One program per (sequence, kv head, split) serves the GROUP query heads sharing
         # the kv head over its split's tokens. SPLIT=False: one split, normalised output;
@@ -125,11 +127,16 @@ if HAVE_TRITON:
             blk = tl.load(bt_ptr + b * stride_btb + pos // BS, mask=valid, other=0).to(tl.int64)
             off = (pos % BS).to(tl.int64)
             kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks
-                        + hkv * stride_kh + d[None, :], mask=kv_mask, other=0.0) # [N, D]
+            if K_T:  # 8-bit K read as [D, N]: widened with no transpose after it
+                kf = tl.load(kc_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks
+                             + hkv * stride_kh + d[:, None],
+                             mask=dmask[:, None] & valid[None, :], other=0.0).to(q.dtype)
+            else:
+                k = tl.load(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks
+                            + hkv * stride_kh + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+                kf = tl.trans(k.to(q.dtype))                              # [D, N]
             v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
                         + hkv * stride_vh + d[None, :], mask=kv_mask, other=0.0) # [N, D]
-            kf = tl.trans(k.to(q.dtype))                                  # [D, N]
             if IEEE:
                 s = tl.dot(q, kf, input_precision="ieee")                 # [G, N] f32
             else:
@@ -257,7 +264,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         float(scale), int(window or 0), bs, group, d,
         QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1, FUSED=sems is not None,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        BLOCK_H=block_h, BLOCK_S=block_s, **tune, **pdl_launch(q.device))
+        BLOCK_H=block_h, BLOCK_S=block_s, **tune, **pdl_launch(q.device),
+        K_T=quant and switches.value("INFERGRAFT_KV_LOAD_T"))
     if nsplit > 1 and sems is None:
         _paged_combine_kernel[(bsz, hq)](
             acc, m, l, out, out.stride(0), out.stride(1), nsplit, d,

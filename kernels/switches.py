@@ -95,6 +95,11 @@ SWITCHES = _switches(
            "fp8 weights above 64 rows widened for cuBLAS instead of W8A8 (x quantised per "
            "token, `torch._scaled_mm`)",
            changes_results=True),
+    Switch("INFERGRAFT_KV_LOAD_T", BOOL, "0", "launch", "`1`",
+           "int8 / e4m3 K tiles of decode attention read as [D, N] and widened, instead of "
+           "read as [N, D], widened and transposed (an arm to measure: 8-bit K/V decode "
+           "attention runs at 30% of the copy rate)",
+           changes_results=True),
     Switch("INFERGRAFT_PDL", BOOL, "1", "launch", "`0`",
            "plain launches instead of programmatic dependent launch (which needs sm90+)",
            changes_results=False),

@@ -6,13 +6,14 @@ stages) plans; achieved bytes/s (K/V values + scales) against a measured copy, o
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from infergraft.kernels.kv_write import quantize_kv_torch
 from infergraft.kernels.paged_attention import paged_attention_triton
 
-PLANS = [None, (1, 64, 4, 3), (1, 64, 4, 2), (1, 128, 8, 2), (1, 32, 2, 4), (2, 64, 4, 2),
+PLANS = [None, "K_T", (1, 64, 4, 3), (1, 64, 4, 2), (1, 128, 8, 2), (1, 32, 2, 4), (2, 64, 4, 2),
          (1, 128, 4, 2), (1, 64, 8, 3)]
 
 
@@ -57,8 +58,12 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for t in (kc, vc, ks, vs) if t is not None)
         nbytes *= b * n / (nb * bs)
         for plan in PLANS:
-            kw = {} if plan is None else dict(num_splits=plan[0], block_n=plan[1],
-                                               num_warps=plan[2], num_stages=plan[3])
+            if plan == "K_T" and kc.element_size() == 2:
+                continue
+            # "K_T": the shipped plan with INFERGRAFT_KV_LOAD_T=1 (8-bit K read as [D, N])
+            os.environ["INFERGRAFT_KV_LOAD_T"] = "1" if plan == "K_T" else "0"
+            kw = {} if plan in (None, "K_T") else dict(num_splits=plan[0], block_n=plan[1],
+                                                       num_warps=plan[2], num_stages=plan[3])
             try:
                 run = lambda: paged_attention_triton(q, kc, vc, tables, lens, d ** -0.5,  # noqa: E731
                                                      None, ks, vs, **kw)

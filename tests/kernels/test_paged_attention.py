@@ -246,3 +246,18 @@ def test_fused_combine_matches_two_kernels(device, dtype, randn, gen, poisoned_e
     assert_close(fused, ref, "fused")
     assert_close(two, ref, "two kernels")
     assert_close(fused, two, "fused vs two kernels")
+
+
+@pytest.mark.parametrize("kv_quant", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_k_read_transposed_matches_reference(device, dtype, randn, gen, poisoned_empty,
+                                             monkeypatch, kv_quant, num_splits):
+    # INFERGRAFT_KV_LOAD_T=1: 8-bit K tiles read as [D, N] (read at each launch)
+    monkeypatch.setenv("INFERGRAFT_KV_LOAD_T", "1")
+    lens = [1, 37, 80]
+    k, v, ks, vs, tables, seqs = _paged(randn, gen, lens, 2, 32, 16, dtype, kv_quant, device)
+    q = randn(len(lens), 6, 32, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_attention_triton(q, k, v, tables, ctx, 0.2, None, ks, vs, num_splits=num_splits)
+    assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.2, None, ks, vs),
+                 f"K read transposed, S={num_splits}")
