@@ -106,10 +106,11 @@ def _tiles(config, default: dict, rows, kind: str, m: int, k: int) -> dict:
     """The caller's tiles, else ``default`` (16-bit). ``rows``: the dtype of 8-bit weight
     rows (``_row_dtype``), None for 16-bit ones. An 8-bit tile carries half the bytes, so
     where the default's K tiles are short (<= 256) 8-bit ones are twice as long. One int8
-    row takes the word loop (``takes_int8_gemv``) with the ``kind``'s tiles; e4m3 never."""
+    row takes the word loop (``takes_int8_gemv``) with the ``kind``'s tiles; e4m3 where its
+    switch says."""
     if config:
         return dict(config)
-    if rows == torch.int8 and takes_int8_gemv(m, k):
+    if rows is not None and takes_int8_gemv(m, k, fp8=rows == torch.float8_e4m3fn):
         return int8_gemv_config(kind)
     if rows is not None and default["BLOCK_K"] <= 256:
         return dict(default, BLOCK_K=2 * default["BLOCK_K"])

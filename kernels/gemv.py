@@ -8,8 +8,8 @@ CTAs sit beside this one's, and each requests its first tiles *before* its PDL w
 weights depend on no earlier kernel, so those bytes arrive while the previous kernel
 finishes. int8 rows (``INFERGRAFT_GEMV_INT8``, on) take ``gemv_dot_int8``: a convert
 instruction per byte would bound the loop, so it reads rows as int32 words and widens each
-byte through a float's mantissa (integer ops and one add). That reads int8 bytes only:
-e4m3 rows (``fp8``) never take either loop, one row of them runs on the tensor-core tiles.
+byte through a float's mantissa (integer ops and one add). e4m3 rows (``fp8``) take the
+same words with ``INFERGRAFT_GEMV_FP8`` (off: unmeasured), else the tensor-core tiles.
 docs/kernels.md has the figures.
 """
 from . import switches
@@ -19,6 +19,8 @@ from ._triton import HAVE_TRITON, pdl_release, pdl_wait, tl, triton
 GEMV_ON = switches.value("INFERGRAFT_GEMV")
 # one-row int8 GEMMs of the fused layer too (gemv_dot_int8), not the MMA tiles (kernels.md)
 GEMV_INT8 = switches.value("INFERGRAFT_GEMV_INT8")
+# one-row e4m3 GEMMs of the fused layer through the same word loop (off: not yet measured)
+GEMV_FP8 = switches.value("INFERGRAFT_GEMV_FP8")
 
 # tiles per decode GEMM at one row (BLOCK_N rows of W per program, paired kinds take
 # BLOCK_N more: SwiGLU's up rows, RoPE's rotate-half partners); DEPTH tiles in flight;
@@ -49,10 +51,11 @@ def gemv_kind(n: int, k: int) -> str:
     return "wide" if n >= 8192 else "o" if k <= 4096 else "down"
 
 
-def takes_int8_gemv(m: int, k: int) -> bool:
-    """Whether an int8 GEMM of the fused layer takes ``gemv_dot_int8`` (rows read as words
-    of four bytes: K a multiple of 4). For int8 rows only, never e4m3 ones."""
-    return m == 1 and k % 4 == 0 and GEMV_ON and GEMV_INT8
+def takes_int8_gemv(m: int, k: int, fp8: bool = False) -> bool:
+    """Whether an 8-bit GEMM of the fused layer takes ``gemv_dot_int8`` (rows read as words
+    of four bytes: K a multiple of 4): int8 rows with ``INFERGRAFT_GEMV_INT8``, e4m3 ones
+    (``fp8``) with ``INFERGRAFT_GEMV_FP8``."""
+    return m == 1 and k % 4 == 0 and GEMV_ON and (GEMV_FP8 if fp8 else GEMV_INT8)
 
 
 def int8_gemv_config(kind: str) -> dict:
@@ -129,26 +132,36 @@ if HAVE_TRITON:
         return tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :]    # [1, BN]
 
     @triton.jit
-    def _int8_words_dot(acc, acc_up, w, u, PAIRED: tl.constexpr, x_ptr, k_el, K):
-        """acc (+ acc_up) += the four int8 columns of each int32 word of w (u) times x's:
-        byte i of a word is column k_el + i. A byte b becomes a float without a convert
-        instruction: (b ^ 0x80) = q + 128 in the mantissa of 2^23, so the float is
-        2^23 + 128 + q exactly, one xor and one subtraction from q."""
+    def _byte_value(w, i: tl.constexpr, FP8: tl.constexpr):
+        # byte i of each int32 word as a float32, without a convert instruction. int8:
+        # (b ^ 0x80) = q + 128 in the mantissa of 2^23: the float 2^23 + 128 + q, less
+        # 2^23 + 128. e4m3: its sign to bit 31, exponent and mantissa to bits 30-20 (a
+        # float32 of exponent e - 127, a subnormal at e = 0), times 2^(127 - 7): exact
+        b = (w >> (8 * i)) & 0xFF
+        if FP8:
+            f = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+            return f * 1.329227995784916e36                                      # 2^120
+        return (b ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+    @triton.jit
+    def _int8_words_dot(acc, acc_up, w, u, PAIRED: tl.constexpr, x_ptr, k_el, K,
+                        FP8: tl.constexpr):
+        """acc (+ acc_up) += the four 8-bit columns of each int32 word of w (u) times x's:
+        byte i of a word is column k_el + i (``_byte_value``: int8, or e4m3 with FP8)."""
         for i in tl.static_range(4):
             xi = tl.load(x_ptr + k_el + i, mask=(k_el + i) < K, other=0.0).to(tl.float32)
-            q = (((w >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True)
-            acc += (q - 8388736.0) * xi[None, :]                                 # [BN, BC]
+            acc += _byte_value(w, i, FP8) * xi[None, :]                          # [BN, BC]
             if PAIRED:
-                qu = (((u >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True)
-                acc_up += (qu - 8388736.0) * xi[None, :]
+                acc_up += _byte_value(u, i, FP8) * xi[None, :]
         return acc, acc_up
 
     @triton.jit
     def gemv_dot_int8(x_ptr, w_ptr, rn, N, K, stride_wn, UP_ROWS, PAIRED: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-        """``gemv_dot`` for int8 rows read as int32 words (w_ptr: the [N, K / 4] int32
-        view, stride_wn in words; BLOCK_K columns = BLOCK_K / 4 words a tile), one tile
-        ahead in flight; the row scales are the caller's epilogue."""
+                      BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+                      FP8: tl.constexpr = False):
+        """``gemv_dot`` for 8-bit rows (int8; e4m3 with FP8) read as int32 words (w_ptr:
+        the [N, K / 4] int32 view, stride_wn in words; BLOCK_K columns = BLOCK_K / 4 words
+        a tile), one tile ahead in flight; the row scales are the caller's epilogue."""
         BLOCK_C: tl.constexpr = BLOCK_K // 4
         rc = tl.arange(0, BLOCK_C)
         words = K // 4
@@ -171,11 +184,11 @@ if HAVE_TRITON:
             uc = wc
             if PAIRED:
                 uc = tl.load(u_ptrs + c0, mask=nmask & cmask[None, :], other=0)
-            acc, acc_up = _int8_words_dot(acc, acc_up, wa, ua, PAIRED, x_ptr, k_el, K)
+            acc, acc_up = _int8_words_dot(acc, acc_up, wa, ua, PAIRED, x_ptr, k_el, K, FP8)
             wa = wc
             ua = uc
             k_el += BLOCK_K
-        acc, acc_up = _int8_words_dot(acc, acc_up, wa, ua, PAIRED, x_ptr, k_el, K)
+        acc, acc_up = _int8_words_dot(acc, acc_up, wa, ua, PAIRED, x_ptr, k_el, K, FP8)
         if not EARLY:
             pdl_release(PDL)
         return tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :]    # [1, BN]

@@ -3,7 +3,7 @@
 At decode every weight is read once a step, so the kernel streams W at HBM bandwidth:
 tiles of W [BLOCK_N, BLOCK_K] through a pipelined tl.dot (x's rows padded to 16, free in
 a memory-bound GEMM). One row takes kernels/gemv.py's register loops instead (16-bit
-weights; int8 ones with INFERGRAFT_GEMV_INT8; never e4m3). Larger M goes to cuBLAS.
+weights; int8 / e4m3 ones with INFERGRAFT_GEMV_INT8 / _FP8). Larger M goes to cuBLAS.
 
 Split-K (``linear_partials``): narrow outputs (N = hidden, the o and down projections)
 give too few column tiles to keep every SM streaming, so the K axis is split over S
@@ -75,9 +75,9 @@ if HAVE_TRITON:
             rn = head * 2 * UP_ROWS + j0 + tl.arange(0, BLOCK_N)
         else:
             rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        if GEMV and W_SCALE:  # one row of int8 words (w_ptr: the int32 view)
+        if GEMV and W_SCALE:  # one row of 8-bit words (w_ptr: the int32 view)
             acc, acc_up = gemv_dot_int8(x_ptr, w_ptr, rn, N, K, stride_wn, UP_ROWS,
-                                        SWIGLU or ROPE, BLOCK_K, EARLY, PDL)    # [1, BN]
+                                        SWIGLU or ROPE, BLOCK_K, EARLY, PDL, W_FP8)  # [1, BN]
         elif GEMV:  # one row, one split: W in registers, first tiles before the PDL wait
             acc, acc_up = gemv_dot(x_ptr, w_ptr, rn, N, K, stride_wn, UP_ROWS, SWIGLU or ROPE,
                                    BLOCK_K, DEPTH, EARLY, PDL)                  # [1, BN]
@@ -239,11 +239,11 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
     D / 2: the decode qkv projection, y = rotated q [M, Hq * D]."""
     m, k = x.shape
     fp8 = w_scale is not None and weight.dtype == torch.float8_e4m3fn  # read as bytes
-    words = cfg.get("GEMV") and w_scale is not None  # int8 rows as int32 words of 4 bytes
-    if cfg.get("GEMV") and (fp8 or not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)
-                                        and (not words or k % 4 == cfg.get("DEPTH", 1) - 1 == 0))):
-        raise ValueError(f"the one-row GEMV loop takes M=1 unsplit with DEPTH 1 or 2 (int8: 1, "
-                         f"K a multiple of 4; e4m3 rows: never), got M={m}, {grid[1]} splits, "
+    words = cfg.get("GEMV") and w_scale is not None  # 8-bit rows as int32 words of 4 bytes
+    if cfg.get("GEMV") and not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)
+                                and (not words or k % 4 == cfg.get("DEPTH", 1) - 1 == 0)):
+        raise ValueError(f"the one-row GEMV loop takes M=1 unsplit with DEPTH 1 or 2 (8-bit "
+                         f"rows: 1, K a multiple of 4), got M={m}, {grid[1]} splits, "
                          f"DEPTH={cfg.get('DEPTH', 1)}, K={k}, weight {weight.dtype}")
     weight = weight.view(torch.int32) if words else weight.view(torch.uint8) if fp8 else weight
     unused = weight  # a valid pointer for the inputs a variant never reads

@@ -81,6 +81,11 @@ SWITCHES = _switches(
            "one-row int8 GEMMs of the fused layer on the tensor-core tiles instead of "
            "`gemv.py`'s word loop (each byte widened through a float's mantissa)",
            changes_results=True, constant="gemv.GEMV_INT8"),
+    Switch("INFERGRAFT_GEMV_FP8", BOOL, "0", "import", "`1`",
+           "one-row e4m3 GEMMs of the fused layer through `gemv.py`'s word loop (each byte's "
+           "bits moved into a float32's, times 2^120) instead of the tensor-core tiles (an "
+           "arm to measure)",
+           changes_results=True, constant="gemv.GEMV_FP8"),
     Switch("INFERGRAFT_SWAP", BOOL, "1", "import", "`0`",
            "unswapped tiles at 2-32 rows in the plain and fused GEMMs",
            changes_results=True, constant="linear.SWAP_TILES"),

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The fp8 figures of docs/BENCHMARKS.md (issue 27) on one H200:
-#   bash docs/bench/h200_fp8.sh OUT_DIR [tests] [attn] [weights] [kv] [throughput]
+#   bash docs/bench/h200_fp8.sh OUT_DIR [tests] [attn] [weights] [arms] [kv] [throughput]
 # tests: the GPU tests of fp8 weights, kv-fp8 and their kernels; attn: one layer's decode
-# attention over bf16 / int8 / e4m3 K/V at 4,032 tokens, shipped and forced plans; weights: infergraft bench
+# attention over bf16 / int8 / e4m3 K/V at 4,032 tokens, shipped and forced plans (and K read
+# transposed, INFERGRAFT_KV_LOAD_T); arms: fp8 batch 1 with INFERGRAFT_GEMV_FP8 off / on; weights: infergraft bench
 # on the LLaMA-2-7B shape (batches 1 and 32, 512-token prompts) with fp8 weights beside bf16
 # and HF eager; kv: batch 16 at 4,000-token prompts with kv-fp8 and kv-int8 beside bf16 K/V
 # (the attention-bound case); throughput: bench throughput on the LLaMA-3-8B shape, 1000
@@ -35,6 +36,13 @@ if has weights; then
   ig bench --model llama2-7b --batches 1,32 --systems infergraft,hf-eager \
     --compare-plugins fp8 --out "$OUT/weights" > "$OUT/weights.txt" 2>&1
   tail -14 "$OUT/weights.txt"
+fi
+if has arms; then  # the switches off by default, each beside its default in this call
+  ig bench --model llama2-7b --batches 1 --systems infergraft --plugins fp8 \
+    --out "$OUT/fp8_tiles" > "$OUT/fp8_tiles.txt" 2>&1
+  INFERGRAFT_GEMV_FP8=1 ig bench --model llama2-7b --batches 1 --systems infergraft \
+    --plugins fp8 --out "$OUT/fp8_words" > "$OUT/fp8_words.txt" 2>&1
+  tail -4 "$OUT/fp8_tiles.txt" "$OUT/fp8_words.txt"
 fi
 if has kv; then
   ig bench --model llama2-7b --batches 16 --prompt-len 4000 --new-tokens 32 \

@@ -68,17 +68,24 @@ def test_one_int8_row_takes_the_word_loop_with_its_switch_and_e4m3_never(monkeyp
     for m, k in ((1, 4098), (2, 4096)):
         assert not FL._tiles(None, default, torch.int8, kind, m, k).get("GEMV")
     fp8 = FL._tiles(None, default, torch.float8_e4m3fn, kind, 1, 4096)
-    assert fp8 == dict(default, BLOCK_K=256)
+    assert fp8 == dict(default, BLOCK_K=256)  # INFERGRAFT_GEMV_FP8 off (the default)
     monkeypatch.setattr(gemv, "GEMV_INT8", False)
     assert FL._tiles(None, default, torch.int8, kind, 1, 4096) == fp8
+    monkeypatch.setattr(gemv, "GEMV_FP8", True)
+    assert FL._tiles(None, default, torch.float8_e4m3fn, kind, 1, 4096) == cfg
+    assert not FL._tiles(None, default, torch.float8_e4m3fn, kind, 1, 4098).get("GEMV")
 
 
-@pytest.mark.parametrize("rows", ROWS)
-def test_one_8bit_row_by_default_matches_the_reference(device, randn, monkeypatch, rows):
+@pytest.mark.parametrize("rows,fp8_words", [("int8", False), ("fp8", False), ("fp8", True)],
+                         ids=["int8", "fp8", "fp8-words"])
+def test_one_8bit_row_by_default_matches_the_reference(device, randn, monkeypatch, rows,
+                                                       fp8_words):
     """The three fused GEMMs at one 8-bit row through their default tiles, the word loop's
     switch on, equal the references: int8 rows through the word loop (K tiles longer than
-    K here: one tile), e4m3 rows through the tensor-core tiles."""
+    K here: one tile), e4m3 rows through the tensor-core tiles, or with
+    INFERGRAFT_GEMV_FP8 the word loop too (its bytes moved into float32 bits)."""
     monkeypatch.setattr(gemv, "GEMV_INT8", True)
+    monkeypatch.setattr(gemv, "GEMV_FP8", fp8_words)
     loops, launch = [], FL.launch_gemm
     monkeypatch.setattr(FL, "launch_gemm", lambda grid, cfg, *a, **kw: loops.append(
         bool(cfg.get("GEMV"))) or launch(grid, cfg, *a, **kw))
@@ -91,18 +98,22 @@ def test_one_8bit_row_by_default_matches_the_reference(device, randn, monkeypatc
         got = getattr(FL, f"{name}_triton")(x, q, b, *args, scale=s)
         ref = getattr(FL, f"{name}_torch")(x, q, b, *args, scale=s)
         torch.testing.assert_close(got, ref, **tol, msg=lambda e: f"{name}\n{e}")
-    assert loops == [rows == "int8"] * 3
+    assert loops == [rows == "int8" or fp8_words] * 3
 
 
-def test_e4m3_rows_refuse_a_gemv_loop(device, randn):
-    """Tiles asked for by hand cannot send e4m3 rows into a one-row loop: its word loop
-    would read their bytes as int8."""
+def test_e4m3_rows_take_a_hand_given_word_loop_as_int8_rows_do(device, randn):
+    """Tiles asked for by hand send e4m3 rows into the word loop as int8 ones (DEPTH 1, K a
+    multiple of 4: its bytes read as e4m3, subnormals and signs included), else refused."""
     x, r = randn(1, 64, dtype=torch.float16), randn(1, 16, dtype=torch.float16)
     q, s = QUANTIZE["fp8"](randn(16, 64))
-    for depth in (1, 2):
-        cfg = dict(gemv_config("o"), BLOCK_N=16, BLOCK_K=32, DEPTH=depth)
-        with pytest.raises(ValueError, match=r"one-row GEMV loop .*e4m3 rows: never"):
-            FL.linear_residual_triton(x, q, None, r, scale=s, config=cfg)
+    q.view(torch.uint8)[0, :8] = torch.tensor([0, 1, 7, 0x80, 0x81, 0x7E, 0xFE, 0x38],
+                                              dtype=torch.uint8)  # 0, subnormals, +-448, 1
+    cfg = dict(gemv_config("o"), BLOCK_N=16, BLOCK_K=32, DEPTH=1)
+    got = FL.linear_residual_triton(x, q, None, r, scale=s, config=cfg)
+    torch.testing.assert_close(got, FL.linear_residual_torch(x, q, None, r, scale=s),
+                               **{key: 2 * v for key, v in TOLERANCES[torch.float16].items()})
+    with pytest.raises(ValueError, match=r"one-row GEMV loop .*8-bit rows: 1, K a multiple"):
+        FL.linear_residual_triton(x, q, None, r, scale=s, config=dict(cfg, DEPTH=2))
 
 
 @pytest.mark.parametrize("rows", ROWS)
