@@ -59,9 +59,27 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (xq float8_e4m3fn [M, K], scale float32 [M, 1]): the dynamic per-token
-    activation scale of the W8A8 path, the same rounding as ``quantize_fp8``."""
+    activation scale of the W8A8 path, the same rounding as ``quantize_fp8``. On CUDA one
+    Triton kernel (``quantize_rows_fp8_triton``), not torch's six passes over x."""
+    if x.is_cuda and HAVE_TRITON and x.dim() == 2 and x.stride(1) == 1:
+        return quantize_rows_fp8_triton(x)
     q, scale = quantize_fp8(x)
     return q, scale[:, None]
+
+
+def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_fp8`` in one kernel: a program per row reads it twice (its amax,
+    then its values), bit for bit ``quantize_fp8``'s result where torch divides exactly."""
+    assert x.dim() == 2 and x.stride(1) == 1 and x.is_floating_point(), \
+        f"x must be a float [M, K] with unit column stride, got {tuple(x.shape)} {x.stride()}"
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and k:
+        block = min(4096, max(16, 1 << (k - 1).bit_length()))
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK_K=block,
+                                    num_warps=4 if block <= 2048 else 8)
+    return q, scale
 
 
 def dequantize_fp8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -112,6 +130,25 @@ def fp8_linear_w8a8(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 
 
 if HAVE_TRITON:
+    from .kv_write import _round_e4m3
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+        # one row of x [K] -> its e4m3 values q [K] and scale s = amax / 448 (1 if amax is 0)
+        row = tl.program_id(0).to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)
+        amax = tl.full([BLOCK_K], 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        a = tl.max(amax, axis=0)
+        s = tl.where(a > 0, tl.math.div_rn(a, 448.0), 1.0)
+        tl.store(s_ptr + row, s)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), s), -448.0), 448.0)
+            tl.store(q_ptr + row * K + k0 + rk, _round_e4m3(y).to(q_ptr.dtype.element_ty),
+                     mask=k0 + rk < K)
 
     @triton.jit
     def _fp8_linear_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K,

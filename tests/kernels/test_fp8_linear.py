@@ -9,7 +9,8 @@ import torch
 
 import infergraft.kernels.fp8_linear as FL
 from infergraft.kernels.fp8_linear import (dequantize_fp8, fp8_linear_torch, fp8_linear_triton,
-                                           quantize_fp8, quantize_rows_fp8)
+                                           quantize_fp8, quantize_rows_fp8,
+                                           quantize_rows_fp8_triton)
 
 from .tolerances import TOLERANCES
 
@@ -148,3 +149,30 @@ def test_without_native_fp8_the_reference_runs(device, randn, monkeypatch):
 def test_native_fp8_on_the_gpu_follows_its_capability():
     assert FL.fp8_native("cuda") == (torch.cuda.get_device_capability() >= (8, 9))
     assert not FL.fp8_native("cpu") or FL.interpreting()
+
+
+@pytest.mark.parametrize("m,k", [(1, 16), (3, 100), (5, 4096), (2, 5000)])
+def test_the_activation_quantiser_kernel_rounds_as_quantize_fp8(device, randn, m, k):
+    """W8A8's per-token quantiser in one kernel (rows longer than a block read in parts):
+    bit for bit ``quantize_fp8`` where torch divides exactly (the CPU); on CUDA, whose
+    torch divides a tensor by 448 through a reciprocal, scales within an ulp and values
+    within one e4m3 step, every row's max 448. An all-zero row: scale 1, zeros."""
+    for dt in (torch.float32, torch.bfloat16):
+        x = (randn(m, k) * torch.logspace(-3, 3, m, device=device)[:, None]).to(dt)
+        if m > 1:
+            x[1] = 0
+        q, s = quantize_rows_fp8_triton(x)
+        want_q, want_s = quantize_fp8(x)
+        assert q.shape == (m, k) and q.dtype == torch.float8_e4m3fn and s.shape == (m, 1)
+        if device == "cpu":
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(s[:, 0], want_s)
+        else:
+            torch.testing.assert_close(s[:, 0], want_s, rtol=2 ** -23, atol=0)
+            assert _within_e4m3_rounding(q, s[:, 0], x)
+        assert (q.float().abs().amax(1)[s[:, 0] != 1] == 448).all()
+        if m > 1:
+            assert float(s[1]) == 1.0 and not q[1].float().any()
+    if device == "cuda":  # the W8A8 path quantises x with it
+        got = quantize_rows_fp8(x)
+        assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8))
