@@ -20,12 +20,14 @@ export INFERGRAFT_COMMIT=${INFERGRAFT_COMMIT:-$(git describe --always --dirty 2>
 ig() { python3 -c 'import sys; from infergraft.core.cli import main; sys.exit(main())' "$@"; }
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 if has tests; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+  # (~9 minutes with every part's kernels compiling: give tests a call of their own)
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     -m "not slow" tests/kernels/test_fp8_linear.py tests/kernels/test_kv_write_quant.py \
     tests/kernels/test_rotary_quant.py tests/kernels/test_fused_scaled_rows.py \
     tests/kernels/test_paged_attention.py tests/kernels/test_varlen_attention.py \
     tests/test_weight_fp8.py tests/test_kv_fp8.py \
-    -k "${TESTS_K:-cuda or gpu}" > "$OUT/gpu_tests.txt" 2>&1
+    -k "${TESTS_K:-(cuda or gpu) and (fp8 or int8 or quant or scaled_rows)}" \
+    > "$OUT/gpu_tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -12
 fi
 if has attn; then
