@@ -131,6 +131,21 @@ def test_triton_kernels_in_the_engine_match_the_reference_ops(kv, monkeypatch):
     assert set(calls) == {FP8 if kv == "kv-fp8" else torch.int8}
 
 
+def test_a_gpu_without_e4m3_loads_is_refused_clearly(monkeypatch):
+    from infergraft.core.errors import PlanError
+    from infergraft.plugins import kv_quant
+
+    monkeypatch.setattr(kv_quant, "fp8_native", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    plan = types.SimpleNamespace(quantizers=("kv-fp8",), kernels="triton", device="cuda:0")
+    with pytest.raises(PlanError, match=r"kv-fp8 stores K/V as e4m3.*not on cuda:0 \(compute "
+                                        r"capability 8.0\): use kv-int8.*kernels='torch'"):
+        kv_quant.infergraft_prepare_plan(plan, None)
+    for ok in (dict(kernels="torch"), dict(quantizers=("kv-int8",))):
+        assert kv_quant.infergraft_prepare_plan(types.SimpleNamespace(**{**vars(plan), **ok}),
+                                                None) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available()
                     or torch.cuda.get_device_capability() < (8, 9), reason="needs CUDA sm_89+")
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
