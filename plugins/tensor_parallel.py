@@ -4,7 +4,8 @@ torch.distributed world, one pipeline stage (``core/parallel.py`` runs the plan)
     torchrun --nproc-per-node 2 my_script.py     # each rank: core.build(model, plugins=["tp"])
 
 Column-parallel (dim 0 cut inside each fused part, so q, k and v are each split by
-heads): qkv, gate_up, fc_in and their biases. Row-parallel (dim 1): o, down. Everything
+heads; with fewer kv heads than ranks each rank holds a copy of the one kv head its query
+heads read, ``kv_replicas``): qkv, gate_up, fc_in and their biases. Row-parallel (dim 1): o, down. Everything
 else (embeddings, norms, the LM head, o / down biases) is replicated.
 """
 import torch
@@ -18,13 +19,24 @@ from infergraft.core.slots import slot_layout
 
 
 def check_divides(planner: str, spec, tp: int) -> None:
-    """PlanError unless ``tp`` ranks split the heads, the kv heads and the MLP evenly."""
-    for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
-                    ("intermediate_size", spec.intermediate_size)):
+    """PlanError unless ``tp`` ranks split the heads and the MLP evenly, and the kv heads
+    either split evenly or, fewer than the ranks, each go whole to tp / kv_heads ranks."""
+    for what, n in (("num_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)):
         if n % tp:
             raise PlanError(f"planner {planner!r}: {tp} ranks do not divide {what}={n}; use a "
                             f"tensor-parallel size that divides {spec.num_heads} heads, "
                             f"{spec.num_kv_heads} kv heads and {spec.intermediate_size}")
+    kv = spec.num_kv_heads
+    if kv % tp and tp % kv:
+        raise PlanError(f"planner {planner!r}: {tp} ranks neither divide num_kv_heads={kv} nor "
+                        f"are a multiple of it (each kv head copied to tp / {kv} ranks); use a "
+                        f"tensor-parallel size that divides {kv} or that {kv} divides")
+
+
+def kv_replicas(spec, tp: int) -> int:
+    """Ranks holding a copy of each kv head: tp / num_kv_heads where the kv heads are fewer
+    than the ranks (a rank's query heads all read one kv head), else 1."""
+    return tp // spec.num_kv_heads if spec.num_kv_heads < tp else 1
 
 
 class TensorParallelPlanner(Planner):
@@ -58,7 +70,10 @@ class TensorParallelPlanner(Planner):
         if style == "row":  # [H, in] -> [H, in / tp]
             return tensor.chunk(tp, dim=1)[rank]
         parts = slot_layout(spec)[slot][1] or (tensor.shape[0],)  # q, kv, kv / gate, up
-        return torch.cat([p.chunk(tp)[rank] for p in torch.split(tensor, list(parts))])
+        copies = kv_replicas(spec, tp) if slot.endswith(("qkv.weight", "qkv.bias")) else 1
+        return torch.cat([p.chunk(tp)[rank] if j == 0 or copies == 1 else  # k, v: one head
+                          p.chunk(spec.num_kv_heads)[rank // copies]
+                          for j, p in enumerate(torch.split(tensor, list(parts)))])
 
 
 @hookimpl

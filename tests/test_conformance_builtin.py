@@ -36,8 +36,8 @@ class TestSinglePlanner(PlannerTests):
 
 
 class TestTensorParallelPlanner(PlannerTests):
-    world_sizes = (1, 2, 4)
-    bad_world_sizes = (3, 8)  # 3 does not divide 8 heads, 8 does not divide 4 kv heads
+    world_sizes = (1, 2, 4, 8)  # 8: each of the 4 kv heads copied to two ranks
+    bad_world_sizes = (3, 16)  # neither divides 8 heads
 
     @pytest.fixture
     def planner(self):

@@ -26,6 +26,9 @@ def _configs():
     mistral.architectures = ["MistralForCausalLM"]
     cases = {  # name -> case for tp_parity (int8: weights as in tests/test_weight_int8.py)
         "llama-gqa-contiguous": dict(config=tiny_llama_config(), plugins=[]),
+        # one kv head, two ranks: each holds a copy of it (kv_replicas)
+        "llama-mqa-paged": dict(config=tiny_llama_config(num_key_value_heads=1),
+                                plugins=["paged"]),
         "llama-paged-int8": dict(config=tiny_llama_config(), plugins=["paged", "int8"],
                                  seed=3, scale=2.0),
         "gpt2-biases": dict(config=gpt2, plugins=[]),  # tied head, learned positions
@@ -70,6 +73,26 @@ def test_each_rank_holds_its_share(two_ranks):
     halved = layers * (h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + 3 * h * i) * 4 // 2
     assert r0["weight_bytes"] == full - halved
     assert r0["kv_bytes_per_token"] == 2 * layers * (spec.num_kv_heads // 2) * spec.head_dim * 4
+
+
+def test_fewer_kv_heads_than_ranks_copy_each_kv_head(two_ranks):
+    """One kv head at tp 2: each rank caches a whole kv head (the one its query heads
+    read), so its K/V bytes a token equal one process's; a kv head count that ranks
+    neither divide nor are a multiple of is refused."""
+    from infergraft.plugins.tensor_parallel import kv_replicas
+
+    r0 = two_ranks["tp-llama-mqa-paged"][0]
+    spec = core.get_plugin_manager().policies().get("llama").describe(
+        tiny_llama_config(num_key_value_heads=1))
+    assert kv_replicas(spec, 2) == 2
+    assert r0["kv_bytes_per_token"] == 2 * spec.num_layers * 1 * spec.head_dim * 4
+    planner = core.get_plugin_manager().planners().get("tp")
+    odd = core.get_plugin_manager().policies().get("llama").describe(
+        tiny_llama_config(num_attention_heads=6, num_key_value_heads=3, hidden_size=48))
+    with pytest.raises(PlanError, match=r"2 ranks neither divide num_kv_heads=3 nor are a "
+                                        r"multiple of it"):
+        planner.plan(odd, 2)
+    assert planner.plan(spec, 2).tensor_parallel == 2
 
 
 def test_tp_without_a_process_group_says_how_to_launch(monkeypatch):

@@ -151,8 +151,9 @@ def local_spec(spec, tp: int):
     """What one rank runs: its share of the heads and of the MLP's rows."""
     if tp == 1:
         return spec
+    # fewer kv heads than ranks: one (a copy) a rank
     return attrs.evolve(spec, num_heads=spec.num_heads // tp,
-                        num_kv_heads=spec.num_kv_heads // tp,
+                        num_kv_heads=max(1, spec.num_kv_heads // tp),
                         intermediate_size=spec.intermediate_size // tp)
 
 

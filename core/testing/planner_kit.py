@@ -8,7 +8,9 @@ Sharding contract for planners whose plans have ``tensor_parallel > 1``::
 
     planner.shard_style(spec, slot) -> "column" | "row" | "replicated"
         column:     dim 0 split into tp equal pieces *inside each fused part* (q, k and v
-                    each split by heads; gate and up each split), parts kept in order
+                    each split by heads; gate and up each split), parts kept in order;
+                    with fewer kv heads than ranks, k and v give each rank the one kv
+                    head its query heads read (rank r: head r // (tp / kv_heads))
         row:        dim 1 split into tp equal pieces (o, down)
         replicated: every rank holds the whole tensor (norms, biases after an all-reduce)
     planner.shard(spec, parallel, slot, tensor, rank) -> the piece ``rank`` holds
@@ -47,16 +49,18 @@ def check_stages(planner, spec, pplan, world_size: int) -> None:
         f"{who}: stages {pplan.stages} do not cover layers 0..{spec.num_layers - 1} once, in order"
 
 
-def reassemble(style: str, parts, pieces: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of the sharding contract above."""
+def reassemble(style: str, parts, pieces: list[torch.Tensor], copies: int = 1) -> torch.Tensor:
+    """Inverse of the sharding contract above. ``copies`` > 1: a qkv slot whose k and v
+    parts (all but the first) each rank holds one kv head of, shared by ``copies`` ranks."""
     if style == "replicated":
         return pieces[0]
     if style == "row":
         return torch.cat(pieces, dim=-1)
     tp = len(pieces)
-    sizes = [p // tp for p in parts] if parts else [pieces[0].shape[0]]
+    reps = [1] + [copies] * (len(parts) - 1) if parts else [1]
+    sizes = [p * c // tp for p, c in zip(parts, reps)] if parts else [pieces[0].shape[0]]
     splits = [torch.split(p, sizes) for p in pieces]  # per rank: its slice of each part
-    return torch.cat([torch.cat([s[j] for s in splits]) for j in range(len(sizes))])
+    return torch.cat([torch.cat([s[j] for s in splits[::reps[j]]]) for j in range(len(sizes))])
 
 
 def check_shards(planner, spec, pplan, seed: int = 0) -> None:
@@ -80,11 +84,16 @@ def check_shards(planner, spec, pplan, seed: int = 0) -> None:
             continue
         assert len({tuple(p.shape) for p in pieces}) == 1, \
             f"{who}: {slot!r} pieces differ in shape: {[tuple(p.shape) for p in pieces]}"
-        assert sum(p.numel() for p in pieces) == full.numel(), \
-            f"{who}: {slot!r} pieces hold {sum(p.numel() for p in pieces)} values, weight has {full.numel()}"
+        qkv = slot.endswith(("qkv.weight", "qkv.bias")) and style == "column"
+        copies = tp // spec.num_kv_heads if qkv and spec.num_kv_heads < tp else 1
+        held = full.numel() + (copies - 1) * 2 * spec.kv_size * (full.numel() // full.shape[0])
+        assert sum(p.numel() for p in pieces) == held, \
+            f"{who}: {slot!r} pieces hold {sum(p.numel() for p in pieces)} values, expected " \
+            f"{held} (the weight's {full.numel()}, kv heads copied {copies}x)"
         if slot.endswith("qkv.weight") and style == "column":  # heads are never cut
             assert pieces[0].shape[0] % spec.head_dim == 0, f"{who}: {slot!r} cuts a head"
-        assert torch.equal(reassemble(style, parts if style == "column" else None, pieces), full), \
+        assert torch.equal(reassemble(style, parts if style == "column" else None, pieces,
+                                      copies), full), \
             f"{who}: {slot!r} ({style}) pieces do not reassemble to the full weight"
 
 
