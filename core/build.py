@@ -9,7 +9,7 @@ import warnings
 import attrs
 import torch
 
-from .distributed.ranks import rank_device, rank_setup, world_size_for
+from .distributed.ranks import agreed, rank_device, rank_setup, world_size_for
 from .engine import Engine
 from .errors import PlanError
 from .loading.packing import SlotPacker
@@ -146,7 +146,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     if hasattr(planner, "place_weights"):  # layers that do not fit stay in host memory
         plan = attrs.evolve(plan, weight_placement=planner.place_weights(
             plan, run_spec, budget, kv_device, weight_quantizer=weight_quant, **opts[1]))
-    check_fits(plan, kv_device, budget, budget_source)  # before any weight is loaded
+    # before any weight is loaded, and every rank's verdict on every rank
+    agreed(lambda: check_fits(plan, kv_device, budget, budget_source), parallel)
 
     net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage)
     tensors = source.tensors()

@@ -7,7 +7,7 @@ import torch
 from infergraft import core
 from infergraft.core.errors import PlanError
 from infergraft.core.plan import ParallelPlan, Planner
-from infergraft.core.testing.distributed import run_ranks, tp_parity_cases
+from infergraft.core.testing.distributed import build_verdicts, run_ranks, tp_parity_cases
 from infergraft.core.testing.models import random_model, tiny_llama_config
 
 PROMPTS = [[1, 5, 9, 33, 7, 80, 12], [1, 200, 3], [1, 17, 17, 4, 99]]
@@ -93,6 +93,19 @@ def test_fewer_kv_heads_than_ranks_copy_each_kv_head(two_ranks):
                                         r"multiple of it"):
         planner.plan(odd, 2)
     assert planner.plan(spec, 2).tensor_parallel == 2
+
+
+def test_a_plan_that_fits_on_some_ranks_only_fails_on_every_rank():
+    """Rank 1's budget is too small, rank 0's ample: both raise, before any weight loads,
+    naming rank 1 and its reason (without agreeing, rank 0 would wait for rank 1 in its
+    first collective)."""
+    verdicts = run_ranks(build_verdicts, 2, tiny_llama_config(), ["tp"], ["8GiB", "1MiB"],
+                         timeout=120)
+    assert verdicts[0] == verdicts[1], verdicts
+    assert "the plan does not fit on rank(s) [1] of 2; rank 1: " in verdicts[0], verdicts[0]
+    fits = run_ranks(build_verdicts, 2, tiny_llama_config(), ["tp"], ["8GiB", "8GiB"],
+                     timeout=120)
+    assert fits == ["built", "built"]
 
 
 def test_tp_without_a_process_group_says_how_to_launch(monkeypatch):

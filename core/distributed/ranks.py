@@ -167,3 +167,23 @@ def shard_fn(planner, spec, parallel, tp: TensorParallelGroup):
         return piece.contiguous()
 
     return shard
+
+
+def agreed(check, parallel) -> None:
+    """Run ``check()`` (the plan's memory check) on every rank of a multi-process plan and
+    raise on all of them if it raised on any: a PlanError on some ranks only would leave
+    the others waiting in their first collective. One process: ``check()`` alone."""
+    if parallel.world_size == 1:
+        return check()
+    error = None
+    try:
+        check()
+    except PlanError as e:
+        error = str(e)
+    errors = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, error)  # every rank's verdict, in rank order
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise PlanError(f"the plan does not fit on rank(s) {failed} of "
+                        f"{len(errors)}; rank {failed[0]}: {errors[failed[0]]}")
+    return None

@@ -95,3 +95,21 @@ def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int =
             "weight_bytes": engine.plan.weight_bytes,
             "alone_weight_bytes": alone.plan.weight_bytes,
             "kv_bytes_per_token": engine.plan.kv_bytes_per_token}
+
+
+def build_verdicts(config, plugins: list, budgets: list) -> str:
+    """On one rank: build ``plugins`` with this rank's ``device_memory`` (``budgets[rank]``)
+    and say how it ended: "built", or the PlanError's message."""
+    import torch.distributed as dist
+
+    from infergraft import core
+
+    from ..errors import PlanError
+    from .models import random_model
+
+    try:
+        core.build(random_model(config), plugins=plugins, device="cpu", max_seq_len=64,
+                   device_memory=budgets[dist.get_rank()])
+    except PlanError as e:
+        return str(e)
+    return "built"
