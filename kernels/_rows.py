@@ -42,3 +42,18 @@ def check_scaled_rows(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     for name, t in (("qweight", qweight), ("scale", scale), ("bias", bias)):
         assert t is None or t.device == x.device, f"{name} on {t.device} but x on {x.device}"
     return n, k
+
+
+# shared memory a launch may ask for (the H200 has 227 KiB a block; some left for Triton)
+SMEM_BUDGET = 200 * 1024
+
+
+def fit_stages(cfg: dict, x_bytes: int) -> dict:
+    """``cfg`` (8-bit rows' tiles, chosen for 16-bit x) with fewer pipeline stages where
+    its x and W tiles would not fit in shared memory: float32 x (``x_bytes`` 4) doubles the
+    x tile. 16-bit x's tiles are left as they are (they fit)."""
+    cfg = dict(cfg)
+    stage = cfg["BLOCK_K"] * (cfg["BLOCK_M"] * x_bytes + cfg["BLOCK_N"])
+    while cfg["num_stages"] > 1 and cfg["num_stages"] * stage > SMEM_BUDGET:
+        cfg["num_stages"] -= 1
+    return cfg

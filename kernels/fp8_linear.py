@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import switches
-from ._rows import check_scaled_rows, gemm_rows
+from ._rows import check_scaled_rows, fit_stages, gemm_rows
 from ._triton import HAVE_TRITON, interpreting, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .cpu_linear import int8_linear_cpu
 from .int8_linear import int8_config
@@ -185,19 +185,12 @@ if HAVE_TRITON:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & nmask[None, :])
 
 
-# shared memory a launch may ask for (the H200 has 227 KiB a block; some left for Triton)
-_SMEM_BUDGET = 200 * 1024
-
-
 def fp8_config(m: int, n: int, k: int, x_bytes: int = 2) -> dict:
-    """Decode tiles: int8's (``int8_config``, the same bytes per weight), untuned for e4m3;
-    float32 x (``x_bytes`` 4) doubles the x tile, so fewer stages where they would not fit."""
+    """Decode tiles: int8's (``int8_config``, the same bytes per weight), untuned for e4m3,
+    fewer stages for float32 x (``fit_stages``)."""
     cfg = dict(int8_config(m, n, k))
     cfg.pop("SWAP", None)
-    stage = cfg["BLOCK_K"] * (cfg["BLOCK_M"] * x_bytes + cfg["BLOCK_N"])
-    while cfg["num_stages"] > 1 and cfg["num_stages"] * stage > _SMEM_BUDGET:
-        cfg["num_stages"] -= 1
-    return cfg
+    return fit_stages(cfg, x_bytes)
 
 
 def fp8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .cpu_linear import int8_linear_cpu
-from ._rows import check_scaled_rows, gemm_rows
+from ._rows import check_scaled_rows, fit_stages, gemm_rows
 
 
 # from here on the GEMM is compute-bound: cuBLAS on the weight widened once beats the int8
@@ -115,7 +115,7 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     if m >= DEQUANT_MIN_ROWS and config is None and x.dtype != torch.float32:
         # compute-bound: W widened once (one pass, rounded to x's dtype) and cuBLAS
         return F.linear(x2, qweight * scale.to(x.dtype)[:, None], bias).reshape(*lead, n)
-    cfg = dict(config or int8_config(m, n, k))
+    cfg = dict(config or fit_stages(int8_config(m, n, k), x.element_size()))
     cfg["SWAP"] = cfg.get("SWAP", False) and x.dtype != torch.float32  # float32: IEEE dot
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     _int8_linear_kernel[grid](

@@ -194,7 +194,6 @@ def kv_write_quant_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) 
         return None
     idx0, idx1 = idx0.contiguous(), idx1.contiguous()
     block_h, block_d = next_pow2(h), next_pow2(d)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     _kv_write_quant_kernel[(t,)](
         k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -202,10 +201,16 @@ def kv_write_quant_triton(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1) 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-        h, d, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, INV=INV_448 if fp8 else INV_127,
+        h, d, BLOCK_H=block_h, BLOCK_D=block_d, **quant_format(k_cache),
         num_warps=4 if block_h * block_d <= 2048 else 8,
         **pdl_launch(k.device))
     return None
+
+
+def quant_format(cache) -> dict:
+    """The quantising kernels' FP8 and INV (1 / QMAX) meta-parameters for ``cache``'s dtype."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    return dict(FP8=fp8, INV=INV_448 if fp8 else INV_127)
 
 
 def check_quant_write(k, v, k_cache, v_cache, k_scale, v_scale, idx0, idx1):

@@ -31,10 +31,10 @@ def rotary_torch(q, k, cos, sin, positions):
 if HAVE_TRITON:
 
     @triton.jit
-    def _rotate_heads(x_ptr, o_ptr, tok, stride_t, stride_h, H, D,
-                      c, s, partner, sign, rot, cols, BLOCK_H: tl.constexpr,
-                      o_base=-1, stride_oh=0):
+    def rotated_heads(x_ptr, tok, stride_t, stride_h, H, D, c, s, partner, sign, rot, cols,
+                      BLOCK_H: tl.constexpr):
         # x: [H, D] of one token; c, s, partner, sign, rot: [BLOCK_D], shared by all heads
+        # -> (rotated x in float32, its mask), both [BLOCK_H, BLOCK_D]
         heads = tl.arange(0, BLOCK_H)
         mask = (heads[:, None] < H) & (cols[None, :] < D)                  # [BLOCK_H, BLOCK_D]
         row = x_ptr + tok * stride_t + heads[:, None] * stride_h
@@ -42,7 +42,16 @@ if HAVE_TRITON:
         # the rotate-half partner of each dim (itself beyond R); an L1 hit, not new traffic
         xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         out = x * c[None, :] + sign[None, :] * xp * s[None, :]
-        out = tl.where(rot[None, :], out, x)  # exact pass-through, even for inf/nan
+        return tl.where(rot[None, :], out, x), mask  # exact pass-through, even for inf/nan
+
+    @triton.jit
+    def _rotate_heads(x_ptr, o_ptr, tok, stride_t, stride_h, H, D,
+                      c, s, partner, sign, rot, cols, BLOCK_H: tl.constexpr,
+                      o_base=-1, stride_oh=0):
+        # rotated_heads, stored to o: [T, H, D] contiguous, or one cache slot (o_base)
+        heads = tl.arange(0, BLOCK_H)
+        out, mask = rotated_heads(x_ptr, tok, stride_t, stride_h, H, D, c, s, partner, sign,
+                                  rot, cols, BLOCK_H)
         if o_base < 0:  # a contiguous [T, H, D] output
             optr = o_ptr + (tok * H + heads[:, None]) * D + cols[None, :]
         else:  # one cache slot: heads at stride_oh

@@ -8,12 +8,12 @@ what ``rotary`` followed by ``kv_write_quant`` (two kernels) would store.
 import torch
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
-from .kv_write import INV_127, INV_448, check_quant_write, kv_write_quant_torch
+from .kv_write import check_quant_write, kv_write_quant_torch, quant_format
 from .rotary import _check_rotary, _warps, rotary_torch
 
 if HAVE_TRITON:
     from .kv_write import quant_store_heads
-    from .rotary import _token_and_q
+    from .rotary import _token_and_q, rotated_heads
 
     @triton.jit
     def _rotary_kv_write_quant_kernel(
@@ -33,13 +33,10 @@ if HAVE_TRITON:
         i0 = tl.load(idx0_ptr + tok).to(tl.int64)
         i1 = tl.load(idx1_ptr + tok).to(tl.int64)
         if i0 >= 0:  # negative: a padding row, written nowhere
-            heads = tl.arange(0, BLOCK_HKV)[:, None]
-            mask = (heads < HKV) & (cols[None, :] < D)                 # [BLOCK_HKV, BLOCK_D]
-            row = k_ptr + tok * stride_kt + heads * stride_kh
-            x = tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-            kr = tl.where(rot[None, :], x * c[None, :] + sign[None, :] * xp * s[None, :], x)
+            kr, mask = rotated_heads(k_ptr, tok, stride_kt, stride_kh, HKV, D, c, s, partner,
+                                     sign, rot, cols, BLOCK_HKV)       # [BLOCK_HKV, BLOCK_D]
             kr = kr.to(k_ptr.dtype.element_ty).to(tl.float32)  # as rotary's output holds it
+            heads = tl.arange(0, BLOCK_HKV)[:, None]
             quant_store_heads(kr, mask, kc_ptr, ks_ptr, i0 * stride_k0 + i1 * stride_k1,
                               i0 * stride_ks0 + i1 * stride_ks1, stride_kch, stride_ksh, HKV,
                               BLOCK_HKV, BLOCK_D, FP8, INV)
@@ -71,7 +68,6 @@ def rotary_kv_write_quant_triton(q, k, v, cos, sin, positions, k_cache, v_cache,
         return q_out
     positions, idx0, idx1 = positions.contiguous(), idx0.contiguous(), idx1.contiguous()
     block_d, block_hq, block_hkv = next_pow2(d), next_pow2(hq), next_pow2(hkv)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     _rotary_kv_write_quant_kernel[(t,)](
         q, k, v, q_out, k_cache, v_cache, k_scale, v_scale, cos, sin, positions, idx0, idx1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -80,7 +76,6 @@ def rotary_kv_write_quant_triton(q, k, v, cos, sin, positions, k_cache, v_cache,
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         hq, hkv, d, half,
-        BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d, FP8=fp8,
-        INV=INV_448 if fp8 else INV_127,
+        BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d, **quant_format(k_cache),
         num_warps=_warps(block_d, block_hq, block_hkv), **pdl_launch(q.device))
     return q_out

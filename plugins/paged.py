@@ -50,12 +50,11 @@ class PagedCache(PagedGraphInputs, KVCache):
     def _storage(self, n, device, pin=False):
         s = self.spec
         shape = (n, self.block_size, s.num_kv_heads, s.head_dim)
-        kv_dtype = self.kv_dtype
         new = lambda shp, dt: [torch.zeros(shp, dtype=dt, device=device, pin_memory=pin)  # noqa: E731
                                for _ in range(s.num_layers)]
         scales = (new(shape[:3], torch.float32), new(shape[:3], torch.float32)) if self.quant \
             else (None, None)
-        return (new(shape, kv_dtype), new(shape, kv_dtype), *scales)
+        return (new(shape, self.kv_dtype), new(shape, self.kv_dtype), *scales)
 
     # -- allocation ------------------------------------------------------------------------
     def can_allocate(self, num_tokens):
