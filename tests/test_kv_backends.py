@@ -3,7 +3,6 @@ preemption under block pressure, n samples through fork, int8 (paged and contigu
 bytes, closeness to float K/V, the device decode path, perplexity."""
 import types
 
-import pydoc_data.topics
 import pytest
 import torch
 
@@ -13,6 +12,8 @@ from infergraft.core.hookspecs import hookimpl
 from infergraft.core.testing.cache_machine import cache_factory
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             tiny_mistral_config)
+
+from demo_support import demo_engine, perplexity, text_ids
 
 LENGTHS = (3, 17, 40, 9, 26)  # a batch of mixed lengths, some crossing block edges
 CONFIGS = {
@@ -175,18 +176,21 @@ def test_contiguous_kv_int8_generates_close_to_float(reference):
     assert int8.cache.stats()["sequences"] == 0
 
 
+@pytest.mark.parametrize("kv,stored", [("kv-int8", torch.int8), ("kv-fp8", torch.float8_e4m3fn)],
+                         ids=["int8", "fp8"])
 @pytest.mark.parametrize("cfg", [tiny_llama_config(), tiny_mistral_config(sliding_window=8)],
                          ids=["llama", "mistral-window8"])
-def test_contiguous_kv_int8_device_decode_matches_host_path(cfg, monkeypatch):
-    """The tensor-only decode (what CUDA graphs capture) reads int8 through the scales."""
+def test_contiguous_quantised_kv_device_decode_matches_host_path(cfg, kv, stored, monkeypatch):
+    """The tensor-only decode (what CUDA graphs capture) reads int8 / e4m3 through the
+    scales."""
     hf = random_model(cfg, seed=2, scale=5.0)
-    kw = dict(plugins=["kv-int8"], max_seq_len=64, max_batch_size=4)
+    kw = dict(plugins=[kv], max_seq_len=64, max_batch_size=4)
     host, dev = core.build(hf, **kw), core.build(hf, **kw)
     dev.cache.device_decode = True
     scales, real = [], dev.cache.ops.paged_attention
 
     def spy(q, k, v, tables, lens, scale, window, k_scale, v_scale, *, counters):
-        scales.append((k.dtype, k_scale.dtype, v_scale.shape == k.shape[:3]))
+        scales.append((k.dtype, v.dtype, k_scale.dtype, v_scale.shape == k.shape[:3]))
         assert counters is dev.cache.counters  # the cache's own merge counters
         return real(q, k, v, tables, lens, scale, window, k_scale, v_scale, counters=counters)
     monkeypatch.setattr(dev.cache, "ops", types.SimpleNamespace(**{**vars(dev.cache.ops),
@@ -194,7 +198,7 @@ def test_contiguous_kv_int8_device_decode_matches_host_path(cfg, monkeypatch):
     prompts = [random_prompt(n, cfg.vocab_size, n) for n in (3, 12, 20)]
     want = [c.token_ids for c in host.generate(prompts, max_new_tokens=16)]
     assert [c.token_ids for c in dev.generate(prompts, max_new_tokens=16)] == want
-    assert scales and set(scales) == {(torch.int8, torch.float32, True)}
+    assert scales and set(scales) == {(stored, stored, torch.float32, True)}
     assert host.cache.counters is not dev.cache.counters  # one pool per cache (KVCache)
 
 
@@ -233,21 +237,15 @@ def test_bad_pool_options_are_refused(options, match):
 
 @pytest.mark.slow
 def test_demo_model_perplexity_with_int8_kv_within_one_percent():
-    text = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
-    kw = dict(max_seq_len=2048, max_batch_size=1, dtype="float32", device="cpu")
-    f32 = core.build("smollm2-135m", plugins=["paged"], **kw)
-    ids = f32.tokenizer.encode(text)[:2048]
+    f32 = demo_engine(["paged"])
+    ids = text_ids(f32)
     assert len(ids) >= 2000
-
-    def ppl(engine):
-        logits = engine.logits(ids)
-        return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
-    p_float = ppl(f32)
+    p_float = perplexity(f32, ids)
     del f32
     assert 1.0 < p_float < 100.0  # the model reads this text sensibly
     for backend in ("paged", "contiguous"):
-        int8 = core.build("smollm2-135m", plugins=[backend, "kv-int8"], **kw)
-        p_int8 = ppl(int8)
+        int8 = demo_engine([backend, "kv-int8"])
+        p_int8 = perplexity(int8, ids)
         print(f"perplexity over {len(ids)} tokens: float K/V {p_float:.4f}, "
               f"{backend} int8 K/V {p_int8:.4f}")
         assert abs(p_int8 - p_float) / p_float < 0.01, backend

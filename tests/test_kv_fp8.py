@@ -1,6 +1,7 @@
 """kv-fp8 (e4m3 K/V, a float32 scale per token and head) through the engine: bytes, the
-same stored values on every backend, closeness to float K/V, the tensor-only decode path,
-``plan --kv-dtype fp8``, perplexity and the demo question (slow), the GPU kernels."""
+same stored values on every backend, closeness to float K/V, ``plan --kv-dtype fp8``,
+perplexity and the demo question (slow), the GPU kernels. The tensor-only decode path:
+tests/test_kv_backends.py, for int8 and e4m3 alike."""
 import json
 import types
 
@@ -67,26 +68,6 @@ def test_every_backend_attends_over_the_same_e4m3_values(cfg):
         total += len(ids)
     assert agree / total > 0.9, agree / total
     assert all(e.cache.stats()["sequences"] == 0 for e in engines.values())
-
-
-def test_contiguous_kv_fp8_device_decode_matches_host_path(monkeypatch):
-    """The tensor-only decode (what CUDA graphs capture) reads e4m3 through the scales."""
-    cfg = tiny_mistral_config(sliding_window=8)
-    hf = random_model(cfg, seed=2, scale=5.0)
-    kw = dict(plugins=["kv-fp8"], max_seq_len=64, max_batch_size=4)
-    host, dev = core.build(hf, **kw), core.build(hf, **kw)
-    dev.cache.device_decode = True
-    seen, real = [], dev.cache.ops.paged_attention
-
-    def spy(q, k, v, tables, lens, scale, window, k_scale, v_scale, *, counters):
-        seen.append((k.dtype, v.dtype, k_scale.dtype))
-        return real(q, k, v, tables, lens, scale, window, k_scale, v_scale, counters=counters)
-    monkeypatch.setattr(dev.cache, "ops", types.SimpleNamespace(**{**vars(dev.cache.ops),
-                                                                  "paged_attention": spy}))
-    prompts = [random_prompt(n, cfg.vocab_size, n) for n in (3, 12, 20)]
-    want = [c.token_ids for c in host.generate(prompts, max_new_tokens=16)]
-    assert [c.token_ids for c in dev.generate(prompts, max_new_tokens=16)] == want
-    assert seen and set(seen) == {(FP8, FP8, torch.float32)}
 
 
 def test_plan_prints_the_fp8_kv_memory(tmp_path, capsys):

@@ -84,15 +84,11 @@ def test_rotary_rejects_bad_inputs(device, randn):
         rotary_triton(q, randn(2, 1, 4), cos, sin, pos)
 
 
-@pytest.mark.parametrize("d,r,hq,hkv", [(64, 64, 4, 2), (128, 64, 3, 1), (8, 8, 1, 1)])
-@pytest.mark.parametrize("t", [1, 6])
-def test_rotary_kv_write_matches_reference(device, dtype, randn, gen, poisoned_empty, t, d, r,
-                                           hq, hkv):
-    # RoPE on q (returned) and k, with k and v written to paged cache slots in one kernel;
-    # idx0 = -1 rows (padding) are skipped like kv_write's
-    from infergraft.kernels.rotary import rotary_kv_write_torch, rotary_kv_write_triton
-
-    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype)  # views of a fused projection
+def decode_write_step(randn, gen, device, dtype, t, d, r, hq, hkv, scale=1.0):
+    """(qkv, q, k, v, cos, sin, positions, idx0, idx1) of T tokens: q, k, v views of one
+    fused projection, random positions, distinct slots of a 5 x 4 paged pool with token 1
+    a padding row (idx0 = -1, written nowhere)."""
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype) * scale
     q = qkv[:, :hq * d].view(t, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
     v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
@@ -102,7 +98,19 @@ def test_rotary_kv_write_matches_reference(device, dtype, randn, gen, poisoned_e
     idx0, idx1 = slots // 4, slots % 4
     if t > 1:
         idx0[1] = -1
-    idx0, idx1 = idx0.to(device), idx1.to(device)
+    return qkv, q, k, v, cos, sin, positions, idx0.to(device), idx1.to(device)
+
+
+@pytest.mark.parametrize("d,r,hq,hkv", [(64, 64, 4, 2), (128, 64, 3, 1), (8, 8, 1, 1)])
+@pytest.mark.parametrize("t", [1, 6])
+def test_rotary_kv_write_matches_reference(device, dtype, randn, gen, poisoned_empty, t, d, r,
+                                           hq, hkv):
+    # RoPE on q (returned) and k, with k and v written to paged cache slots in one kernel;
+    # idx0 = -1 rows (padding) are skipped like kv_write's
+    from infergraft.kernels.rotary import rotary_kv_write_torch, rotary_kv_write_triton
+
+    qkv, q, k, v, cos, sin, positions, idx0, idx1 = decode_write_step(
+        randn, gen, device, dtype, t, d, r, hq, hkv)
     caches = [torch.full((5, 4, hkv, d), -3.25, dtype=dtype, device=device) for _ in range(4)]
     qkv0 = qkv.clone()
     q_out = rotary_kv_write_triton(q, k, v, cos, sin, positions, caches[0], caches[1], idx0, idx1)

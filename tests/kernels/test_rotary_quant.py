@@ -9,7 +9,7 @@ from infergraft.kernels.rotary import rotary_triton
 from infergraft.kernels.rotary_quant import (rotary_kv_write_quant_torch,
                                              rotary_kv_write_quant_triton)
 
-from .test_rotary import MAX_POS, _cos_sin
+from .test_rotary import _cos_sin, decode_write_step
 from .tolerances import assert_close, assert_exact
 
 FP8 = torch.float8_e4m3fn
@@ -30,17 +30,8 @@ def _caches(hkv, d, kv_dtype, device):
 @pytest.mark.parametrize("t", [1, 6])
 def test_matches_the_two_kernels_and_the_reference(device, dtype, randn, gen, poisoned_empty,
                                                    t, d, r, hq, hkv, kv_dtype):
-    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype) * 3  # views of a fused projection
-    q = qkv[:, :hq * d].view(t, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-    cos, sin = _cos_sin(r, device)
-    positions = torch.randint(0, MAX_POS, (t,), generator=gen).to(device)
-    slots = torch.randperm(5 * 4, generator=gen)[:t]
-    idx0, idx1 = slots // 4, slots % 4
-    if t > 1:
-        idx0[1] = -1  # padding: written nowhere
-    idx0, idx1 = idx0.to(device), idx1.to(device)
+    qkv, q, k, v, cos, sin, positions, idx0, idx1 = decode_write_step(
+        randn, gen, device, dtype, t, d, r, hq, hkv, scale=3)
     one, two, ref = (_caches(hkv, d, kv_dtype, device) for _ in range(3))
     qkv0 = qkv.clone()
     q_out = rotary_kv_write_quant_triton(q, k, v, cos, sin, positions, *one, idx0, idx1)
