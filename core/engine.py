@@ -280,6 +280,10 @@ class Engine:
             finally:
                 self.cache.free(seq_id)
 
+    def stats(self) -> dict:
+        with self.lock:  # the scheduler's and the cache's counters
+            return self.scheduler.stats()
+
     # -- helpers -----------------------------------------------------------------
     @staticmethod
     def _params(max_new_tokens, temperature, top_k, top_p, seed, stop) -> SamplingParams:

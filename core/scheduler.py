@@ -77,7 +77,12 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order (oldest first)
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # num_swapped_out + num_recomputed
+        self.num_swapped_out = 0  # preemptions whose blocks went to host memory
+        self.num_recomputed = 0  # preemptions whose cache was freed, to prefill again
+        # prompt tokens looked up in the prefix cache at admission / found there
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.num_paused = 0  # sequence-steps sat out because the cache was short
         # running sequence id -> when it last ran (a tick per sequence run: ties never)
         self._ticks = itertools.count()
@@ -225,6 +230,19 @@ class Scheduler:
         raise SchedulerError(f"the cache cannot take a {n}-token {what} even with nothing "
                              f"running (stats: {self.cache.stats()})")
 
+    def stats(self) -> dict:
+        """Prefix-cache queries / hits (prompt tokens looked up / found), K/V blocks total
+        and free, preemptions (swapped out + recomputed), requests running and waiting:
+        what ``Engine.stats()`` returns and the server exports."""
+        cache = self.cache.stats()
+        return {"prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits,
+                "kv_blocks_total": cache.get("blocks_total", 0),
+                "kv_blocks_free": cache.get("blocks_free", 0),
+                "num_preemptions": self.num_preemptions,
+                "num_swapped_out": self.num_swapped_out, "num_recomputed": self.num_recomputed,
+                "num_running": len(self.running), "num_waiting": len(self.waiting)}
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the cache, requeue first, keep the tokens so far."""
         self.running.remove(seq)
@@ -234,6 +252,7 @@ class Scheduler:
         seq.num_prefill_tokens = seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.num_recomputed += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)  # first: a sequence that is not running stays as it was
