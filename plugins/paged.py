@@ -30,7 +30,8 @@ HOLE = -1  # a table entry whose block went back to the pool (out of every later
 
 class PagedCache(PagedGraphInputs, KVCache):
     def __init__(self, spec, *, max_seq_len, block_size, num_blocks, device, dtype, ops,
-                 kv_quantizer=None, storage_blocks=None):
+                 kv_quantizer=None, storage_blocks=None, prefix_caching=False,
+                 swap_space=None):
         self.spec, self.ops, self.device, self.dtype = spec, ops, torch.device(device), dtype
         self.max_seq_len, self.block_size = max_seq_len, block_size
         self.window = spec.sliding_window
@@ -279,15 +280,18 @@ def check_kv_quantizer(name, kv_quantizer) -> None:
 
 class PagedBackend(CacheBackend):
     name = "paged"
-    options = {"block_size": 16, "num_blocks": None}
+    options = {"block_size": 16, "num_blocks": None, "gpu_memory_utilization": 0.9,
+               "prefix_caching": True, "swap_space": None}
     quantized_kv = tuple(KV_STORAGE_DTYPES)
 
     def create(self, spec, plan, *, device, dtype, ops, block_size=16, num_blocks=None,
+               gpu_memory_utilization=0.9, prefix_caching=True, swap_space=None,
                kv_quantizer=None):
         bs, nb = cache_sizes(plan, block_size, num_blocks)
         check_kv_quantizer(self.name, kv_quantizer)
         return PagedCache(spec, max_seq_len=plan.max_seq_len, block_size=bs, num_blocks=nb,
-                          device=device, dtype=dtype, ops=ops, kv_quantizer=kv_quantizer)
+                          device=device, dtype=dtype, ops=ops, kv_quantizer=kv_quantizer,
+                          prefix_caching=prefix_caching, swap_space=swap_space)
 
     def device_bytes(self, plan, block_size=16, num_blocks=None, **_):
         bs, nb = cache_sizes(plan, block_size, num_blocks)
