@@ -79,6 +79,16 @@ class KVCache:
         """Reserve room for a new sequence (its prompt); raises CacheFullError."""
         raise NotImplementedError
 
+    def allocate_cached(self, seq_id: Hashable, token_ids: list[int]) -> int:
+        """Reserve room for a new sequence of these tokens, reusing K/V the cache already
+        holds for a prefix of them (prefix caching); returns how many leading tokens need
+        no prefill (at most ``len(token_ids) - 1``). Raises CacheFullError, changing
+        nothing. The default: no prefix cache, ``allocate`` and 0."""
+        if not self.can_allocate(len(token_ids)):
+            raise CacheFullError(f"no room for a {len(token_ids)}-token sequence")
+        self.allocate(seq_id, len(token_ids))
+        return 0
+
     def free(self, seq_id: Hashable) -> None:
         raise NotImplementedError
 

@@ -25,6 +25,7 @@ import itertools
 
 import attrs
 
+from .cache import CacheFullError
 from .errors import InfergraftError
 from .request import Sequence, Status
 
@@ -197,14 +198,14 @@ class Scheduler:
                 len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             n = seq.num_tokens
-            if not self.cache.can_allocate(n):
+            cached = allocate(self.cache, seq)
+            if cached is None:
                 break
-            self.cache.allocate(seq.id, n)
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            seq.num_prefill_tokens, seq.num_computed_tokens = n, 0
+            seq.num_prefill_tokens, seq.num_computed_tokens = n, cached
             admitted.append(seq)
-            counts.append(min(n, budget))
+            counts.append(min(n - cached, budget))
             budget -= counts[-1]
         # the step as a whole must fit too: asked once, and where it does not, the newest
         # admissions go back (the same prompts as asking after each, at O(B) not O(B^2))
@@ -218,6 +219,8 @@ class Scheduler:
             seq.num_prefill_tokens = seq.num_computed_tokens = 0
             self.waiting.appendleft(seq)
         self.running.extend(admitted)
+        self.prefix_cache_queries += sum(s.num_prefill_tokens for s in admitted)
+        self.prefix_cache_hits += sum(s.num_computed_tokens for s in admitted)
         return admitted, counts
 
     def _nothing_fits(self) -> None:
@@ -269,6 +272,21 @@ class Scheduler:
                 if seq in self.waiting:
                     self.waiting.remove(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
+
+
+def allocate(cache, seq: Sequence) -> int | None:
+    """Allocate ``seq`` in ``cache``: how many leading tokens it holds already (a cached
+    prefix), or None when there is no room. A cache that does not derive from KVCache
+    may lack ``allocate_cached``: no prefix cache there."""
+    if not hasattr(cache, "allocate_cached"):
+        if not cache.can_allocate(seq.num_tokens):
+            return None
+        cache.allocate(seq.id, seq.num_tokens)
+        return 0
+    try:
+        return cache.allocate_cached(seq.id, tokens_of(seq))
+    except CacheFullError:
+        return None
 
 
 def counts_needed(seq: Sequence) -> int:

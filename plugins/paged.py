@@ -22,13 +22,13 @@ from infergraft.core.hookspecs import hookimpl
 from infergraft.kernels.kv_write import KV_STORAGE_DTYPES
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
+from .paged_checks import HOLE, check_tables
 from .paged_graph import PagedGraphInputs, PagedMeta
+from .paged_prefix import PrefixCaching
+from .prefix_cache import PrefixIndex
 from .table_rows import TableRows
 
-HOLE = -1  # a table entry whose block went back to the pool (out of every later window)
-
-
-class PagedCache(PagedGraphInputs, KVCache):
+class PagedCache(PrefixCaching, PagedGraphInputs, KVCache):
     def __init__(self, spec, *, max_seq_len, block_size, num_blocks, device, dtype, ops,
                  kv_quantizer=None, storage_blocks=None, prefix_caching=False,
                  swap_space=None):
@@ -38,7 +38,8 @@ class PagedCache(PagedGraphInputs, KVCache):
         self.scale = spec.head_dim ** -0.5
         self.quant = kv_quantizer is not None
         self.kv_dtype = KV_STORAGE_DTYPES[kv_quantizer.kv_dtype] if self.quant else dtype
-        self.allocator = BlockAllocator(num_blocks)
+        self._init_prefix(PrefixIndex(block_size) if prefix_caching else None)
+        self.allocator = BlockAllocator(num_blocks, self.prefix)
         self.k, self.v, self.k_scale, self.v_scale = self._storage(storage_blocks or num_blocks,
                                                                    self.device)
         self._tables: dict = {}
@@ -72,9 +73,10 @@ class PagedCache(PagedGraphInputs, KVCache):
         self._len[seq_id], self._reserved[seq_id] = 0, num_tokens
 
     def free(self, seq_id):
-        for b in self._tables.pop(seq_id):
+        for b in reversed(self._tables.pop(seq_id)):  # a chain's tail blocks evicted first
             self._release(b)
         self._rows.remove(seq_id)
+        self._forget_prefix(seq_id)
         del self._len[seq_id], self._reserved[seq_id]
 
     def _release(self, b: int) -> None:
@@ -112,6 +114,7 @@ class PagedCache(PagedGraphInputs, KVCache):
             self._copy_block(table[full], new[0], exclude=set(table))
         self._tables[child] = table[:full] + new
         self._rows.add(child, self._tables[child])
+        self._fork_prefix(parent, child)
         self._len[child], self._reserved[child] = n, n
 
     # -- one forward step --------------------------------------------------------------------
@@ -148,6 +151,8 @@ class PagedCache(PagedGraphInputs, KVCache):
             self._len[s] = start + n
             if self.window:
                 self._drop_out_of_window(s, start)
+            if self.prefix is not None:
+                self._register_full(s)
         self._before_step(seq_ids)
         return starts
 
@@ -251,25 +256,11 @@ class PagedCache(PagedGraphInputs, KVCache):
                 "sequences": len(self._tables), "tokens": sum(self._len.values()),
                 "block_size": self.block_size, "blocks_total": a.num_blocks,
                 "blocks_free": a.num_free, "blocks_used": a.num_blocks - a.num_free,
-                "blocks_shared": sum(r > 1 for r in a.refs)}
+                "blocks_shared": sum(r > 1 for r in a.refs), **self.prefix_stats()}
 
     def check_invariants(self):
         super().check_invariants()
-        self.allocator.check(self._live_blocks(s) for s in self._tables)
-        self._rows.check(self._tables)
-        bs = self.block_size
-        for s, table in self._tables.items():
-            n = self._len[s]
-            holes = table.count(HOLE)
-            assert table[:holes] == [HOLE] * holes, f"sequence {s!r}: holes after live blocks {table}"
-            assert holes * bs <= max(0, n - (self.window or n)), \
-                f"sequence {s!r} dropped {holes} blocks of {n} tokens (window {self.window})"
-            assert 0 <= n <= self.max_seq_len, f"sequence {s!r} holds {n} tokens"
-            want = blocks_for(max(n, self._reserved[s]), bs)
-            assert len(table) == want, f"sequence {s!r}: {len(table)} blocks for {n} tokens " \
-                                       f"(reserved {self._reserved[s]}), expected {want}"
-            for b in table[n // bs:]:  # blocks the next tokens go to are never shared
-                assert self.allocator.refs[b] == 1, f"sequence {s!r} would write shared block {b}"
+        check_tables(self)
 
 
 def check_kv_quantizer(name, kv_quantizer) -> None:

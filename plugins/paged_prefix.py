@@ -1,0 +1,85 @@
+"""The paged cache's side of automatic prefix caching (``prefix_cache.PrefixIndex``).
+
+A sequence admitted with its token ids (``allocate_cached``: the prompt, or prompt and
+output after a recompute preemption) takes the cached blocks its tokens start with and
+prefills only the rest; at least its last token is computed, for its logits, so a prompt
+that is cached whole (a multiple of the block size) recomputes its last block. As its
+steps fill blocks with known tokens, each full one is registered, chained from the one
+before. Tokens sampled later are not keyed (their ids arrive after the step).
+
+Sliding windows: a cached block that left a sequence's window still holds the K/V its
+tokens have after exactly that prefix, so it is shared like any other; a sequence that
+hits it drops it again at its first step, as it would have.
+"""
+from __future__ import annotations
+
+from infergraft.core.cache import CacheFullError
+
+from .block_allocator import blocks_for
+
+
+class PrefixCaching:
+    """Mixed into PagedCache (its allocator, tables, rows and lengths; ``self.prefix`` is
+    a PrefixIndex, or None when prefix caching is off)."""
+
+    def _init_prefix(self, index) -> None:
+        self.prefix = index
+        self._tokens: dict = {}  # seq id -> the token ids it was admitted with
+        self._chain: dict = {}  # seq id -> identities of its leading keyed blocks
+
+    def allocate_cached(self, seq_id, token_ids) -> int:
+        """Allocate ``seq_id`` for ``token_ids`` and take the cached blocks they start
+        with; returns how many leading tokens are cached (their K/V already held)."""
+        if self.prefix is None:
+            return super().allocate_cached(seq_id, token_ids)
+        n, bs = len(token_ids), self.block_size
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if n > self.max_seq_len:
+            raise CacheFullError(f"{n} tokens exceed max_seq_len={self.max_seq_len}")
+        hits, chain = self.prefix.lookup(token_ids, (n - 1) // bs)
+        fresh = blocks_for(n, bs) - len(hits)
+        revived = sum(self.allocator.refs[b] == 0 for b in hits)
+        if fresh + revived > self.allocator.num_free:
+            raise CacheFullError(f"need {fresh + revived} blocks, {self.allocator.num_free} "
+                                 f"of {self.allocator.num_blocks} free")
+        for b in hits:  # first: a fresh block must not evict a hit
+            self.allocator.revive(b)
+        self._tables[seq_id] = hits + self.allocator.take(fresh)
+        self._rows.add(seq_id, self._tables[seq_id])
+        self._len[seq_id], self._reserved[seq_id] = len(hits) * bs, n
+        self._tokens[seq_id], self._chain[seq_id] = list(token_ids), chain
+        return len(hits) * bs
+
+    def _register_full(self, seq_id) -> None:
+        """Key the blocks ``seq_id`` filled with known tokens since it was last asked."""
+        tokens = self._tokens.get(seq_id)
+        if tokens is None:
+            return
+        chain, table = self._chain[seq_id], self._tables[seq_id]
+        full = min(self._len[seq_id], len(tokens)) // self.block_size
+        for j in range(len(chain), full):
+            parent = chain[j - 1] if j else None
+            ident = self.prefix.register(table[j], parent, self.prefix.chunk(tokens, j))
+            if ident is None:  # a collision, or its parent evicted: no keys past it
+                del self._tokens[seq_id]
+                return
+            chain.append(ident)
+        if full * self.block_size >= len(tokens):
+            del self._tokens[seq_id]  # nothing more to key
+
+    def _forget_prefix(self, seq_id) -> None:
+        self._tokens.pop(seq_id, None)
+        self._chain.pop(seq_id, None)
+
+    def _fork_prefix(self, parent, child) -> None:
+        if self.prefix is not None:
+            self._chain[child] = list(self._chain.get(parent, ()))
+            if parent in self._tokens:
+                self._tokens[child] = self._tokens[parent]
+
+    def prefix_stats(self) -> dict:
+        if self.prefix is None:
+            return {}
+        return {"blocks_cached": len(self.prefix),
+                "blocks_evictable": self.allocator.num_evictable}

@@ -1,0 +1,118 @@
+"""Automatic prefix caching end to end: a prompt that starts with blocks another request
+computed takes them and prefills only the rest, and its float32 greedy tokens stay
+exactly HF's (exact block boundaries, a prefix ending mid-block, a prompt cached whole,
+forks, recompute preemption, GQA, sliding windows, int8 K/V)."""
+import pytest
+
+from infergraft import core
+from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
+                                            tiny_mistral_config)
+from infergraft.core.testing.parity import hf_greedy
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def llama():  # GQA: 4 query heads, 2 K/V heads
+    return random_model(tiny_llama_config(), seed=5, scale=5.0)
+
+
+@pytest.fixture(scope="module")
+def mistral():  # a window of 8 tokens, two blocks
+    return random_model(tiny_mistral_config(sliding_window=8), seed=6, scale=5.0)
+
+
+def _engine(hf, *plugins, **kw):
+    return core.build(hf, plugins=["paged", *plugins], block_size=BS, max_seq_len=96,
+                      max_batch_size=4, **kw)
+
+
+def _shared(n_prefix, tails, seed=0):
+    prefix = random_prompt(n_prefix, 256, seed)
+    return [prefix + random_prompt(t, 256, seed + 1 + i) for i, t in enumerate(tails)]
+
+
+@pytest.mark.parametrize("n_prefix", [8, 10], ids=["block-boundary", "mid-block"])
+def test_a_cached_prefix_is_taken_and_tokens_stay_hf(llama, n_prefix):
+    engine = _engine(llama)
+    first, second = _shared(n_prefix, [3, 5])
+    want = [hf_greedy(llama, p, 12) for p in (first, second)]
+    assert engine.generate([first], max_new_tokens=12)[0].token_ids == want[0]
+    before = engine.stats()
+    assert engine.generate([second], max_new_tokens=12)[0].token_ids == want[1]
+    after = engine.stats()
+    # the shared prefix's full blocks: 8 tokens either way (10 ends mid-block)
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 8
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == len(second)
+
+
+@pytest.mark.parametrize("length", [12, 13], ids=["whole-blocks", "partial-last-block"])
+def test_a_prompt_cached_whole_recomputes_its_last_token(llama, length):
+    engine = _engine(llama)
+    prompt = random_prompt(length, 256, 9)
+    want = hf_greedy(llama, prompt, 10)
+    for _ in range(2):
+        before = engine.stats()["prefix_cache_hits"]
+        assert engine.generate([prompt], max_new_tokens=10)[0].token_ids == want
+    # the second run: every full block but one whose last token must be fed for logits
+    assert engine.stats()["prefix_cache_hits"] - before == (length - 1) // BS * BS
+    engine.cache.check_invariants()
+
+
+def test_requests_in_one_batch_share_a_prefix_computed_before(llama):
+    engine = _engine(llama)
+    prompts = _shared(16, [1, 4, 6, 9], seed=20)
+    engine.generate([prompts[0]], max_new_tokens=4)
+    got = [c.token_ids for c in engine.generate(prompts, max_new_tokens=10)]
+    assert got == [hf_greedy(llama, p, 10) for p in prompts]
+    assert engine.stats()["prefix_cache_hits"] >= 4 * 16
+
+
+def test_off_shares_nothing_and_gives_the_same_tokens(llama):
+    on, off = _engine(llama), _engine(llama, prefix_caching=False)
+    prompts = _shared(12, [2, 7], seed=30)
+    for engine in (on, off):
+        engine.generate([prompts[0]], max_new_tokens=3)
+    got = [[c.token_ids for c in e.generate(prompts, max_new_tokens=8)] for e in (on, off)]
+    assert got[0] == got[1]
+    assert off.stats()["prefix_cache_hits"] == 0 and on.stats()["prefix_cache_hits"] > 0
+    assert "blocks_cached" not in off.cache.stats()
+
+
+def test_forks_of_a_cached_prompt(llama):
+    engine, plain = _engine(llama), _engine(llama, prefix_caching=False)
+    prompt = random_prompt(14, 256, 40)
+    engine.generate([prompt], max_new_tokens=2)
+    kw = dict(max_new_tokens=8, n=3, temperature=0.9, seed=7)
+    got = [c.token_ids for c in engine.generate([prompt], **kw)]
+    assert got == [c.token_ids for c in plain.generate([prompt], **kw)]
+    assert engine.stats()["prefix_cache_hits"] == 12
+    engine.cache.check_invariants()
+
+
+def test_recompute_preemption_takes_its_own_blocks_back(llama):
+    # 12 blocks of 4: four sequences of 5 + 30 tokens want 36, so some are preempted
+    engine = _engine(llama, num_blocks=24, preemption="recompute")
+    prompts = [random_prompt(5, 256, 50 + i) for i in range(4)]
+    got = [c.token_ids for c in engine.generate(prompts, max_new_tokens=30)]
+    assert got == [hf_greedy(llama, p, 30) for p in prompts]
+    st = engine.stats()
+    assert st["num_recomputed"] > 0 and st["prefix_cache_hits"] > 0, st
+
+
+def test_sliding_window(mistral):
+    engine = _engine(mistral)
+    prompts = _shared(20, [3, 6], seed=60)
+    want = [hf_greedy(mistral, p, 16) for p in prompts]
+    assert [engine.generate([p], max_new_tokens=16)[0].token_ids for p in prompts] == want
+    assert engine.stats()["prefix_cache_hits"] == 20
+
+
+def test_int8_kv_hits_give_what_a_fresh_prefill_gives(llama):
+    engine, plain = _engine(llama, "kv-int8"), _engine(llama, "kv-int8", prefix_caching=False)
+    prompts = _shared(12, [2, 5], seed=70)
+    got = [[e.generate([p], max_new_tokens=10)[0].token_ids for p in prompts]
+           for e in (engine, plain)]
+    assert got[0] == got[1]
+    assert got[0] == [hf_greedy(llama, p, 10, kv_int8=True) for p in prompts]
+    assert engine.stats()["prefix_cache_hits"] == 12
