@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ..registry import _NAME
-from . import cache_machine
+from . import cache_machine, prefix_machine
 from .cache_machine import reference_attention, tiny_cache_spec
 
 #: stats() entries that must return to their first value once every sequence is freed
@@ -119,6 +119,13 @@ class CacheStateMachineTests(CacheBackendFixtures):
                                              atol=self.atol,
                                              probe_refused_steps=self.probe_refused_steps)
         case("runTest").runTest()  # hypothesis' TestCase; a failure raises here
+
+    def test_prefix_cache_state_machine(self, cache_factory):
+        # allocate_cached: a cache without a prefix cache must still report 0 cached
+        case = prefix_machine.make_prefix_cache_test(cache_factory,
+                                                     max_examples=self.machine_examples,
+                                                     atol=self.atol)
+        case("runTest").runTest()
 
 
 class CacheBackendTests(CacheContractTests, CacheStateMachineTests):

@@ -1,22 +1,17 @@
 """Conformance state machine for KV-cache backends (hypothesis ``RuleBasedStateMachine``).
 
-It drives a cache through random allocate / append (``prepare`` + per-layer
-``attention`` with random q, k, v) / fork / free / read steps and compares every read
-and every attention output with a trusted reference: a plain dict of the K/V each
-sequence was given (what the contiguous cache also holds). After every step the
+It drives a cache through random allocate / append (``prepare`` + per-layer ``attention``
+with random q, k, v) / fork / free / read steps and compares every read and every attention
+output with a trusted reference: a dict of the K/V each sequence was given. After every step the
 backend's ``check_invariants()`` runs and its accounting must agree with the reference
 (sequences, tokens, blocks free + used = total); at the end, with every sequence freed,
 no block may still be in use. A refused operation (``CacheFullError``, or
 ``NotImplementedError`` from ``fork``) must leave everything unchanged, and
 ``can_allocate`` / ``can_append`` must predict ``allocate`` / ``prepare`` exactly.
 
-A backend's test suite::
-
-    from infergraft.core.testing.cache_machine import cache_factory, make_cache_test
-    TestMyCache = make_cache_test(cache_factory("my-cache", block_size=4, num_blocks=12))
-
-or subclass :class:`CacheBackendMachine`, override ``make_cache`` (and ``stored`` for a
-lossy K/V format), and run ``MyMachine.TestCase``.
+A backend's test suite: ``TestMyCache = make_cache_test(cache_factory("my-cache",
+block_size=4, num_blocks=12))``, or subclass :class:`CacheBackendMachine`, override
+``make_cache`` (and ``stored`` for a lossy K/V format), and run ``MyMachine.TestCase``.
 """
 from __future__ import annotations
 
@@ -174,8 +169,7 @@ class CacheBackendMachine(RuleBasedStateMachine):
         g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
         rand = lambda *shape: torch.randn(*shape, generator=g).to(self.dtype)  # noqa: E731
         for layer in range(s.num_layers):
-            q, k, v = (rand(t, s.num_heads, s.head_dim), rand(t, s.num_kv_heads, s.head_dim),
-                       rand(t, s.num_kv_heads, s.head_dim))
+            q, (k, v) = rand(t, s.num_heads, s.head_dim), self._new_kv(ids, counts, layer, rand)
             out = self.cache.attention(layer, q, k, v, meta)
             assert out.shape == q.shape, f"attention returned {tuple(out.shape)}, want {tuple(q.shape)}"
             off = 0
@@ -190,6 +184,11 @@ class CacheBackendMachine(RuleBasedStateMachine):
                                            msg=lambda m: f"attention of seq {sid}, layer {layer}: {m}")
                 off += n
 
+    def _new_kv(self, ids, counts, layer, rand):
+        """The K and V ([T, Hkv, D] each) a step writes: random (overridable)."""
+        shape = (sum(counts), self.spec.num_kv_heads, self.spec.head_dim)
+        return rand(*shape), rand(*shape)
+
     @precondition(lambda self: self.ref)
     @rule(data=st.data())
     def fork(self, data):
@@ -199,7 +198,10 @@ class CacheBackendMachine(RuleBasedStateMachine):
             self.cache.fork(parent, child)
         except (CacheFullError, NotImplementedError):
             return self._refused(before, "fork")
-        self.ref[child] = [list(kv) for kv in self.ref[parent]]
+        self._forked(parent, child)
+
+    def _forked(self, parent, child):
+        self.ref[child] = [list(kv) for kv in self.ref[parent]]  # the child holds a copy
 
     @precondition(lambda self: self.ref)
     @rule(data=st.data())
@@ -211,8 +213,10 @@ class CacheBackendMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ref)
     @rule(data=st.data())
     def read(self, data):
-        sid = self._live(data)
         layer = data.draw(st.integers(0, self.spec.num_layers - 1), label="layer")
+        self._check_read(self._live(data), layer)
+
+    def _check_read(self, sid, layer):
         k, v = self.cache.read(sid, layer)
         want_k, want_v = self.ref[sid][layer]
         n, held, w = len(want_k), k.shape[0], self.spec.sliding_window
