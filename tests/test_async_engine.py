@@ -67,6 +67,7 @@ def test_concurrent_requests_each_get_their_solo_output_and_are_counted(engine):
                                          for i, (p, sp) in enumerate(calls + [logged])))
             return got, aengine.stats(), aengine.num_steps
 
+    before = engine.stats()
     got, stats, steps = asyncio.run(main())
     logged_outs = got.pop()
     for outs, want, i in zip(got, alone, range(8)):
@@ -80,13 +81,16 @@ def test_concurrent_requests_each_get_their_solo_output_and_are_counted(engine):
     assert all(len(o.logprobs) == len(o.token_ids) for o in logged_outs)  # each with its ids
     total = sum(len(c.token_ids) for c in alone) + len(solo.output_ids)
     assert steps < total  # they shared steps
+    kv = {k: v for k, v in engine.stats().items() if k not in ("num_running", "num_waiting")}
+    prompts = sum(len(p) for p, _ in calls + [logged])
     assert stats == {"requests_running": 0, "requests_waiting": 0, "kv_cache_usage_ratio": 0.0,
-                     "prompt_tokens_total": sum(len(p) for p, _ in calls + [logged]),
-                     "generation_tokens_total": total,
-                     "num_preemptions": engine.scheduler.num_preemptions, "num_steps": steps,
-                     "num_prefill_steps": stats["num_prefill_steps"],
-                     "step_seconds_total": stats["step_seconds_total"]}
+                     "prompt_tokens_total": prompts, "generation_tokens_total": total,
+                     "num_steps": steps, "num_prefill_steps": stats["num_prefill_steps"],
+                     "step_seconds_total": stats["step_seconds_total"], **kv}
     assert 1 <= stats["num_prefill_steps"] < steps and stats["step_seconds_total"] > 0
+    # engine.stats()'s K/V memory: every prompt looked up, every block free again
+    assert stats["prefix_cache_queries"] - before["prefix_cache_queries"] >= prompts
+    assert stats["kv_blocks_total"] == stats["kv_blocks_free"] > 0
 
 
 def test_text_deltas_add_up_to_the_final_text_and_stop_strings_trim_it(text_engine):

@@ -273,5 +273,6 @@ def test_help_lists_every_flag(capsys):
     for flag in ("--model", "--num-prompts", "--dataset", "--prompt-len", "--output-len",
                  "--out", "--max-batch-size", "--max-num-batched-tokens", "--max-seq-len",
                  "--dtype", "--device", "--plugins", "--no-hf", "--seed", "--hf-num-prompts",
-                 "--step-gaps", "--compare-plugins"):
+                 "--step-gaps", "--compare-plugins", "--compare-options", "--num-blocks",
+                 "--block-size", "--gpu-memory-utilization", "--preemption", "--check-alone"):
         assert flag in out, flag

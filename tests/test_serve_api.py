@@ -16,7 +16,11 @@ METRICS = ("infergraft_requests_running", "infergraft_requests_waiting",
            "infergraft_generation_tokens_total", "infergraft_request_success_total",
            "infergraft_time_to_first_token_seconds_count",
            "infergraft_time_per_output_token_seconds_count",
-           "infergraft_e2e_request_latency_seconds_count")
+           "infergraft_e2e_request_latency_seconds_count",
+           # engine.stats()'s K/V memory (tests/test_serve_kv_metrics.py: a paged pool's)
+           "infergraft_prefix_cache_queries_total", "infergraft_prefix_cache_hits_total",
+           "infergraft_num_preemptions_total", "infergraft_num_swapped_out_total",
+           "infergraft_num_recomputed_total", "infergraft_kv_blocks", "infergraft_kv_blocks_free")
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +276,8 @@ def test_metrics_lists_every_name_after_requests(server, client):
     assert samples[("infergraft_time_to_first_token_seconds_count", ())] >= 1
     assert samples[("infergraft_e2e_request_latency_seconds_count", ())] >= 1
     assert 0 <= samples[("infergraft_kv_cache_usage_ratio", ())] <= 1
+    kv = {name[11:]: v for (name, _), v in samples.items() if name in METRICS[9:]}
+    # a row per sequence: no blocks, nothing found in a prefix cache, nothing swapped
+    assert kv["prefix_cache_queries_total"] > 0 and kv["prefix_cache_hits_total"] == 0
+    assert kv["kv_blocks"] == kv["kv_blocks_free"] == kv["num_swapped_out_total"] == 0
+    assert kv["num_recomputed_total"] == kv["num_preemptions_total"]

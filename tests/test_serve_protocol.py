@@ -211,7 +211,9 @@ def test_metrics_read_the_engine_stats_and_count_outcomes():
         def stats(self):
             return {"requests_running": 2, "requests_waiting": 1, "kv_cache_usage_ratio": 0.25,
                     "prompt_tokens_total": 30, "generation_tokens_total": 12,
-                    "num_preemptions": 0}
+                    "num_preemptions": 3, "num_swapped_out": 2, "num_recomputed": 1,
+                    "prefix_cache_queries": 40, "prefix_cache_hits": 16,
+                    "kv_blocks_total": 64, "kv_blocks_free": 60}
 
     m = ServerMetrics(Stats())
     rm = RequestMetrics(arrival=1.0, first_token=1.5, token_times=[1.5, 2.0, 2.5], finished=2.5)
@@ -221,6 +223,10 @@ def test_metrics_read_the_engine_stats_and_count_outcomes():
     for line in ("infergraft_requests_running 2.0", "infergraft_requests_waiting 1.0",
                  "infergraft_kv_cache_usage_ratio 0.25", "infergraft_prompt_tokens_total 30.0",
                  "infergraft_generation_tokens_total 12.0",
+                 "infergraft_prefix_cache_queries_total 40.0",
+                 "infergraft_prefix_cache_hits_total 16.0", "infergraft_num_preemptions_total 3.0",
+                 "infergraft_num_swapped_out_total 2.0", "infergraft_num_recomputed_total 1.0",
+                 "infergraft_kv_blocks 64.0", "infergraft_kv_blocks_free 60.0",
                  'infergraft_request_success_total{finish_reason="stop"} 1.0',
                  'infergraft_request_success_total{finish_reason="abort"} 1.0',
                  "infergraft_time_to_first_token_seconds_sum 0.5",

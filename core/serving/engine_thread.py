@@ -279,18 +279,19 @@ def refusal(engine, box: Inbox, max_waiting: int) -> str | None:
 
 
 def engine_stats(engine, inbox: Inbox, loop: EngineThread) -> dict:
-    """Gauges and counters for /metrics (waits for the step in progress, if any)."""
-    with engine.lock:
-        cache = engine.cache.stats()
-        running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+    """Gauges and counters for /metrics (waits for the step in progress, if any), with
+    ``engine.stats()``'s K/V memory: prefix-cache queries and hits, blocks, preemptions."""
+    with engine.lock:  # re-entrant: engine.stats() takes it again, in the same step
+        cache, kv = engine.cache.stats(), engine.stats()
+    waiting = kv.pop("num_waiting")
     with inbox.cond:
         waiting += len(inbox.intake) + inbox.taken
     if cache.get("blocks_total"):
         usage = cache["blocks_used"] / cache["blocks_total"]
     else:  # a row per sequence
         usage = cache["sequences"] / engine.plan.max_batch_size
-    return {"requests_running": running, "requests_waiting": waiting,
+    return {"requests_running": kv.pop("num_running"), "requests_waiting": waiting,
             "kv_cache_usage_ratio": min(1.0, float(usage)),
             "prompt_tokens_total": loop.prompt_tokens_total,
             "generation_tokens_total": loop.generation_tokens_total,
-            "num_preemptions": engine.scheduler.num_preemptions, **attrs.asdict(loop.counts)}
+            **kv, **attrs.asdict(loop.counts)}

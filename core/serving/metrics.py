@@ -1,7 +1,9 @@
 """``GET /metrics``: Prometheus text format, one ``CollectorRegistry`` per app (two apps
 in one process do not share counts). Gauges and token totals are read from
-``aengine.stats()`` at each scrape; request outcomes and latencies are recorded by the
-server as requests finish (names as vLLM's, ``vllm:`` -> ``infergraft_``)."""
+``aengine.stats()`` at each scrape (the engine's K/V memory too: prefix-cache queries and
+hits, blocks total and free, preemptions swapped out or recomputed); request outcomes and
+latencies are recorded by the server as requests finish (names as vLLM's, ``vllm:`` ->
+``infergraft_``, where vLLM has the figure)."""
 from __future__ import annotations
 
 import time
@@ -10,13 +12,26 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-# (name, help) of the values stats() gives; counters get Prometheus' _total suffix
-GAUGES = {"requests_running": "Requests in the running batch.",
-          "requests_waiting": "Requests queued for admission.",
-          "kv_cache_usage_ratio": "K/V cache in use, 0 to 1 (blocks or rows)."}
+# name -> (the key stats() gives it under, help); counters get Prometheus' _total suffix
+# (infergraft_prefix_cache_queries_total, as vLLM's vllm:prefix_cache_queries_total)
+GAUGES = {"requests_running": ("requests_running", "Requests in the running batch."),
+          "requests_waiting": ("requests_waiting", "Requests queued for admission."),
+          "kv_cache_usage_ratio": ("kv_cache_usage_ratio",
+                                   "K/V cache in use, 0 to 1 (blocks or rows)."),
+          "kv_blocks": ("kv_blocks_total", "K/V blocks in the pool (0: a row per sequence)."),
+          "kv_blocks_free": ("kv_blocks_free", "K/V blocks of the pool free now.")}
 COUNTERS = {"prompt_tokens": ("prompt_tokens_total", "Prompt tokens prefilled."),
             "generation_tokens": ("generation_tokens_total", "Tokens generated."),
-            "num_preemptions": ("num_preemptions", "Sequences preempted (recomputed later)."),
+            "prefix_cache_queries": ("prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache."),
+            "prefix_cache_hits": ("prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache (not computed)."),
+            "num_preemptions": ("num_preemptions",
+                                "Sequences preempted (swapped out or recomputed)."),
+            "num_swapped_out": ("num_swapped_out",
+                                "Preempted sequences whose K/V blocks went to host memory."),
+            "num_recomputed": ("num_recomputed",
+                               "Preempted sequences whose K/V was freed, to prefill again."),
             "engine_steps": ("num_steps", "Engine steps taken (prefill and decode)."),
             "engine_prefill_steps": ("num_prefill_steps",
                                      "Engine steps that prefilled (decode tokens may ride)."),
@@ -37,8 +52,8 @@ class _StatsCollector:
 
     def collect(self):
         stats = self.aengine.stats()
-        for key, help in GAUGES.items():
-            yield GaugeMetricFamily(f"infergraft_{key}", help, value=float(stats.get(key, 0)))
+        for name, (key, help) in GAUGES.items():
+            yield GaugeMetricFamily(f"infergraft_{name}", help, value=float(stats.get(key, 0)))
         for name, (key, help) in COUNTERS.items():
             yield CounterMetricFamily(f"infergraft_{name}", help,
                                       value=float(stats.get(key, 0)))

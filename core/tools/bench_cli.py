@@ -36,10 +36,18 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
 
 
 def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
-                plugins=(), max_num_batched_tokens: int | None = None, config=None):
+                plugins=(), max_num_batched_tokens: int | None = None, config=None,
+                options=None):
     """(hf_model, engine) on the same weights; ``plugins`` added to the engine's (the
     paged cache on CUDA), e.g. ("int8",); ``max_num_batched_tokens``: the engine's prompt
-    tokens a step (None: its default)."""
+    tokens a step (None: its default); ``options``: more of build's keyword arguments."""
+    hf = load_hf(name, device, dtype)
+    return hf, build_engine(hf, device, dtype, max_batch_size, max_seq_len, plugins,
+                            max_num_batched_tokens, config, options)
+
+
+def load_hf(name: str, device, dtype):
+    """The HF model of ``name``: a random shape of SHAPES (seed 0), or a checkpoint."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if name in SHAPES:
@@ -47,25 +55,24 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
         cfg.architectures = ["LlamaForCausalLM"]
         torch.manual_seed(0)
         with torch.device(device):
-            hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    else:
-        from ..loading.demo import ensure_demo_model
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    from ..loading.demo import ensure_demo_model
 
-        path = ensure_demo_model(name) if name in ALIASES else name
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return hf, build_engine(hf, device, dtype, max_batch_size, max_seq_len, plugins,
-                            max_num_batched_tokens, config)
+    path = ensure_demo_model(name) if name in ALIASES else name
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def build_engine(hf, device, dtype, max_batch_size: int, max_seq_len: int, plugins=(),
-                 max_num_batched_tokens: int | None = None, config=None):
+                 max_num_batched_tokens: int | None = None, config=None, options=None):
     """Our engine on ``hf``'s weights, as ``load_models`` builds it; ``config``: a resolved
-    ``--config`` (``config_cli.bench_config``), the arguments here over it."""
+    ``--config`` (``config_cli.bench_config``), the arguments here over it; ``options``
+    (e.g. ``{"prefix_caching": False}``) over those."""
     from ..build import build
 
-    return build(hf, plugins=engine_plugins(device, plugins) or None, dtype=dtype,
-                 device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                 max_num_batched_tokens=max_num_batched_tokens, config=config)
+    kwargs = dict(plugins=engine_plugins(device, plugins) or None, dtype=dtype,
+                  device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                  max_num_batched_tokens=max_num_batched_tokens, config=config)
+    return build(hf, **{**kwargs, **(options or {})})
 
 
 def markdown_table(results, bw: float) -> str:

@@ -6,12 +6,15 @@ weights, and the workload's compute floor, in one run (as ``vllm bench throughpu
 vocabulary, ``ignore_eos``, exact output lengths) are submitted to the engine all at once
 (``add_request``) and stepped until every one has finished, after a short warm-up
 (serve_offline.py); then the same requests through HF's continuous batching (serve_hf.py),
-unless ``--no-hf``. ``--compare-plugins int8,int4+kv-int8``: after the base run (its
-``--plugins``) our engine runs the same requests again with each set added, one build
-alive at a time (bench_variants.py); HF and the floor are measured once. The matmul rate
+unless ``--no-hf``. ``--compare-plugins int8,int4+kv-int8`` and ``--compare-options
+prefix_caching=false``: after the base run (its ``--plugins`` and build options) our engine
+runs the same requests again with each set added or each option changed, one build alive
+at a time (bench_variants.py), each set against the base run; HF and the floor are
+measured once. Each run of ours records ``engine.stats()`` and, with ``--check-alone``,
+whether requests get the tokens they get alone (bench_kv.py). The matmul rate
 the floor is taken at is measured first, in the same run (throughput_report.py says what
 the floor counts). Prints a table of every run and the floor; writes ``throughput.json``
-(every argument, the commit and switches, the device, the summaries, each plugin set's
+(every argument, the commit and switches, the device, the summaries, each variant's
 under ``variants``, the floor) and ``throughput.png`` to ``--out``.
 """
 from __future__ import annotations
@@ -26,19 +29,20 @@ import torch
 
 from ..errors import InfergraftError, PlanError
 from .bench import matmul_rate
+from . import bench_kv
 from .bench_cli import (SHAPES, _batches, _device, _dtype, _model, _names, _out, _positive,
                         build_engine, describe_device, load_models, parse_resolved)
 from .bench_serve import add_workload_arguments, resolve_workload
-from .bench_variants import (BASE, add_variants_argument, check_variants, each_variant,
-                             free_device, variant_name)
+from .bench_variants import (BASE, add_options_argument, add_variants_argument,
+                             check_option_variants, check_variants, each_variant,
+                             free_device, spell, variant_name)
 from .config_cli import add_config_argument, bench_config
 from .provenance import provenance
 from .serve_hf import hf_summary
-from .serve_offline import offline_summary
 from .serve_report import jsonable
 from .serve_workload import make_requests
 from .step_gaps import StepGaps
-from .throughput_report import compute_floor, plot, table
+from .throughput_report import compute_floor, plot, table, vs_base
 
 MAX_BATCH = 256  # the default batch's cap, as vLLM's max_num_seqs
 MATMUL_N = {"cuda": 8192, "cpu": 1024}  # the floor's matmul: n x n x n, by device type
@@ -71,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "is added on CUDA)")
     add_variants_argument(p, "each runs the same requests, its output tok/s set against "
                              "the base run's (one --max-num-batched-tokens only)")
+    add_options_argument(p, "each runs the same requests, its out tok/s, TTFT and TPOT set "
+                            "against the base run's (one --max-num-batched-tokens only)")
+    bench_kv.add_arguments(p)
     add_config_argument(p)
     p.add_argument("--no-hf", action="store_true",
                    help="skip HF transformers' continuous batching (the baseline)")
@@ -95,19 +102,26 @@ def resolve(args):
     args.dtype = args.dtype or (torch.bfloat16 if args.device.startswith("cuda")
                                 else torch.float32)
     check_variants(args.device, args.plugins, args.compare_plugins)
+    args.build_options = bench_kv.base_options(args)
+    check_option_variants(args.device, args.plugins, args.build_options,
+                          args.compare_options, args.config_options)
     budgets = args.max_num_batched_tokens or []
-    if args.compare_plugins and len(budgets) > 1:
-        raise PlanError(f"--compare-plugins with the --max-num-batched-tokens sweep "
-                        f"{','.join(map(str, budgets))}: each plugin set runs at the base "
-                        f"run's one budget; give one budget, or sweep without --compare-plugins")
+    for flag in ("--compare-plugins", "--compare-options"):
+        if getattr(args, flag[2:].replace("-", "_")) and len(budgets) > 1:
+            raise PlanError(f"{flag} with the --max-num-batched-tokens sweep "
+                            f"{','.join(map(str, budgets))}: each variant runs at the base "
+                            f"run's one budget; give one budget, or sweep without {flag}")
     resolve_workload(args)
     args.requests = make_requests(args.dataset, args.num_prompts, args.prompt_len,
                                   args.output_len, vocab_size(args.model), seed=args.seed)
     longest = max(len(r.prompt) + r.output_len for r in args.requests)
-    if args.max_seq_len is not None and args.max_seq_len < longest:
-        raise PlanError(f"--max-seq-len {args.max_seq_len} is shorter than the longest "
-                        f"request of --dataset {args.dataset} ({longest} tokens, prompt + "
-                        f"output): give at least {longest}, or leave it out")
+    for flag, n in [("--max-seq-len", args.max_seq_len)] + [
+            (f"--compare-options {spell(v['plugins'], v['options'])}: max_seq_len",
+             v["options"].get("max_seq_len")) for v in args.compare_options]:
+        if isinstance(n, int) and n < longest:
+            raise PlanError(f"{flag} {n} is shorter than the longest request of --dataset "
+                            f"{args.dataset} ({longest} tokens, prompt + output): give at "
+                            f"least {longest}, or leave it out")
     args.max_seq_len = args.max_seq_len or longest
     args.max_batch_size = args.max_batch_size or min(args.num_prompts, MAX_BATCH)
     if args.step_gaps and not args.device.startswith("cuda"):
@@ -140,12 +154,14 @@ def measure(args) -> int:
     # it, once per token budget of a sweep
     budgets = args.max_num_batched_tokens or [None]
     hf, engine = load_models(args.model, device, args.dtype, args.max_batch_size,
-                             args.max_seq_len, args.plugins, budgets[0], args.config_options)
+                             args.max_seq_len, args.plugins, budgets[0], args.config_options,
+                             options=args.build_options)
     rows, config = {}, None
     for i, budget in enumerate(budgets):
         if i:
             engine = build_engine(hf, device, args.dtype, args.max_batch_size,
-                                  args.max_seq_len, args.plugins, budget, args.config_options)
+                                  args.max_seq_len, args.plugins, budget, args.config_options,
+                                  args.build_options)
         print(engine.plan, file=sys.stderr)
         summary, config = _ours(args, engine)
         steps = config["max_num_batched_tokens"]
@@ -153,13 +169,16 @@ def measure(args) -> int:
         spec = engine.spec
         del engine  # before the next is built: one engine's cache on the device at a time
         free_device()
-    # 3) Each --compare-plugins set on the same requests (no sweep: one budget)
-    def build_variant(plugins):
+    # 3) Each --compare-plugins set, then each --compare-options variant, on the same
+    # requests (no sweep: one budget)
+    def build_variant(v):
         return build_engine(hf, device, args.dtype, args.max_batch_size, args.max_seq_len,
-                            args.plugins + plugins, budgets[0], args.config_options)
-    variants = each_variant(args.compare_plugins, build_variant,
-                            lambda plugins, engine: _variant(args, plugins, engine, rows[BASE]),
-                            lambda msg: print(msg, file=sys.stderr))
+                            args.plugins + v["plugins"], budgets[0], args.config_options,
+                            {**args.build_options, **v["options"]})
+    variants = each_variant(
+        [{"plugins": p, "options": {}} for p in args.compare_plugins] + args.compare_options,
+        build_variant, lambda v, engine: _variant(args, v, engine, rows[BASE]),
+        lambda msg: print(msg, file=sys.stderr), name=_name)
     # 4) HF after ours, on the first --hf-num-prompts requests
     hf_requests = requests[:args.hf_num_prompts or len(requests)]
     hf_row = None if args.no_hf else _hf(hf, hf_requests)
@@ -172,7 +191,7 @@ def measure(args) -> int:
         s["over_floor"] = s["output_throughput"] / floor["output_throughput"]
     _write(args, config, rows, variants, hf_row, floor)
     ours = [s for k, s in rows.items() if not k.startswith("HF")] + variants
-    return 0 if all(s["completed"] == len(requests) for s in ours) else 1
+    return 0 if all(s["completed"] == len(requests) and s["full_length"] for s in ours) else 1
 
 
 def _ours(args, engine, name: str = BASE):
@@ -181,26 +200,32 @@ def _ours(args, engine, name: str = BASE):
     print(f"{name} ({budget}-token steps): {len(args.requests)} requests at once ...",
           file=sys.stderr)
     gaps = []
-    ours = offline_summary(engine, args.requests, None, after_warm_up=(
-        (lambda: gaps.append(StepGaps(engine))) if args.step_gaps else None))
+    ours = bench_kv.measured_run(engine, args.requests, after_warm_up=(
+        (lambda: gaps.append(StepGaps(engine))) if args.step_gaps else None),
+        check_alone=args.check_alone)
     if gaps:
         ours["step_gaps"] = gaps[0].summary()
     config = {"max_batch_size": engine.plan.max_batch_size,
               "max_seq_len": engine.plan.max_seq_len, "max_num_batched_tokens": budget,
-              "cache_backend": engine.plan.cache_backend}
+              "cache_backend": engine.plan.cache_backend,
+              "plugin_options": dict(engine.plan.options)}
     ours["engine_config"] = config
     return ours, config
 
 
-def _variant(args, plugins, engine, base: dict) -> dict:
-    """One ``--compare-plugins`` set's summary: named, its plugins (the set, and all of the
-    build's), its output tok/s over the base run's."""
-    summary, _ = _ours(args, engine, variant_name(plugins))
-    ratio = summary["output_throughput"] / base["output_throughput"] \
-        if base["output_throughput"] else None
-    return {"name": variant_name(plugins), "plugins": plugins,
-            "build_plugins": args.plugins + plugins, **summary,
-            "output_throughput_vs_base": ratio}
+def _name(v) -> str:
+    return variant_name(v["plugins"], v["options"])
+
+
+def _variant(args, v, engine, base: dict) -> dict:
+    """One variant's summary: named, its plugins and options (the variant's, and all of the
+    build's), its out tok/s, TTFT and TPOT over the base run's."""
+    summary, _ = _ours(args, engine, _name(v))
+    ratios = vs_base(summary, base)
+    return {"name": _name(v), "plugins": v["plugins"], "options": v["options"],
+            "build_plugins": args.plugins + v["plugins"],
+            "build_options": {**args.build_options, **v["options"]}, **summary,
+            "output_throughput_vs_base": ratios["output_throughput"], "vs_base": ratios}
 
 
 def _hf(hf, requests) -> dict:

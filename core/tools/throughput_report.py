@@ -1,5 +1,6 @@
 """How ``infergraft bench throughput`` judges and shows a run: the workload's compute floor,
-the table of our engine beside HF's continuous batching, and the plot.
+the table of our engine beside HF's continuous batching (each run of ours also against
+the base run, and its K/V memory: bench_kv.py), and the plot.
 
 The compute floor is the output throughput at which the workload's FLOPs would take the
 device's matmul rate (``bench.matmul_rate``, measured in the same run at the run's
@@ -25,6 +26,20 @@ from .serve_report import SECTIONS, fmt
 
 LABEL, COLUMN = 34, 14
 QUANTILES = ("p50", "p90", "p99")
+# what a run is set against the base run on: (name, label, its value in a summary)
+RATIOS = (("output_throughput", "Output tok/s", lambda s: s.get("output_throughput")),
+          ("ttft_p50", "P50 TTFT", lambda s: (s.get("ttft_ms") or {}).get("p50")),
+          ("ttft_p99", "P99 TTFT", lambda s: (s.get("ttft_ms") or {}).get("p99")),
+          ("tpot_p50", "P50 TPOT", lambda s: (s.get("tpot_ms") or {}).get("p50")))
+
+
+def vs_base(summary: dict, base: dict) -> dict:
+    """Each of RATIOS of ``summary`` over ``base``'s (None where either has none)."""
+    return {name: _ratio(get(summary), get(base)) for name, _, get in RATIOS}
+
+
+def _ratio(x, ref):
+    return x / ref if x is not None and ref else None
 
 
 def workload_flops(spec, requests) -> dict:
@@ -64,9 +79,9 @@ def compute_floor(spec, requests, rate: float, measured: str) -> dict:
 
 def table(rows: dict[str, dict], floor: dict, base: str | None = None) -> str:
     """Each system's summary (serve_workload.summarise, ``over_floor`` added) in a column,
-    the floor's throughputs beside them, then how the floor was reached; ``base``: a
-    column (``--compare-plugins``' base run) whose output tok/s each column's is set
-    against."""
+    the floor's throughputs beside them, engine.stats() of ours, then how the floor was
+    reached; ``base``: a column (``--compare-plugins`` / ``--compare-options``' base run)
+    each column's out tok/s, TTFT and TPOT are set against."""
     names = [*rows, "compute floor"]
     col = max(COLUMN, 2 + max(map(len, names)))  # a sweep's labels name their budget
     width = LABEL + col * len(names)
@@ -88,13 +103,14 @@ def table(rows: dict[str, dict], floor: dict, base: str | None = None) -> str:
     line("Total token throughput (tok/s)", "total_token_throughput",
          floor["total_token_throughput"])
     line("Output tok/s / compute floor", lambda s: _percent(s.get("over_floor")))
-    ref = rows[base]["output_throughput"] if base else None
-    if ref:
-        line(f"Output tok/s / {base}", lambda s: f"{s['output_throughput'] / ref:.2f}x")
+    for _, label, get in RATIOS if base else ():
+        line(f"{label} / {base}", lambda s, g=get: _times(_ratio(g(s), g(rows[base]))))
     for key, short, title in SECTIONS[:3]:  # TTFT, TPOT, ITL
         lines.append(f" {title} ".center(width, "-"))
         for q in QUANTILES:
             line(f"{q.upper()} {short} (ms)", lambda s, k=key, q=q: (s.get(k) or {}).get(q))
+    if any(s.get("kv") for s in rows.values()):
+        _kv_lines(lines, line, width, rows)
     lines.append("=" * width)
     steps = next((s["engine"] for s in rows.values() if s.get("engine")), None)
     if steps:
@@ -116,6 +132,30 @@ def table(rows: dict[str, dict], floor: dict, base: str | None = None) -> str:
         if s.get("first_error"):
             lines.append(f"{name} first error: {s['first_error']}")
     return "\n".join(lines)
+
+
+def _kv_lines(lines, line, width, rows) -> None:
+    """engine.stats() over each run of ours (bench_kv.py), and how its outputs came out."""
+    lines.append(" K/V memory (engine.stats(), the run's) ".center(width, "-"))
+
+    def kv(key):
+        return lambda s: (s.get("kv") or {}).get(key)
+    line("Prefix cache hit rate", lambda s: _percent(kv("prefix_cache_hit_rate")(s)))
+    line("Prefix cache hits / queries (tok)", lambda s: s.get("kv") and
+         f"{s['kv']['prefix_cache_hits']}/{s['kv']['prefix_cache_queries']}")
+    line("Preemptions (swapped, recomputed)", lambda s: s.get("kv") and
+         f"{s['kv']['num_preemptions']} ({s['kv']['num_swapped_out']}, "
+         f"{s['kv']['num_recomputed']})")
+    line("K/V blocks total", kv("kv_blocks_total"))
+    line("Every output its full length", lambda s: {True: "yes", False: "NO"}.get(
+        s.get("full_length")))
+    if any(s.get("alone") for s in rows.values()):
+        line("Tokens as alone (greedy)", lambda s: s.get("alone") and
+             f"{s['alone']['equal']}/{s['alone']['checked']}")
+
+
+def _times(x) -> str | None:
+    return None if x is None else f"{x:.2f}x"
 
 
 def _percent(x) -> str | None:

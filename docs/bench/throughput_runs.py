@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from infergraft.core.tools import bench_throughput as bt
+from infergraft.core.tools import bench_cli, bench_throughput as bt
 
 MODEL = os.environ.get("MODEL", "llama3-8b")
 GAPS = ["--step-gaps"] if os.environ.get("STEP_GAPS", "1") == "1" else []
@@ -20,11 +20,12 @@ _hf = {}
 LOAD_MODELS = bt.load_models
 
 
-def cached_models(name, device, dtype, max_batch_size, max_seq_len, plugins=(), budget=None):
-    if name not in _hf:  # HF's model alone: a small engine beside it, dropped at once
-        _hf[name] = LOAD_MODELS(name, device, dtype, 1, 64)[0]
+def cached_models(name, device, dtype, *sizes, **kw):
+    """bench_cli.load_models with HF's model made once per name."""
+    if name not in _hf:
+        _hf[name] = bench_cli.load_hf(name, device, dtype)
     hf = _hf[name]
-    return hf, bt.build_engine(hf, device, dtype, max_batch_size, max_seq_len, plugins, budget)
+    return hf, bt.build_engine(hf, device, dtype, *sizes, **kw)
 
 
 def main(out, deadline, *runs):
