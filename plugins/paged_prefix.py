@@ -65,8 +65,8 @@ class PrefixCaching:
                 del self._tokens[seq_id]
                 return
             chain.append(ident)
-        if full * self.block_size >= len(tokens):
-            del self._tokens[seq_id]  # nothing more to key
+        if self._len[seq_id] >= len(tokens):
+            del self._tokens[seq_id]  # every known token is in: nothing more to key
 
     def _forget_prefix(self, seq_id) -> None:
         self._tokens.pop(seq_id, None)
