@@ -20,6 +20,7 @@ from .memory import (activation_bytes, check_fits, device_budget, step_token_bud
                      resolve_sizes, weight_bytes)
 from .plan import Plan
 from .plugin_manager import get_plugin_manager
+from .preemption import check_mode, policy_for
 from .runner.model import DecoderModel
 from .runner.model_runner import decode_graphs_for, prefill_graphs_for, step_graphs_for
 from .runner.weight_stream import host_slots, streamer_for
@@ -69,7 +70,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
           device_memory=None, cuda_graphs: bool | None = None,
           prefill_graphs: bool | None = None, step_graphs: bool | None = None,
           max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
-          checkpoint=None, **plugin_options) -> Engine:
+          checkpoint=None, preemption: str = "auto", **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine.
 
     ``config``: a JSON file or a dict of these arguments and plugin options, or
@@ -80,7 +81,9 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
     a ``max_num_batched_tokens`` step must fit in (default: the free memory of a CUDA device;
-    on the CPU the host's physical memory). ``cuda_graphs``: decode under CUDA graphs
+    on the CPU the host's physical memory); the paged cache's pool is by default what
+    ``gpu_memory_utilization`` (0.9) of it leaves beside the weights and activations, at
+    most max_batch_size sequences of max_seq_len (``num_blocks`` overrides). ``cuda_graphs``: decode under CUDA graphs
     (default: on CUDA when the cache supports it); ``step_graphs``: every other step too,
     per token-count bucket (default: with ``cuda_graphs`` where the cache supports it: the
     paged cache); ``prefill_graphs``: a single fresh prompt's prefill, per length bucket,
@@ -88,12 +91,15 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     it: the contiguous one). ``max_num_batched_tokens``: tokens one step carries at most,
     decode tokens and prompt chunks together (default ``scheduler.DEFAULT_BATCHED_TOKENS``);
     longer prompts are split (``max_prefill_tokens``: its old name, deprecated).
+    ``preemption``: where the cache runs short, "swap" (K/V to host memory and back),
+    "recompute" (prefilled again) or "auto" (the cheaper: core/preemption.py).
     ``plugins=["tp"]`` under torchrun: tensor parallel over the ranks (core/distributed/)."""
     if config is not None:  # first statement: locals() are the arguments
         from .config import explicit_arguments, resolve_config
         return build(**resolve_config(config, explicit_arguments(build, locals())))
     t0 = time.perf_counter()
     max_num_batched_tokens = _budget_alias(max_num_batched_tokens, max_prefill_tokens)
+    check_mode(preemption)
     for flag, value in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs),
                         ("step_graphs", step_graphs), ("progress", progress)):
         if value is not None and not isinstance(value, bool):
@@ -119,6 +125,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     parallel = planner.plan(spec, world_size_for(planner, device), **opts[1])
     rank = rank_setup(planner, spec, parallel)  # what this process runs of the plan
     device, run_spec = rank_device(device, parallel), rank.spec
+    preempt = policy_for(preemption, run_spec, device, dtype, parallel.world_size)
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     step_tokens = step_token_budget(max_num_batched_tokens)
     from infergraft.kernels import get_ops, switches  # here, not at import: it imports triton
@@ -140,14 +147,18 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         activation_bytes=activation_bytes(run_spec, dtype, step_tokens, max_batch_size))
     plan = _with_activations(pm.prepare_plan(plan, spec), plan, run_spec, dtype)
     budget, budget_source = device_budget(device, device_memory)
-    kv_device = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **opts[0])
-    if device.type == "cpu":  # a cache's host pool (offload's slow blocks) is this memory too
-        kv_device += getattr(backend, "host_bytes", lambda p, **o: 0)(plan, **opts[0])
     if hasattr(planner, "place_weights"):  # layers that do not fit stay in host memory
+        # placed beside the default pool, which then keeps its size (no memory_budget)
         plan = attrs.evolve(plan, weight_placement=planner.place_weights(
-            plan, run_spec, budget, kv_device, weight_quantizer=weight_quant, **opts[1]))
-    # before any weight is loaded, and every rank's verdict on every rank
-    agreed(lambda: check_fits(plan, kv_device, budget, budget_source), parallel)
+            plan, run_spec, budget, _kv_bytes(backend, plan, device, opts[0]),
+            weight_quantizer=weight_quant, **opts[1]))
+    else:  # the cache may size its pool to what the weights and activations leave
+        plan = attrs.evolve(plan, memory_budget=budget)
+    # before any weight is loaded, and every rank's verdict on every rank (device_bytes
+    # refuses a pool sized to the budget that cannot hold one sequence)
+    agreed(lambda: check_fits(plan, _kv_bytes(backend, plan, device, opts[0]), budget,
+                              budget_source), parallel)
+    plan = _same_pool(plan, _kv_bytes(backend, plan, device, opts[0]), parallel)
 
     net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage)
     tensors = source.tensors()
@@ -168,7 +179,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         opts[0]["kv_quantizer"] = kv_quant
     cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_num_batched_tokens)
-    engine.ranks = rank.ranks
+    engine.ranks, engine.scheduler.preemption = rank.ranks, preempt
     engine.schedule_ahead = device.type == "cuda" and rank.ranks is None \
         and switches.value("INFERGRAFT_SCHEDULE_AHEAD")
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)
@@ -190,6 +201,24 @@ def _budget_alias(budget, old):
     warnings.warn("max_prefill_tokens is now max_num_batched_tokens (the step's token budget, "
                   "decode tokens included)", DeprecationWarning, stacklevel=3)
     return old
+
+
+def _kv_bytes(backend, plan, device, options) -> int:
+    """The K/V bytes a cache of ``plan`` holds in ``device``'s memory."""
+    kv = getattr(backend, "device_bytes", lambda p, **o: p.kv_bytes_total)(plan, **options)
+    if device.type == "cpu":  # a cache's host pool (offload's slow blocks) is this memory too
+        kv += getattr(backend, "host_bytes", lambda p, **o: 0)(plan, **options)
+    return kv
+
+
+def _same_pool(plan, kv_bytes: int, parallel):
+    """Every rank schedules on its own cache, so every rank's pool must hold as many
+    tokens: a pool sized to each rank's budget is cut to the smallest (``pool_tokens``)."""
+    if parallel.world_size == 1 or plan.memory_budget is None:
+        return plan
+    tokens = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(tokens, kv_bytes // plan.kv_bytes_per_token)
+    return plan if len(set(tokens)) == 1 else attrs.evolve(plan, pool_tokens=min(tokens))
 
 
 def _with_activations(plan, before, spec, dtype):

@@ -151,3 +151,39 @@ class KVCache:
         if "blocks_total" in st:
             assert st["blocks_free"] + st["blocks_used"] == st["blocks_total"], st
             assert min(st["blocks_free"], st["blocks_used"]) >= 0, st
+
+    # -- optional: preemption by swap (the scheduler recomputes where a cache has none) ----
+    #: True if the cache implements the swap methods below
+    supports_swap: bool = False
+
+    def can_swap_out(self, seq_id: Hashable) -> bool:
+        """True if ``swap_out(seq_id)`` would succeed now (room in host memory)."""
+        return False
+
+    def swap_out(self, seq_id: Hashable) -> None:
+        """Move a sequence's K/V to host memory and release its device room: it is no longer
+        allocated (``length``, ``prepare`` and ``read`` do not know it) until ``swap_in``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swap")
+
+    def swap_bytes(self, seq_id: Hashable) -> int:
+        """Bytes ``swap_out(seq_id)`` would copy (``swap_in`` copies as many back)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swap")
+
+    def can_swap_in(self, seq_id: Hashable) -> bool:
+        """True if the swapped-out ``seq_id`` fits on the device now, room for its next
+        token included, so that it can run in the step that follows."""
+        return False
+
+    def swap_in(self, seq_id: Hashable) -> None:
+        """Bring a swapped-out sequence back: allocated again with the K/V and length it had;
+        any copy is ordered before the next step reads it. Raises CacheFullError, changing
+        nothing, when there is no room."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swap")
+
+    def free_swapped(self, seq_id: Hashable) -> None:
+        """Drop a swapped-out sequence's host copy (an abort)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swap")
+
+    def swapped_ids(self) -> list:
+        """The sequences swapped out now, in the order they were swapped out."""
+        return []

@@ -5,12 +5,12 @@ KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per elem
 plus, for quantised K/V, the per-token, per-head scales. Activations: an upper bound of
 what the largest forward step holds at its peak (``activation_bytes``), the memory vLLM
 reserves after its profile run. ``infergraft plan`` prints these numbers; ``core.build``
-refuses a configuration whose weights + K/V + activations do not fit.
+refuses a configuration whose weights + K/V + activations do not fit. The budget itself,
+and the paged pool sized from what the weights and activations leave of it: ``budget.py``.
 """
 from __future__ import annotations
 
 import numbers
-import os
 import warnings
 from typing import Optional
 
@@ -22,6 +22,8 @@ from .errors import PlanError
 from .scheduler import DEFAULT_BATCHED_TOKENS
 from .units import (KVSizes, activations_label, element_bytes, fmt_bytes,  # noqa: F401
                     kv_bytes_per_token, parse_bytes, rows_table)
+from .budget import (as_bytes, check_utilization, device_budget, host_memory,  # noqa: F401
+                     pool_blocks)
 
 
 def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
@@ -96,40 +98,6 @@ def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size:
     e = element_bytes(dtype)
     logits_per_row = spec.vocab_size * (4 if e == 4 else e + 4)  # float32: no copy
     return rows * per_row * e + max_batch_size * logits_per_row
-
-
-def as_bytes(size) -> int:
-    """``80GiB`` / ``512MiB`` / an int -> bytes (PlanError on anything else)."""
-    if isinstance(size, int) and size > 0:
-        return size
-    try:
-        n = parse_bytes(size)
-    except ValueError as e:
-        raise PlanError(f"device_memory: {e}") from None
-    if n <= 0:
-        raise PlanError(f"device_memory must be positive, got {size!r}")
-    return n
-
-
-def device_budget(device, device_memory=None) -> tuple[Optional[int], str]:
-    """(bytes, where they come from): the explicit budget, else free CUDA memory, else on
-    the CPU the host's physical memory (a plan over it would die in the allocator or the
-    OOM killer); None where that cannot be read."""
-    if device_memory is not None:
-        return as_bytes(device_memory), "device_memory"
-    dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info(dev)
-        return int(free), f"free memory on {dev}"
-    host = host_memory() if dev.type == "cpu" else None
-    return (host, "the host's physical memory") if host else (None, "unchecked")
-
-
-def host_memory() -> Optional[int]:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 @attrs.frozen

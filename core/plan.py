@@ -119,6 +119,11 @@ class Plan(KVSizes):
     max_num_batched_tokens: int | None = None  # tokens one step carries at most
     activation_bytes: int = 0  # that step's transient tensors (core.memory.activation_bytes)
     weight_placement: WeightPlacement | None = None  # layers streamed from host memory
+    # the device's budget (core.budget.device_budget) a cache may size its pool from, and
+    # at most this many K/V tokens in it: the smallest rank's, so every rank makes the same
+    # pool (each schedules on its own); both None: the default pool (core.build sets them)
+    memory_budget: int | None = None
+    pool_tokens: int | None = None
 
     @property
     def device_weight_bytes(self) -> int:
@@ -151,6 +156,10 @@ class Plan(KVSizes):
         if self.sliding_window:
             rows.append(("sliding window",
                          f"{self.sliding_window} tokens (a cache may hold only those)"))
+        if self.memory_budget is not None:
+            rows.append((f"memory budget{each}", fmt_bytes(self.memory_budget)
+                         + (f", a pool of at most {self.pool_tokens} tokens"
+                            if self.pool_tokens is not None else "")))
         return rows + [(f"option {k}", repr(v)) for k, v in self.options]
 
     def __str__(self) -> str:

@@ -116,6 +116,7 @@ class TokenLogprob:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its K/V in host memory, to be swapped back in
     FINISHED = "finished"
 
 

@@ -13,10 +13,10 @@ Running sequences left out of a step (for the budget or for the cache) go first 
 next one (those that ran longest ago first), so none waits behind the others for long.
 When the cache runs short (a paged cache out of blocks, an offloaded one whose fast pool
 cannot hold every running sequence at once) the step takes the running sequences that fit
-and the others sit it out (paused), and no prompt is admitted. Only when none fits is the newest running sequence preempted by
-recompute: its cache is freed and it goes back to the front of the waiting queue with its
-tokens so far, to be prefilled again (prompt + output) when there is room. No request is
-ever dropped.
+and the others sit it out (paused), and no prompt is admitted. Only when none fits is the
+newest one preempted, the cheaper way (``preemption.py``): swapped out (its K/V to host
+memory, back before any prompt is admitted: ``swap_schedule.py``) or recomputed (its cache
+freed, requeued first with its tokens so far, to be prefilled again). No request is dropped.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import attrs
 from .cache import CacheFullError
 from .errors import InfergraftError
 from .request import Sequence, Status
+from .swap_schedule import RECOMPUTE, drop_waiting, preempt_newest, swap_in_ready
 
 #: tokens one step carries at most when ``max_num_batched_tokens`` is not given (the
 #: engine and the memory planner both use it, so the planned step is the one that runs;
@@ -78,6 +79,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order (oldest first)
+        self.swapped: list[Sequence] = []  # preempted by swap, the oldest request first
+        self.preemption = RECOMPUTE  # how to preempt (core.build gives its own policy)
         self.num_preemptions = 0  # num_swapped_out + num_recomputed
         self.num_swapped_out = 0  # preemptions whose blocks went to host memory
         self.num_recomputed = 0  # preemptions whose cache was freed, to prefill again
@@ -103,7 +106,7 @@ class Scheduler:
         return len(self.running) < self.max_batch_size
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def last_kind(self) -> str | None:
@@ -117,11 +120,11 @@ class Scheduler:
 
     def schedule_ahead(self) -> Step | None:
         """The next step, scheduled while the current one still runs (its sequences'
-        counts fed, their tokens not yet sampled), or None where the cache is short:
-        pausing or preempting must see the step's outcome. Admits as ``schedule`` does;
-        ``resume`` takes the step once the current one is done."""
+        counts fed, their tokens not yet sampled), or None where the cache is short or a
+        swapped sequence waits: pausing, preempting, swapping in see the step's outcome.
+        Admits as ``schedule`` does; ``resume`` takes the step once this one is done."""
         seqs, counts, short = self._running_part()
-        return None if short or not seqs else self._take(seqs, counts)
+        return None if short or not seqs or self.swapped else self._take(seqs, counts)
 
     def resume(self, step: Step) -> Step | None:
         """``step`` (from ``schedule_ahead``) without the sequences that finished since (a
@@ -138,10 +141,11 @@ class Scheduler:
         return step
 
     def _schedule(self) -> Step | None:
+        swap_in_ready(self)  # swapped sequences come back first, where there is room
         while True:
             seqs, counts, short = self._running_part()
-            # a cache that refused a running sequence takes no new prompt
-            step = self._take(seqs, counts, admit=not short)
+            # a cache that refused a running sequence, or owes a swapped one, takes no prompt
+            step = self._take(seqs, counts, admit=not short and not self.swapped)
             if step.seqs:
                 self.num_paused += short
                 return step
@@ -151,7 +155,7 @@ class Scheduler:
                 raise SchedulerError(f"the cache cannot extend its only sequence by "
                                      f"{counts_needed(self.running[0])} token(s) "
                                      f"(stats: {self.cache.stats()})")
-            self.preempt(self.running[-1])  # none fits: the newest makes room
+            preempt_newest(self)  # none fits: the newest makes room
 
     def _take(self, seqs, counts, admit: bool = True) -> Step:
         """The step of these running sequences and (``admit``) the waiting prompts that
@@ -226,17 +230,18 @@ class Scheduler:
     def _nothing_fits(self) -> None:
         """Nothing runs and nothing was admitted: no later step would differ, so waiting
         would spin forever (the cache refuses the prompt, or the step it would run)."""
-        if not self.waiting:
+        if not (self.waiting or self.swapped):
             return None
-        n = self.waiting[0].num_tokens
-        what = "sequence" if not self.cache.can_allocate(n) else "sequence's prefill step"
+        n = (self.swapped or self.waiting)[0].num_tokens  # the first in line
+        what = "swapped-out sequence" if self.swapped else "sequence" \
+            if not self.cache.can_allocate(n) else "sequence's prefill step"
         raise SchedulerError(f"the cache cannot take a {n}-token {what} even with nothing "
                              f"running (stats: {self.cache.stats()})")
 
     def stats(self) -> dict:
         """Prefix-cache queries / hits (prompt tokens looked up / found), K/V blocks total
-        and free, preemptions (swapped out + recomputed), requests running and waiting:
-        what ``Engine.stats()`` returns and the server exports."""
+        and free, preemptions (swapped out + recomputed), requests running and waiting (or
+        swapped out): what ``Engine.stats()`` returns and the server exports."""
         cache = self.cache.stats()
         return {"prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits,
@@ -244,7 +249,8 @@ class Scheduler:
                 "kv_blocks_free": cache.get("blocks_free", 0),
                 "num_preemptions": self.num_preemptions,
                 "num_swapped_out": self.num_swapped_out, "num_recomputed": self.num_recomputed,
-                "num_running": len(self.running), "num_waiting": len(self.waiting)}
+                "num_running": len(self.running),
+                "num_waiting": len(self.waiting) + len(self.swapped)}
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the cache, requeue first, keep the tokens so far."""
@@ -269,8 +275,7 @@ class Scheduler:
             if seq in self.running:
                 self.finish(seq, "abort")
             elif seq.status is not Status.FINISHED:
-                if seq in self.waiting:
-                    self.waiting.remove(seq)
+                drop_waiting(self, seq)  # from the waiting queue, or swapped out
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
 
 

@@ -90,7 +90,7 @@ def abort_requests(engine, seqs_or_ids, reason: str) -> list:
         raise InvalidRequestError(f"abort takes a Sequence (what add_request returns) or its "
                                   f"integer id, or a list of them; got {bad[0]!r}")
     scheduler = engine.scheduler
-    known = {s.id: s for s in (*scheduler.running, *scheduler.waiting)}
+    known = {s.id: s for s in (*scheduler.running, *scheduler.waiting, *scheduler.swapped)}
     seqs = [x if isinstance(x, Sequence) else known.get(x) for x in items]
     seqs = [s for s in seqs if s is not None]
     seqs += [c for s in seqs for c in engine._forks.pop(s.id, ())]  # samples not forked yet

@@ -3,14 +3,12 @@ validated pool size (block size, block count) the paged and offload backends sha
 paged one's default sized to the memory budget (``gpu_memory_utilization``)."""
 from __future__ import annotations
 
-from infergraft.core.budget import check_utilization, pool_blocks
+# blocks_for and held_blocks live with the pool's size (core/budget.py); also named here
+from infergraft.core.budget import (blocks_for, check_utilization,  # noqa: F401
+                                    default_blocks, held_blocks, pool_blocks)
 from infergraft.core.cache import CacheFullError
 from infergraft.core.errors import PlanError
 from infergraft.core.units import fmt_bytes
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class BlockAllocator:
@@ -95,27 +93,21 @@ def is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def held_blocks(plan, block_size) -> int:
-    """The most blocks one sequence holds once its prompt is in: all of max_seq_len, or
-    with a sliding window W (out-of-window blocks go back to the pool at each step) the
-    window's blocks, the one being filled, and one taken before the step drops one."""
-    per_seq = blocks_for(plan.max_seq_len, block_size)
-    window = getattr(plan, "sliding_window", None)
-    return min(per_seq, blocks_for(window, block_size) + 2) if window else per_seq
+UNSIZED = object()  # cache_sizes without a utilisation: the default pool (offload's)
 
 
 def cache_sizes(plan, block_size, num_blocks, name="paged",
-                gpu_memory_utilization=None) -> tuple[int, int]:
-    """Validated (block_size, num_blocks). ``num_blocks`` given: that many. By default one
-    max_seq_len sequence (a prompt holds all its blocks until its first decode step) and
-    ``held_blocks`` for each other batch slot: without a window, one max_seq_len per slot.
-    With ``gpu_memory_utilization`` (the paged backend's) and a plan carrying its
+                gpu_memory_utilization=UNSIZED) -> tuple[int, int]:
+    """Validated (block_size, num_blocks). ``num_blocks`` given: that many. By default
+    what max_batch_size sequences hold (``core.budget.default_blocks``). With
+    ``gpu_memory_utilization`` (the paged backend's) and a plan carrying its
     ``memory_budget`` (``core.build``), that default is cut to what the fraction of the
     budget leaves beside the weights and the activations (``core.budget.pool_blocks``) and
     to the plan's ``pool_tokens``; PlanError, with the numbers, below one sequence."""
     if not is_count(block_size) or block_size < 1:
         raise PlanError(f"{name}: block_size must be an integer >= 1, got {block_size!r}")
-    if gpu_memory_utilization is not None:
+    sized = gpu_memory_utilization is not UNSIZED
+    if sized:
         gpu_memory_utilization = check_utilization(gpu_memory_utilization,
                                                    f"{name}: gpu_memory_utilization")
     per_seq = blocks_for(plan.max_seq_len, block_size)
@@ -125,12 +117,10 @@ def cache_sizes(plan, block_size, num_blocks, name="paged",
                             f"max_seq_len={plan.max_seq_len} sequence in blocks of "
                             f"{block_size}), got {num_blocks!r}")
         return block_size, num_blocks
-    default = per_seq + (plan.max_batch_size - 1) * held_blocks(plan, block_size)
     budget = getattr(plan, "memory_budget", None)
-    if gpu_memory_utilization is None or budget is None:
-        return block_size, default
-    block_bytes = block_size * plan.kv_bytes_per_token
-    n = pool_blocks(plan, budget, block_bytes, default, gpu_memory_utilization,
+    if not sized or budget is None:
+        return block_size, default_blocks(plan, block_size)
+    n = pool_blocks(plan, budget, block_size, gpu_memory_utilization,
                     cuda=str(plan.device).startswith("cuda"))
     if getattr(plan, "pool_tokens", None) is not None:
         n = min(n, plan.pool_tokens // block_size)

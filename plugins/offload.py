@@ -26,6 +26,7 @@ from .paged import HOLE, PagedBackend, PagedCache, check_kv_quantizer
 class OffloadCache(PagedCache):
     supports_cuda_graphs = False  # per-layer copy-stream waits stay outside graphs
     supports_step_graphs = False
+    supports_swap = False  # its blocks move between its own pools; preemption recomputes
 
     def __init__(self, spec, *, fast_blocks, num_blocks, device, **kw):
         super().__init__(spec, num_blocks=num_blocks, device=device, storage_blocks=fast_blocks, **kw)

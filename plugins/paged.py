@@ -22,13 +22,14 @@ from infergraft.core.hookspecs import hookimpl
 from infergraft.kernels.kv_write import KV_STORAGE_DTYPES
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
+from .kv_swap import SwapSpace
 from .paged_checks import HOLE, check_tables
 from .paged_graph import PagedGraphInputs, PagedMeta
 from .paged_prefix import PrefixCaching
 from .prefix_cache import PrefixIndex
 from .table_rows import TableRows
 
-class PagedCache(PrefixCaching, PagedGraphInputs, KVCache):
+class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
     def __init__(self, spec, *, max_seq_len, block_size, num_blocks, device, dtype, ops,
                  kv_quantizer=None, storage_blocks=None, prefix_caching=False,
                  swap_space=None):
@@ -48,6 +49,7 @@ class PagedCache(PrefixCaching, PagedGraphInputs, KVCache):
         self._rows = TableRows(blocks_for(max_seq_len, block_size))
         self._len: dict = {}
         self._reserved: dict = {}  # tokens reserved by allocate (the prompt)
+        self._init_swap(swap_space)  # preemption by swap (kv_swap.py)
 
     def _storage(self, n, device, pin=False):
         s = self.spec
@@ -278,14 +280,15 @@ class PagedBackend(CacheBackend):
     def create(self, spec, plan, *, device, dtype, ops, block_size=16, num_blocks=None,
                gpu_memory_utilization=0.9, prefix_caching=True, swap_space=None,
                kv_quantizer=None):
-        bs, nb = cache_sizes(plan, block_size, num_blocks)
+        bs, nb = cache_sizes(plan, block_size, num_blocks, self.name, gpu_memory_utilization)
         check_kv_quantizer(self.name, kv_quantizer)
         return PagedCache(spec, max_seq_len=plan.max_seq_len, block_size=bs, num_blocks=nb,
                           device=device, dtype=dtype, ops=ops, kv_quantizer=kv_quantizer,
                           prefix_caching=prefix_caching, swap_space=swap_space)
 
-    def device_bytes(self, plan, block_size=16, num_blocks=None, **_):
-        bs, nb = cache_sizes(plan, block_size, num_blocks)
+    def device_bytes(self, plan, block_size=16, num_blocks=None, gpu_memory_utilization=0.9,
+                     **_):  # the pool create makes: sized to the budget (cache_sizes)
+        bs, nb = cache_sizes(plan, block_size, num_blocks, self.name, gpu_memory_utilization)
         return nb * bs * plan.kv_bytes_per_token
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..preemption import MODES
 from .deepspeed import dtype
 from .values import boolean, positive_int, wrong
 from .weights import checkpoint
@@ -26,6 +27,8 @@ OWN_KEYS = {
     "max_num_batched_tokens": "an integer >= 1: tokens one step carries at most",
     "max_prefill_tokens": "the old name of max_num_batched_tokens (deprecated)",
     "checkpoint": "where the weights are (checkpoint below)",
+    "preemption": "\"auto\" (the cheaper of the two), \"swap\" or \"recompute\": how a "
+                  "sequence makes room when the cache runs short",
 }
 _KERNELS = ("auto", "triton", "torch")
 
@@ -59,6 +62,12 @@ def _kernels(key, value):
     return value
 
 
+def _preemption(key, value):
+    if value not in MODES:
+        raise wrong(key, value, OWN_KEYS["preemption"])
+    return value
+
+
 def _memory(key, value):
     if isinstance(value, bool) or not isinstance(value, (str, int)) or \
             isinstance(value, int) and value < 1:
@@ -74,9 +83,9 @@ OWN_HANDLERS = {
                                        "max_num_batched_tokens", "max_prefill_tokens")},
     **{k: _own(lambda key, v: boolean(key, v, none=True))
        for k in ("cuda_graphs", "prefill_graphs", "step_graphs")},
-    "checkpoint": checkpoint,
+    "checkpoint": checkpoint, "preemption": _own(_preemption),
 }
 # the keys passed on as they are (dtype, plugins and checkpoint are decided from several)
 PASSED = ("model", "device", "max_seq_len", "max_batch_size", "tokenizer", "kernels",
           "progress", "device_memory", "cuda_graphs", "prefill_graphs", "step_graphs",
-          "max_num_batched_tokens", "max_prefill_tokens")
+          "max_num_batched_tokens", "max_prefill_tokens", "preemption")

@@ -9,10 +9,11 @@ while step N runs, the engine launches step N+1 for the same sequences, then rea
 tokens and does the host work while N+1 runs.
 
 The look-ahead is taken only when the next step would be exactly the same batch: no
-request waiting to be admitted, every sequence still running and greedy, none at its
-token limit, and room in the cache. A sequence that stops at step N (EOS, stop string,
-abort) wasted one row of step N+1: its cache is freed on the host, and the GPU's write
-into its old slot is stream-ordered before any later reuse of that memory.
+request waiting to be admitted or swapped back in, every sequence still running and
+greedy, none at its token limit, and room in the cache. A sequence that stops at step N
+(EOS, stop string, abort) wasted one row of step N+1: its cache is freed on the host,
+and the GPU's write into its old slot is stream-ordered before any later reuse of that
+memory.
 
 Only ``params.plain_greedy`` batches qualify: the graph's argmax is over the raw logits,
 which nothing else reads here, so a request with penalties, min_p or logprobs
@@ -66,7 +67,7 @@ class DecodeLookahead:
     def _can_look_ahead(self, seqs) -> bool:
         scheduler = self.engine.scheduler
         running = scheduler.running
-        if scheduler.waiting or len(running) != len(seqs):
+        if scheduler.waiting or scheduler.swapped or len(running) != len(seqs):
             return False
         if any(a is not b for a, b in zip(running, seqs)):
             return False

@@ -76,7 +76,9 @@ def plan_config(args) -> None:
             max_num_batched_tokens=options.get("max_num_batched_tokens"),
             device_memory=options.get("device_memory"), tensor_parallel=tp,
             offload_weights=True if "offload-weights" in plugins else None,
-            resident_layers=options.get("resident_layers"), ring_size=options.get("ring_size"))
+            resident_layers=options.get("resident_layers"), ring_size=options.get("ring_size"),
+            block_size=options.get("block_size"),
+            gpu_memory_utilization=options.get("gpu_memory_utilization"))
         for flag, value in from_config.items():
             if getattr(args, flag, None) in (None, False) and value is not None:
                 setattr(args, flag, str(value) if flag == "dtype" else value)

@@ -1,6 +1,8 @@
 """``infergraft plan MODEL``: the memory plan (weights, K/V per token / sequence / batch,
 the activations of the largest prefill step, the largest batch that fits) from the
-model's config alone; no weight is loaded.
+model's config alone; no weight is loaded. Then the paged cache's pool as a build sizes it
+(``core.budget.pool_blocks``): its blocks and tokens, and how many sequences of each
+``--seq-len`` it holds.
 
 Exit status: 0 the plan fits, 1 it does not (the plan is printed all the same), 2 an
 error (one line on stderr: a config that cannot be read, an option refused, ...), so that
@@ -17,10 +19,12 @@ import torch
 from ..selection import DTYPES, resolve_dtype
 from ..errors import PlanError
 from ..loading.source import spec_of, stored_dtype
-from ..memory import as_bytes, device_budget, element_bytes, host_memory, plan_memory
+from ..budget import blocks_for, check_utilization, default_blocks, held_blocks, pool_blocks
+from ..memory import (as_bytes, device_budget, element_bytes, host_memory, plan_memory,
+                      positive_int)
 from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
-from ..units import rows_table
+from ..units import fmt_bytes, rows_table
 from . import plan_offload
 from .config_cli import add_config_argument, plan_config
 
@@ -60,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stages of the pp planner (plugins=['pp'] under torchrun): the plan "
                         "is the largest stage's (the first: most layers and the embeddings); "
                         "with --tensor-parallel T, one of its T ranks (pp's tensor_parallel=T)")
+    p.add_argument("--seq-len", type=int, action="append", default=None, metavar="L",
+                   help="how many sequences of L tokens the paged pool holds (repeatable, "
+                        "e.g. a workload's mean and its longest; default max_seq_len)")
+    p.add_argument("--block-size", type=int, default=None, help="the paged pool's (default 16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="the fraction of the budget weights, activations and the paged pool "
+                        "may take, in (0, 1] (default 0.9)")
     plan_offload.add_arguments(p)
     add_config_argument(p)
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
@@ -152,12 +163,51 @@ def run(args) -> int:
         mem, rows, extra = plan_offload.offload_plan(mem, spec, args, weight_quant, budget)
     elif args.resident_layers is not None or args.ring_size != 2:
         raise PlanError("--resident-layers and --ring-size plan --offload-weights; give it too")
+    cuda = args.device_memory is not None or torch.cuda.is_available()
+    pool, pool_json = pool_rows(mem, args, cuda)
+    rows += pool
     if args.json:
         print(json.dumps({**attrs.asdict(mem), "kv_bytes_per_sequence": mem.kv_bytes_per_sequence,
                           "kv_bytes_total": mem.kv_bytes_total, "total_bytes": mem.total_bytes,
                           "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits,
-                          "max_batch_with_window": mem.max_batch_with_window, **extra},
-                         indent=2))
+                          "max_batch_with_window": mem.max_batch_with_window, **extra,
+                          "pool": pool_json}, indent=2))
     else:
         print(rows_table(mem.rows() + rows))
     return FITS if mem.fits else DOES_NOT_FIT
+
+
+def pool_rows(mem, args, cuda: bool) -> tuple[list[tuple[str, str]], dict]:
+    """(rows, JSON) of the paged pool a build of ``mem`` makes when ``num_blocks`` is not
+    given: what ``--gpu-memory-utilization`` of the budget leaves beside the weights and
+    activations, at most max_batch_size sequences' blocks (``cuda``: a device's rule; the
+    CPU keeps that most while it fits the whole budget). With --offload-weights the
+    placement is made beside that most, which a build then keeps."""
+    bs = positive_int("--block-size", 16 if args.block_size is None else args.block_size)
+    util = check_utilization(0.9 if args.gpu_memory_utilization is None
+                             else args.gpu_memory_utilization, "--gpu-memory-utilization")
+    lens = args.seq_len or [mem.max_seq_len]
+    for n in lens:
+        if positive_int("--seq-len", n) > mem.max_seq_len:
+            raise PlanError(f"--seq-len {n} is longer than max_seq_len={mem.max_seq_len}; "
+                            f"accepted: 1 to {mem.max_seq_len}")
+    why = f"what {util:g} of the budget leaves, at most"
+    if args.offload_weights or mem.budget is None:
+        blocks, why = default_blocks(mem, bs), "the default:"
+    else:
+        blocks = pool_blocks(mem, mem.budget, bs, util, cuda)
+    # a decoding sequence with a window holds at most held_blocks, whatever its length
+    fit = {n: blocks // min(blocks_for(n, bs), held_blocks(mem, bs)) for n in lens}
+    tokens = blocks * bs
+    rows = [("K/V pool (paged)", f"{blocks} blocks of {bs} tokens = {tokens} tokens, "
+             f"{fmt_bytes(tokens * mem.kv_bytes_per_token)} ({why} {mem.max_batch_size} x "
+             f"{mem.max_seq_len} tokens)")]
+    if blocks < blocks_for(mem.max_seq_len, bs):
+        rows.append(("pool holds a max_seq_len sequence", "NO: a paged build refuses it"))
+    for n, k in fit.items():
+        at_once = f" ({mem.max_batch_size} at once: max_batch_size)" \
+            if k > mem.max_batch_size else ""
+        rows.append((f"{n}-token sequences in the pool", f"{k}{at_once}"))
+    return rows, {"block_size": bs, "gpu_memory_utilization": util, "blocks": blocks,
+                  "tokens": tokens, "bytes": tokens * mem.kv_bytes_per_token,
+                  "sequences": {str(n): k for n, k in fit.items()}}

@@ -1,0 +1,237 @@
+"""Preemption by swap for the paged cache (``KVCache.swap_out`` / ``swap_in``).
+
+A swapped-out sequence's written blocks are copied to host blocks and its device blocks
+released through ``free``, so the allocator, the tables and the prefix index account for
+it as for any freed sequence; its length, its reservation (a prompt still prefilling) and
+its sliding-window holes are remembered. Swapping in allocates fresh blocks through
+``allocate``, puts the holes back in front and copies the K/V into the new blocks. Blocks
+of int8 / e4m3 K/V carry their float32 scales.
+
+The host pool is ``swap_space`` bytes of blocks, made at the first swap out (an engine
+that never preempts pays nothing), pinned on CUDA. There the copies run on a stream of
+their own: it first waits for the compute stream (the step that wrote the K/V, or a
+look-ahead step's write into a block freed since), and the compute stream waits for its
+event before anything later runs, so neither a released block's reuse nor a step's read
+of a block swapped in can overtake a copy. On the CPU the copies are plain copies.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import attrs
+import torch
+
+from infergraft.core.cache import CacheFullError
+from infergraft.core.errors import PlanError
+from infergraft.core.units import parse_bytes
+
+from .block_allocator import blocks_for
+from .paged_checks import HOLE
+
+#: swap_space when none is given: vLLM's 4 GiB on CUDA, a small pool on the CPU (where
+#: "host" and "device" are the same memory); at most twice the device pool either way
+DEFAULT_SWAP_SPACE = {"cuda": 4 << 30, "cpu": 64 << 20}
+
+
+@attrs.define
+class Swapped:
+    """What a swapped-out sequence had: its written blocks' host copies, in table order."""
+    host: list[int]
+    length: int  # tokens written
+    reserved: int  # tokens its table was reserved for (a prompt still prefilling)
+    holes: int  # leading table entries dropped out of every later sliding window
+
+
+def swap_space_bytes(value, device: torch.device, pool_bytes: int, block_bytes: int) -> int:
+    """The host pool's size in bytes: ``value`` (bytes, or a size such as "4GiB"), or by
+    default ``DEFAULT_SWAP_SPACE`` capped at twice the device pool."""
+    if value is None:
+        return min(DEFAULT_SWAP_SPACE["cuda" if device.type == "cuda" else "cpu"],
+                   2 * pool_bytes)
+    try:
+        n = parse_bytes(value) if isinstance(value, str) else value
+    except ValueError:
+        n = None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise PlanError(f"paged: swap_space must be a byte count >= 0 or a size such as "
+                        f"\"4GiB\" (host memory for preempted sequences' K/V; 0: preempt by "
+                        f"recompute only), got {value!r}")
+    if 0 < n < block_bytes:  # vLLM counts swap_space in GiB: 4 here would be 4 bytes
+        raise PlanError(f"paged: swap_space={value!r} bytes is less than one block "
+                        f"({block_bytes} bytes); give bytes or a size such as \"4GiB\", or 0 "
+                        "to preempt by recompute only")
+    return n
+
+
+def runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in ``ids``, first id, length) of each run of consecutive ids."""
+    out = []
+    for i, b in enumerate(ids):
+        if out and out[-1][1] + out[-1][2] == b:
+            at, first, n = out[-1]
+            out[-1] = (at, first, n + 1)
+        else:
+            out.append((i, b, 1))
+    return out
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as bytes where its dtype is e4m3 (index_copy_ has no float8 kernel)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+class SwapSpace:
+    """Mixed into PagedCache (its tables, rows, lengths, allocator, pools, ``allocate``,
+    ``free`` and ``_physical``); ``_init_swap`` runs at the end of its __init__."""
+
+    supports_swap = True
+
+    def _init_swap(self, swap_space) -> None:
+        pools = self._device_pools()
+        block_bytes = sum(t[0].numel() * t.element_size() for pool in pools for t in pool)
+        limit = swap_space_bytes(swap_space, self.device, block_bytes * pools[0][0].shape[0],
+                                 block_bytes)
+        self.swap_blocks = limit // block_bytes  # host blocks at most
+        self._swap_block_bytes = block_bytes
+        self._host = None  # (k, v[, k_scale, v_scale]) per layer, [swap_blocks, BS, ...]
+        self._host_free: list[int] = []  # descending: pop() hands out low ids first
+        self._swapped: dict = {}  # seq id -> Swapped, in swap-out order
+        self._swap_stream = None
+
+    def _device_pools(self) -> list:
+        return [p for p in (self.k, self.v, self.k_scale, self.v_scale) if p is not None]
+
+    # -- the contract ------------------------------------------------------------------
+    def swapped_ids(self) -> list:
+        return list(self._swapped)
+
+    def _written(self, seq_id) -> list[int]:
+        """The blocks holding ``seq_id``'s tokens, after its holes."""
+        table = self._tables[seq_id]
+        return table[table.count(HOLE):blocks_for(self._len[seq_id], self.block_size)]
+
+    def swap_bytes(self, seq_id) -> int:
+        return len(self._written(seq_id)) * self._swap_block_bytes
+
+    def _host_room(self) -> int:
+        return self.swap_blocks if self._host is None else len(self._host_free)
+
+    def can_swap_out(self, seq_id) -> bool:
+        return seq_id in self._tables and len(self._written(seq_id)) <= self._host_room()
+
+    def swap_out(self, seq_id) -> None:
+        if seq_id not in self._tables:
+            raise ValueError(f"sequence {seq_id!r} is not allocated; it cannot be swapped out")
+        blocks = self._written(seq_id)
+        if len(blocks) > self._host_room():
+            raise CacheFullError(f"swapping out needs {len(blocks)} host blocks, "
+                                 f"{self._host_room()} of {self.swap_blocks} free")
+        if self._host is None:
+            self._make_host_pool()
+        host = sorted(self._host_free.pop() for _ in blocks)
+        try:
+            self._copy(self._physical(blocks), host, out=True)
+        except BaseException:  # (an OOM on the copy's rows): nothing changed
+            self._free_host(host)
+            raise
+        table = self._tables[seq_id]
+        self._swapped[seq_id] = Swapped(host, self._len[seq_id], self._reserved[seq_id],
+                                        table.count(HOLE))
+        self.free(seq_id)
+
+    def _make_host_pool(self) -> None:
+        """The host blocks, at the first swap out: like the device pools, uninitialised
+        (nothing reads a host block before a copy writes it); normal tensors even when made
+        under inference mode, so that copies outside it may write them too."""
+        pin = self.device.type == "cuda"
+        with torch.inference_mode(False):
+            self._host = [[torch.empty((self.swap_blocks, *t.shape[1:]), dtype=t.dtype,
+                                       pin_memory=pin) for t in pool]
+                          for pool in self._device_pools()]
+        self._host_free = list(range(self.swap_blocks - 1, -1, -1))
+
+    def _need_in(self, rec: Swapped, next_token: bool) -> int:
+        """Device blocks ``rec`` takes when swapped in (with room for its next token)."""
+        tokens = max(min(rec.length + next_token, self.max_seq_len), rec.reserved)
+        return blocks_for(tokens, self.block_size) - rec.holes
+
+    def can_swap_in(self, seq_id) -> bool:
+        rec = self._swapped.get(seq_id)
+        return rec is not None and self._need_in(rec, True) <= self.allocator.num_free
+
+    def swap_in(self, seq_id) -> None:
+        rec = self._swapped.get(seq_id)
+        if rec is None:
+            raise ValueError(f"sequence {seq_id!r} is not swapped out")
+        # the holes are whole blocks, so the table after them holds the tokens after them
+        self.allocate(seq_id, max(rec.length, rec.reserved) - rec.holes * self.block_size)
+        table = self._tables[seq_id] = [HOLE] * rec.holes + self._tables[seq_id]
+        self._rows.put(seq_id, 0, table)
+        self._len[seq_id], self._reserved[seq_id] = rec.length, rec.reserved
+        try:
+            self._copy(self._physical(table[rec.holes:rec.holes + len(rec.host)]), rec.host,
+                       out=False)
+        except BaseException:  # still swapped out, as it was
+            self.free(seq_id)
+            raise
+        del self._swapped[seq_id]
+        self._free_host(rec.host)
+
+    def free_swapped(self, seq_id) -> None:
+        self._free_host(self._swapped.pop(seq_id).host)
+
+    def _free_host(self, host: list[int]) -> None:
+        # (a later copy into these blocks runs on the same stream, after the ones that read them)
+        self._host_free.extend(host)
+        self._host_free.sort(reverse=True)
+
+    # -- the copies ---------------------------------------------------------------------
+    def _copy(self, device_blocks: list[int], host_blocks: list[int], out: bool) -> None:
+        """Device blocks -> host blocks (``out``) or back, every layer and pool."""
+        if not device_blocks:
+            return
+        spans = runs(host_blocks)
+        with self._copy_stream():
+            idx = torch.tensor(device_blocks, dtype=torch.long, device=self.device)  # [n]
+            for dev_pool, host_pool in zip(self._device_pools(), self._host):
+                for d, h in zip(map(_raw, dev_pool), map(_raw, host_pool)):  # [NB, BS, Hkv(, D)]
+                    if out:
+                        rows = d.index_select(0, idx)  # [n, BS, Hkv(, D)]
+                        for at, first, n in spans:
+                            h[first:first + n].copy_(rows[at:at + n], non_blocking=True)
+                    else:
+                        rows = torch.empty((len(idx), *d.shape[1:]), dtype=d.dtype,
+                                           device=self.device)
+                        for at, first, n in spans:
+                            rows[at:at + n].copy_(h[first:first + n], non_blocking=True)
+                        d.index_copy_(0, idx, rows)
+
+    @contextlib.contextmanager
+    def _copy_stream(self):
+        """On CUDA: run the body on the copy stream, ordered after the compute stream's work
+        so far and before its work from now on. Elsewhere: run it."""
+        if self.device.type != "cuda":
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if self._swap_stream is None:
+            self._swap_stream = torch.cuda.Stream(self.device)
+        self._swap_stream.wait_stream(compute)
+        with torch.cuda.stream(self._swap_stream):
+            yield
+        compute.wait_event(self._swap_stream.record_event())
+
+    # -- inspection ----------------------------------------------------------------------
+    def swap_stats(self) -> dict:
+        used = sum(len(r.host) for r in self._swapped.values())
+        return {"swap_blocks_total": self.swap_blocks, "swap_blocks_used": used,
+                "sequences_swapped": len(self._swapped)}
+
+    def check_invariants(self):
+        super().check_invariants()
+        held = [b for r in self._swapped.values() for b in r.host]
+        assert len(set(held)) == len(held), "a host block holds two swapped blocks"
+        assert not set(self._swapped) & set(self._tables), "a sequence both swapped and allocated"
+        if self._host is not None:
+            assert not set(held) & set(self._host_free), "a host block both used and free"
+            assert len(held) + len(self._host_free) == self.swap_blocks, "host blocks leaked"
