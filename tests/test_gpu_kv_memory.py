@@ -62,11 +62,11 @@ def test_an_oversubscribed_pool_gives_every_request_its_tokens_alone(hf, preempt
 
 def test_the_default_pool_is_sized_to_the_device(hf):
     free, _ = torch.cuda.mem_get_info()
+    # 256 x 8192 tokens would want 3.2 GB: 1% of the device binds first
     engine = core.build(hf, plugins=["paged"], device="cuda", dtype=torch.float32,
-                        max_seq_len=8192, max_batch_size=4, gpu_memory_utilization=0.05)
+                        max_seq_len=8192, max_batch_size=256, gpu_memory_utilization=0.01)
     pool = engine.stats()["kv_blocks_total"] * engine.cache.block_size * \
         engine.plan.kv_bytes_per_token
-    # 5% of what was free, less weights and activations: not 4 x 8192 tokens' worth
-    assert 0.03 * free < pool <= 0.05 * free, (pool, free)
+    assert 0.005 * free < pool <= 0.01 * free, (pool, free)
     prompt = random_prompt(30, 1024, 3)
     assert engine.generate([prompt], max_new_tokens=16)[0].token_ids == hf_greedy(hf, prompt, 16)

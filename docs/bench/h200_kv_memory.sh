@@ -6,7 +6,8 @@
 # at once (NUM_PROMPTS), each part under OUT_DIR/<part>/throughput.json:
 # prefix: one 1024-token system prompt + a 64-256-token question each, 128 out, prefix
 #   caching on (the default) vs prefix_caching=false; HF's continuous batching on the first
-#   HF_PROMPTS (16; 0: none) requests beside them
+#   HF_PROMPTS (16; 0: none) requests beside them; prefix512: the same at max_batch_size 512
+#   (the pool the cached prefix saves takes twice the sequences), without HF
 # uniform: 512 / 256 (prompts 128-896, outputs 64-448): on vs off at a 0% hit rate
 # sharegpt: sharegpt-like (lognormal) at max_seq_len 8192 vs 2048
 # oversubscribed: uniform 512 / 256 with a pool of BLOCKS (3072) blocks, a quarter of what
@@ -35,6 +36,7 @@ if [ "$HF_N" = 0 ]; then HF=--no-hf; else HF="--hf-num-prompts $HF_N"; fi
 # part|estimate (s)|flags
 RUNS=(
   "prefix|170|--dataset prefix --prompt-len 1024 --output-len 128 $HF --compare-options prefix_caching=false"
+  "prefix512|120|--dataset prefix --prompt-len 1024 --output-len 128 --max-batch-size 512 --no-hf --compare-options prefix_caching=false"
   "uniform|95|--dataset uniform --prompt-len 512 --output-len 256 --no-hf --compare-options prefix_caching=false"
   "sharegpt|115|--dataset sharegpt-like --max-seq-len 8192 --no-hf --compare-options max_seq_len=2048"
   "oversubscribed|85|--dataset uniform --prompt-len 512 --output-len 256 --no-hf --num-blocks ${BLOCKS:-3072} --check-alone ${CHECK_ALONE:-8}${PREEMPTION:+ --preemption $PREEMPTION}${COMPARE:+ --compare-options $COMPARE}"
