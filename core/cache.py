@@ -92,6 +92,11 @@ class KVCache:
     def free(self, seq_id: Hashable) -> None:
         raise NotImplementedError
 
+    def discard(self, seq_id: Hashable) -> None:
+        """``free`` for a sequence whose last step may have left its K/V half written (the
+        step failed): nothing it holds may be reused by a later request."""
+        self.free(seq_id)
+
     def length(self, seq_id: Hashable) -> int:
         """Tokens written (or being written by the current step) for ``seq_id``."""
         raise NotImplementedError

@@ -126,7 +126,7 @@ class Engine:
             self.lookahead.inflight = self._ahead = None
             for s in self._stepping:
                 if s in self.scheduler.running:
-                    self.scheduler.preempt(s)
+                    self.scheduler.preempt(s, failed=True)
             raise
 
     def _step_body(self, step, tokens, replay) -> list[Sequence]:

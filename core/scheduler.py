@@ -252,10 +252,11 @@ class Scheduler:
                 "num_running": len(self.running),
                 "num_waiting": len(self.waiting) + len(self.swapped)}
 
-    def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free the cache, requeue first, keep the tokens so far."""
+    def preempt(self, seq: Sequence, failed: bool = False) -> None:
+        """Recompute preemption: free the cache (``failed``: none of it reused), requeue."""
         self.running.remove(seq)
-        self.cache.free(seq.id)
+        free = getattr(self.cache, "discard", self.cache.free) if failed else self.cache.free
+        free(seq.id)
         self._last_ran.pop(seq.id, None)
         seq.status = Status.WAITING
         seq.num_prefill_tokens = seq.num_computed_tokens = 0

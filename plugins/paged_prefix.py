@@ -16,6 +16,7 @@ from __future__ import annotations
 from infergraft.core.cache import CacheFullError
 
 from .block_allocator import blocks_for
+from .paged_checks import HOLE
 
 
 class PrefixCaching:
@@ -67,6 +68,15 @@ class PrefixCaching:
             chain.append(ident)
         if self._len[seq_id] >= len(tokens):
             del self._tokens[seq_id]  # every known token is in: nothing more to key
+
+    def discard(self, seq_id) -> None:
+        """Free ``seq_id`` after a failed step: the blocks only it holds are unkeyed first,
+        as their K/V may be half written (blocks others hold were complete before)."""
+        if self.prefix is not None:
+            for b in self._tables[seq_id]:
+                if b != HOLE and self.allocator.refs[b] == 1 and self.prefix.holds(b):
+                    self.prefix.forget(b)
+        self.free(seq_id)
 
     def _forget_prefix(self, seq_id) -> None:
         self._tokens.pop(seq_id, None)

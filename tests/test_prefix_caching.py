@@ -116,3 +116,24 @@ def test_int8_kv_hits_give_what_a_fresh_prefill_gives(llama):
     assert got[0] == got[1]
     assert got[0] == [hf_greedy(llama, p, 10, kv_int8=True) for p in prompts]
     assert engine.stats()["prefix_cache_hits"] == 12
+
+
+def test_a_failed_step_leaves_no_half_written_block_to_reuse(llama):
+    engine = _engine(llama)
+    prompt = random_prompt(13, 256, 80)
+    real, calls = engine.model.forward, []
+
+    def failing(*args, **kwargs):  # the step's blocks are keyed (prepare ran), then it fails
+        calls.append(1)
+        raise RuntimeError("injected step failure")
+    engine.model.forward = failing
+    engine.runner.step_graphs = None
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.generate([prompt], max_new_tokens=4)
+    engine.model.forward = real
+    assert calls and len(engine.cache.prefix) == 0  # its keys went with it
+    engine.abort([s for s in list(engine.scheduler.waiting)])
+    before = engine.stats()["prefix_cache_hits"]
+    assert engine.generate([prompt], max_new_tokens=8)[0].token_ids == hf_greedy(llama, prompt, 8)
+    assert engine.stats()["prefix_cache_hits"] == before  # nothing was taken from the failed step
+    engine.cache.check_invariants()
