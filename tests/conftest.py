@@ -35,3 +35,16 @@ def sampling_fails_at_seed_666(monkeypatch):
         return real(logits, seqs)
 
     monkeypatch.setattr(sampler_module, "sample", failing)
+
+
+# tiny float32 models the prefix-caching and swap tests share (greedy tokens against HF)
+@pytest.fixture(scope="module")
+def llama():  # GQA: 4 query heads, 2 K/V heads
+    from infergraft.core.testing.models import random_model, tiny_llama_config
+    return random_model(tiny_llama_config(), seed=5, scale=5.0)
+
+
+@pytest.fixture(scope="module")
+def mistral():  # a window of 8 tokens, two blocks
+    from infergraft.core.testing.models import random_model, tiny_mistral_config
+    return random_model(tiny_mistral_config(sliding_window=8), seed=6, scale=5.0)

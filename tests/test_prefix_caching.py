@@ -5,21 +5,10 @@ forks, recompute preemption, GQA, sliding windows, int8 K/V)."""
 import pytest
 
 from infergraft import core
-from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
-                                            tiny_mistral_config)
+from infergraft.core.testing.models import random_prompt
 from infergraft.core.testing.parity import hf_greedy
 
 BS = 4
-
-
-@pytest.fixture(scope="module")
-def llama():  # GQA: 4 query heads, 2 K/V heads
-    return random_model(tiny_llama_config(), seed=5, scale=5.0)
-
-
-@pytest.fixture(scope="module")
-def mistral():  # a window of 8 tokens, two blocks
-    return random_model(tiny_mistral_config(sliding_window=8), seed=6, scale=5.0)
 
 
 def _engine(hf, *plugins, **kw):

@@ -11,8 +11,7 @@ from infergraft.core.errors import PlanError
 from infergraft.core.preemption import PreemptionPolicy, Rates
 from infergraft.core.swap_schedule import swap_out
 from infergraft.core.testing.cache_machine import cache_factory, tiny_cache_spec
-from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
-                                            tiny_mistral_config)
+from infergraft.core.testing.models import random_prompt
 from infergraft.core.testing.parity import hf_greedy
 from infergraft.plugins.block_allocator import blocks_for
 from infergraft.plugins.paged import HOLE
@@ -129,16 +128,6 @@ def test_swap_space_takes_sizes_and_defaults_to_a_small_host_pool():
 
 
 # -- whole engines -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llama():  # GQA: 4 query heads, 2 K/V heads
-    return random_model(tiny_llama_config(), seed=5, scale=5.0)
-
-
-@pytest.fixture(scope="module")
-def mistral():  # a window of 8 tokens, two blocks
-    return random_model(tiny_mistral_config(sliding_window=8), seed=6, scale=5.0)
-
-
 PROMPTS = [random_prompt(5 + i, 256, 80 + i) for i in range(8)]
 NEW, MAX_SEQ_LEN = 16, 32
 

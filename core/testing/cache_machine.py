@@ -263,22 +263,22 @@ def quantized_stored(kv_dtype="int8", dtype=torch.float32):
 
 def make_cache_test(factory, *, max_examples: int = 200, step_count: int = 25,
                     stored=None, atol: float = 1e-5, name: Optional[str] = None,
-                    probe_refused_steps: bool = True):
+                    probe_refused_steps: bool = True, machine=None, **attributes):
     """A ``unittest.TestCase`` running the machine on caches from ``factory()``.
 
     ``factory`` is a zero-argument callable (see :func:`cache_factory`; a plain function
-    must carry ``.spec`` and ``.max_seq_len`` attributes). For quantised K/V made by a
-    ``cache_factory(..., kv_quantizer="kv-int8")`` (or ``"kv-fp8"``) the ``stored`` hook
-    is chosen for you.
+    must carry ``.spec`` and ``.max_seq_len`` attributes); ``machine``: a subclass of
+    CacheBackendMachine to run instead, given ``attributes``. For quantised K/V made by a
+    ``cache_factory(..., kv_quantizer="kv-int8")`` (or ``"kv-fp8"``) ``stored`` is chosen.
     """
     if stored is None and getattr(factory, "kv_quantizer", None) is not None:
         stored = quantized_stored(factory.kv_quantizer.kv_dtype, factory.dtype)
     body = {"make_cache": lambda self: factory(), "spec": factory.spec,
             "max_seq_len": factory.max_seq_len, "dtype": getattr(factory, "dtype", torch.float32),
-            "atol": atol, "probe_refused_steps": probe_refused_steps}
+            "atol": atol, "probe_refused_steps": probe_refused_steps, **attributes}
     if stored is not None:
         body["stored"] = stored
-    machine = type(name or "CacheMachine", (CacheBackendMachine,), body)
+    machine = type(name or "CacheMachine", (machine or CacheBackendMachine,), body)
 
     class CacheMachineTest(machine.TestCase):
         settings = _settings(max_examples, step_count)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from ..cache import CacheFullError
-from .cache_machine import CacheBackendMachine, _settings, quantized_stored
+from .cache_machine import CacheBackendMachine, make_cache_test
 
 VOCAB = 3
 
@@ -107,24 +107,9 @@ class PrefixCacheMachine(CacheBackendMachine):
 
 
 def make_prefix_cache_test(factory, *, max_examples: int = 200, step_count: int = 25,
-                           collide: bool = False, stored=None, atol: float = 1e-5):
-    """A ``unittest.TestCase`` running the prefix machine on caches from ``factory()``."""
-    if stored is None and getattr(factory, "kv_quantizer", None) is not None:
-        stored = quantized_stored(factory.kv_quantizer.kv_dtype, factory.dtype)
-    body = {"make_cache": lambda self: factory(), "spec": factory.spec, "collide": collide,
-            "max_seq_len": factory.max_seq_len, "dtype": getattr(factory, "dtype", torch.float32),
-            "atol": atol}
-    if stored is not None:
-        body["stored"] = stored
-    machine = type("PrefixCacheMachine", (PrefixCacheMachine,), body)
-
-    class PrefixMachineTest(machine.TestCase):
-        settings = _settings(max_examples, step_count)
-
-        def setUp(self):
-            self._threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-
-        def tearDown(self):
-            torch.set_num_threads(self._threads)
-    return PrefixMachineTest
+                           collide: bool = False, **kwargs):
+    """A ``unittest.TestCase`` running the prefix machine on caches from ``factory()``
+    (``make_cache_test``'s arguments)."""
+    return make_cache_test(factory, max_examples=max_examples, step_count=step_count,
+                           name="PrefixCacheMachine", machine=PrefixCacheMachine,
+                           collide=collide, **kwargs)
