@@ -78,6 +78,10 @@ class PrefixCaching:
                     self.prefix.forget(b)
         self.free(seq_id)
 
+    def cached_tokens(self, seq_id) -> int:
+        """Leading tokens of ``seq_id`` in keyed blocks (a recompute would hit them)."""
+        return len(self._chain.get(seq_id, ())) * self.block_size if self.prefix else 0
+
     def _forget_prefix(self, seq_id) -> None:
         self._tokens.pop(seq_id, None)
         self._chain.pop(seq_id, None)

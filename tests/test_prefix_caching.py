@@ -126,3 +126,26 @@ def test_a_failed_step_leaves_no_half_written_block_to_reuse(llama):
     assert engine.generate([prompt], max_new_tokens=8)[0].token_ids == hf_greedy(llama, prompt, 8)
     assert engine.stats()["prefix_cache_hits"] == before  # nothing was taken from the failed step
     engine.cache.check_invariants()
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cached", "uncached"])
+def test_auto_preemption_counts_a_cached_prefix_as_no_recompute(caching):
+    import torch
+
+    from infergraft.core.preemption import PreemptionPolicy, Rates, recompute_flops
+    from infergraft.core.request import SamplingParams, Sequence
+    from infergraft.core.testing.cache_machine import cache_factory
+
+    make = cache_factory("paged", block_size=BS, num_blocks=12, prefix_caching=caching)
+    cache, seq = make(), Sequence(list(range(3, 23)), SamplingParams())  # 20 tokens: 5 blocks
+    assert cache.allocate_cached(seq.id, seq.prompt_ids) == 0
+    meta, s = cache.prepare([seq.id], [20]), make.spec
+    for layer in range(s.num_layers):
+        kv = torch.randn(20, s.num_kv_heads, s.head_dim)
+        cache.attention(layer, torch.randn(20, s.num_heads, s.head_dim), kv, kv, meta)
+    seq.num_prefill_tokens = seq.num_computed_tokens = 20
+    assert cache.cached_tokens(seq.id) == (20 if caching else 0)
+    # a link at which a swap costs half of prefilling all 20 tokens again
+    link = 2 * cache.swap_bytes(seq.id) / (recompute_flops(s, 20) / 2)
+    policy = PreemptionPolicy("auto", s, rates=Rates(link, 1.0))
+    assert policy.choose(cache, seq) == ("recompute" if caching else "swap")
