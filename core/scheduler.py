@@ -25,7 +25,7 @@ import itertools
 
 import attrs
 
-from .cache import CacheFullError
+from .cache import CacheFullError, KVCache
 from .errors import InfergraftError
 from .request import Sequence, Status
 from .swap_schedule import RECOMPUTE, drop_waiting, preempt_newest, swap_in_ready
@@ -283,14 +283,10 @@ class Scheduler:
 def allocate(cache, seq: Sequence) -> int | None:
     """Allocate ``seq`` in ``cache``: how many leading tokens it holds already (a cached
     prefix), or None when there is no room. A cache that does not derive from KVCache
-    may lack ``allocate_cached``: no prefix cache there."""
-    if not hasattr(cache, "allocate_cached"):
-        if not cache.can_allocate(seq.num_tokens):
-            return None
-        cache.allocate(seq.id, seq.num_tokens)
-        return 0
+    may lack ``allocate_cached``: the contract's default (no prefix cache) serves it."""
+    allocate_cached = getattr(type(cache), "allocate_cached", KVCache.allocate_cached)
     try:
-        return cache.allocate_cached(seq.id, tokens_of(seq))
+        return allocate_cached(cache, seq.id, tokens_of(seq))
     except CacheFullError:
         return None
 

@@ -17,13 +17,12 @@ import itertools
 import torch
 
 from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
-from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.kernels.kv_write import KV_STORAGE_DTYPES
 
 from .block_allocator import BlockAllocator, blocks_for, cache_sizes
 from .kv_swap import SwapSpace
-from .paged_checks import HOLE, check_tables
+from .paged_checks import HOLE, check_kv_quantizer, check_tables
 from .paged_graph import PagedGraphInputs, PagedMeta
 from .paged_prefix import PrefixCaching
 from .prefix_cache import PrefixIndex
@@ -65,14 +64,22 @@ class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
         return num_tokens <= self.max_seq_len and \
             blocks_for(num_tokens, self.block_size) <= self.allocator.num_free
 
-    def allocate(self, seq_id, num_tokens):
+    def allocate(self, seq_id, num_tokens, cached=()):
+        """Room for ``num_tokens``; ``cached``: the prefix cache's blocks its first tokens
+        already fill (``allocate_cached``), taken before any fresh block can evict them."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if num_tokens > self.max_seq_len:
             raise CacheFullError(f"{num_tokens} tokens exceed max_seq_len={self.max_seq_len}")
-        self._tables[seq_id] = self.allocator.take(blocks_for(num_tokens, self.block_size))
+        a, fresh = self.allocator, blocks_for(num_tokens, self.block_size) - len(cached)
+        need = fresh + sum(a.refs[b] == 0 for b in cached)  # a free cached block counts too
+        if need > a.num_free:
+            raise CacheFullError(f"need {need} blocks, {a.num_free} of {a.num_blocks} free")
+        for b in cached:
+            a.revive(b)
+        self._tables[seq_id] = list(cached) + a.take(fresh)
         self._rows.add(seq_id, self._tables[seq_id])
-        self._len[seq_id], self._reserved[seq_id] = 0, num_tokens
+        self._len[seq_id], self._reserved[seq_id] = len(cached) * self.block_size, num_tokens
 
     def free(self, seq_id):
         for b in reversed(self._tables.pop(seq_id)):  # a chain's tail blocks evicted first
@@ -263,12 +270,6 @@ class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
     def check_invariants(self):
         super().check_invariants()
         check_tables(self)
-
-
-def check_kv_quantizer(name, kv_quantizer) -> None:
-    if kv_quantizer is not None and kv_quantizer.kv_dtype not in PagedBackend.quantized_kv:
-        raise PlanError(f"{name}: cannot store K/V as {kv_quantizer.kv_dtype!r} (quantizer "
-                        f"{kv_quantizer.name!r}); supported: {', '.join(PagedBackend.quantized_kv)}")
 
 
 class PagedBackend(CacheBackend):

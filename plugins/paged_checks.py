@@ -1,6 +1,9 @@
 """The paged cache's accounting checks (``PagedCache.check_invariants``; the cache kit's
-state machine runs them after every step)."""
+state machine runs them after every step), and the K/V formats its backends accept."""
 from __future__ import annotations
+
+from infergraft.core.errors import PlanError
+from infergraft.kernels.kv_write import KV_STORAGE_DTYPES
 
 from .block_allocator import blocks_for
 
@@ -27,3 +30,10 @@ def check_tables(cache) -> None:
             assert cache.allocator.refs[b] == 1, f"sequence {s!r} would write shared block {b}"
             assert cache.prefix is None or not cache.prefix.holds(b), \
                 f"sequence {s!r} would write block {b}, which the prefix cache holds"
+
+
+def check_kv_quantizer(name, kv_quantizer) -> None:
+    """PlanError unless the block caches can store ``kv_quantizer``'s K/V format."""
+    if kv_quantizer is not None and kv_quantizer.kv_dtype not in KV_STORAGE_DTYPES:
+        raise PlanError(f"{name}: cannot store K/V as {kv_quantizer.kv_dtype!r} (quantizer "
+                        f"{kv_quantizer.name!r}); supported: {', '.join(KV_STORAGE_DTYPES)}")

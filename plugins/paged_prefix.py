@@ -13,9 +13,6 @@ hits it drops it again at its first step, as it would have.
 """
 from __future__ import annotations
 
-from infergraft.core.cache import CacheFullError
-
-from .block_allocator import blocks_for
 from .paged_checks import HOLE
 
 
@@ -33,24 +30,10 @@ class PrefixCaching:
         with; returns how many leading tokens are cached (their K/V already held)."""
         if self.prefix is None:
             return super().allocate_cached(seq_id, token_ids)
-        n, bs = len(token_ids), self.block_size
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} is already allocated")
-        if n > self.max_seq_len:
-            raise CacheFullError(f"{n} tokens exceed max_seq_len={self.max_seq_len}")
-        hits, chain = self.prefix.lookup(token_ids, (n - 1) // bs)
-        fresh = blocks_for(n, bs) - len(hits)
-        revived = sum(self.allocator.refs[b] == 0 for b in hits)
-        if fresh + revived > self.allocator.num_free:
-            raise CacheFullError(f"need {fresh + revived} blocks, {self.allocator.num_free} "
-                                 f"of {self.allocator.num_blocks} free")
-        for b in hits:  # first: a fresh block must not evict a hit
-            self.allocator.revive(b)
-        self._tables[seq_id] = hits + self.allocator.take(fresh)
-        self._rows.add(seq_id, self._tables[seq_id])
-        self._len[seq_id], self._reserved[seq_id] = len(hits) * bs, n
+        chain = self.prefix.lookup(token_ids, (len(token_ids) - 1) // self.block_size)
+        self.allocate(seq_id, len(token_ids), cached=[b for b, _ in chain])
         self._tokens[seq_id], self._chain[seq_id] = list(token_ids), chain
-        return len(hits) * bs
+        return len(chain) * self.block_size
 
     def _register_full(self, seq_id) -> None:
         """Key the blocks ``seq_id`` filled with known tokens since it was last asked."""

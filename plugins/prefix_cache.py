@@ -59,11 +59,10 @@ class PrefixIndex:
         bs = self.block_size
         return tuple(tokens[j * bs:(j + 1) * bs])
 
-    def lookup(self, tokens, max_blocks: int) -> tuple[list[int], list[Identity]]:
-        """The cached blocks ``tokens`` starts with (at most ``max_blocks``) and their
-        identities, each verified by its tokens and its parent."""
-        blocks, chain = [], []
-        parent, parent_key = None, None
+    def lookup(self, tokens, max_blocks: int) -> list[Identity]:
+        """The identities of the cached blocks ``tokens`` starts with (at most
+        ``max_blocks``), each verified by its tokens and its parent."""
+        chain, parent, parent_key = [], None, None
         for j in range(max_blocks):
             chunk = self.chunk(tokens, j)
             key = self.hash_fn(parent_key, chunk)
@@ -73,19 +72,21 @@ class PrefixIndex:
             e = self._entry[b]
             if e.tokens != chunk or e.parent != parent:  # a collision, or a stale child
                 break
-            blocks.append(b)
             parent, parent_key = e.identity(b), key
             chain.append(parent)
-        return blocks, chain
+        return chain
 
     def register(self, block: int, parent: Optional[Identity], chunk: tuple) -> Optional[Identity]:
         """Key ``block`` (just filled with ``chunk`` after ``parent``). Returns the identity
         its children chain from: its own, or that of an equal block registered first (two
         equal prompts prefilled side by side); None when the key is taken by other tokens
         (a collision: the chain stops there)."""
-        parent_key = None if parent is None else self._entry_of(parent).key
-        if parent is not None and parent_key is None:
-            return None  # the parent was evicted meanwhile
+        parent_key = None
+        if parent is not None:
+            e = self._entry.get(parent[0])
+            if e is None or e.number != parent[1]:
+                return None  # the parent was evicted meanwhile
+            parent_key = e.key
         key = self.hash_fn(parent_key, chunk)
         other = self._block_of.get(key)
         if other is not None:
@@ -94,10 +95,6 @@ class PrefixIndex:
         e = Entry(key, parent, chunk, next(self._numbers))
         self._block_of[key], self._entry[block] = block, e
         return e.identity(block)
-
-    def _entry_of(self, ident: Identity) -> Entry | _Missing:
-        e = self._entry.get(ident[0])
-        return e if e is not None and e.number == ident[1] else _MISSING
 
     def forget(self, block: int) -> None:
         """``block`` is given out again: its entry goes (its children become unreachable:
@@ -109,10 +106,3 @@ class PrefixIndex:
         assert len(self._block_of) == len(self._entry), "keys and entries disagree"
         for key, b in self._block_of.items():
             assert self._entry[b].key == key, f"block {b} is under key {key!r} but says otherwise"
-
-
-class _Missing:
-    key = None
-
-
-_MISSING = _Missing()
