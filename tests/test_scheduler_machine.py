@@ -69,12 +69,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         sched, before = self.sched, list(self.sched.running)
-        self.in_schedule, self.preempted = True, []
-        try:
-            step = sched.schedule()
-        finally:
-            self.in_schedule = False
-        assert step is not None and step.seqs, "work left but nothing scheduled"
+        step = self.scheduled()
         # admitted: the front of the queue, in order (the preempted ones first)
         new = [s for s in sched.running if s not in before or s in self.preempted]
         assert new == list(self.queue)[:len(new)], "admission out of order"
@@ -87,6 +82,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in step.seqs:
             if s.finished:
                 self.finished.append(s)
+
+    def scheduled(self):
+        """``sched.schedule()`` with preemptions recorded (``self.preempted``): a step."""
+        self.in_schedule, self.preempted = True, []
+        try:
+            step = self.sched.schedule()
+        finally:
+            self.in_schedule = False
+        assert step is not None and step.seqs, "work left but nothing scheduled"
+        return step
 
     def check_step(self, step):
         seqs, counts, sched = step.seqs, step.counts, self.sched

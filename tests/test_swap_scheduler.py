@@ -191,12 +191,7 @@ class SwapSchedulerMachine(SchedulerMachine):
         sched = self.sched
         before, out = list(sched.running), list(sched.swapped)
         computed = {s.id: s.num_computed_tokens for s in out}
-        self.in_schedule, self.preempted = True, []
-        try:
-            step = sched.schedule()
-        finally:
-            self.in_schedule = False
-        assert step is not None and step.seqs, "work left but nothing scheduled"
+        step = self.scheduled()
         back = [s for s in out if s in sched.running]
         assert back == out[:len(back)], "swapped back out of order"
         new = [s for s in sched.running
