@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..preemption import MODES
 from ..request import SamplingParams
 from .bench_cli import _positive
 from .serve_offline import offline_summary
@@ -23,7 +24,6 @@ from .serve_offline import offline_summary
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
             "num_swapped_out", "num_recomputed")
 GAUGES = ("kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting")
-PREEMPTION = ("auto", "swap", "recompute")
 BUILD_FLAGS = ("num_blocks", "block_size", "gpu_memory_utilization", "preemption")
 
 
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="paged cache: tokens a K/V block (default: the cache's)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="paged cache: the share of the device the pool is sized within")
-    p.add_argument("--preemption", choices=PREEMPTION, default=None,
+    p.add_argument("--preemption", choices=MODES, default=None,
                    help="how a request is preempted where the pool is short: swap its "
                         "blocks to host memory, recompute them, or auto (the cheaper)")
     p.add_argument("--check-alone", type=_positive, default=None, metavar="K",
