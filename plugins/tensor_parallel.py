@@ -5,17 +5,19 @@ torch.distributed world, one pipeline stage (``core/parallel.py`` runs the plan)
 
 Column-parallel (dim 0 cut inside each fused part, so q, k and v are each split by
 heads; with fewer kv heads than ranks each rank holds a copy of the one kv head its query
-heads read, ``kv_replicas``): qkv, gate_up, fc_in and their biases. Row-parallel (dim 1): o, down. Everything
-else (embeddings, norms, the LM head, o / down biases) is replicated.
+heads read, ``kv_replicas``): qkv, gate_up, fc_in and their biases. Row-parallel (dim 1):
+o, down. Vocab-parallel (dim 0, the vocab padded with zero rows to a multiple of tp:
+``core/distributed/vocab.py``): the embeddings and the LM head (one matrix when tied).
+Everything else (positions, norms, o / down biases) is replicated.
 """
 import torch
 
 from infergraft.core.distributed.ranks import runtime_style
+from infergraft.core.distributed.vocab import shard_vocab
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.core.plan import ParallelPlan, Planner
 from infergraft.core.slots import slot_layout
-
 
 
 def check_divides(planner: str, spec, tp: int) -> None:
@@ -69,6 +71,8 @@ class TensorParallelPlanner(Planner):
             return tensor
         if style == "row":  # [H, in] -> [H, in / tp]
             return tensor.chunk(tp, dim=1)[rank]
+        if style == "vocab":  # [V, H] -> [ceil(V / tp), H], zero rows past V
+            return shard_vocab(tensor, tp, rank)
         parts = slot_layout(spec)[slot][1] or (tensor.shape[0],)  # q, kv, kv / gate, up
         copies = kv_replicas(spec, tp) if slot.endswith(("qkv.weight", "qkv.bias")) else 1
         return torch.cat([p.chunk(tp)[rank] if j == 0 or copies == 1 else  # k, v: one head

@@ -68,10 +68,12 @@ def test_each_rank_holds_its_share(two_ranks):
     r0 = two_ranks["tp-llama-gqa-contiguous"][0]
     spec = core.get_plugin_manager().policies().get("llama").describe(tiny_llama_config())
     full = weight_bytes(spec, torch.float32)
-    # per layer: qkv, o, gate_up, down halved; embeddings, LM head and norms whole
+    # per layer: qkv, o, gate_up, down halved; the embeddings and the (untied) LM head
+    # halved too (vocab-parallel: 256 rows, 128 a rank); norms whole
     h, i, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
     halved = layers * (h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + 3 * h * i) * 4 // 2
-    assert r0["weight_bytes"] == full - halved
+    vocab = 2 * spec.vocab_size * h * 4 // 2
+    assert r0["weight_bytes"] == full - halved - vocab
     assert r0["kv_bytes_per_token"] == 2 * layers * (spec.num_kv_heads // 2) * spec.head_dim * 4
 
 
@@ -171,8 +173,10 @@ def test_plan_cli_prints_one_rank_and_refuses_what_does_not_divide(capsys):
     assert main(["plan", "smollm2-135m", "--tensor-parallel", "3", "--json"]) == 0
     rank = json.loads(capsys.readouterr().out)
     assert rank["kv_bytes_per_token"] * 3 == whole["kv_bytes_per_token"]  # 3 kv heads, 1 each
-    # the embeddings and the LM head are whole on every rank
-    assert whole["weight_bytes"] / 3 < rank["weight_bytes"] < whole["weight_bytes"]
+    # a third of every projection and of the (tied) embeddings: 49152 rows, 16384 a rank;
+    # the norms (2 a layer + the final one, 576 float32 each) whole on every rank
+    norms = (2 * 30 + 1) * 576 * 4
+    assert rank["weight_bytes"] == (whole["weight_bytes"] - norms) // 3 + norms
     assert main(["plan", "smollm2-135m", "--tensor-parallel", "2"]) == 2
     assert "2 ranks do not divide num_heads=9" in capsys.readouterr().err
 
@@ -222,10 +226,18 @@ def test_plan_cli_prints_the_first_stage(capsys):
 
 
 def test_four_ranks_two_stages_of_two_tensor_parallel_ranks():
-    """plugins=["pp"], tensor_parallel=2 on 4 ranks: each stage's layers split in two."""
-    cases = [dict(config=_configs()[name]["config"], plugins=["pp"], prompts=PROMPTS,
+    """plugins=["pp"], tensor_parallel=2 on 4 ranks: each stage's layers split in two, the
+    first stage's embeddings and the last stage's head by vocab rows (GPT-2's 50257,
+    tied: both stages hold 25129 rows a rank, the last rank 0 samples)."""
+    from transformers import GPT2Config
+
+    gpt2 = GPT2Config(vocab_size=50257, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                      bos_token_id=1, eos_token_id=2)
+    gpt2.architectures = ["GPT2LMHeadModel"]
+    cases = [dict(config=config, plugins=["pp"], prompts=prompts,
                   planner_options={"tensor_parallel": 2})
-             for name in ("pp-llama-gqa-contiguous", "pp-gpt2-biases")]
+             for config, prompts in ((_configs()["pp-llama-gqa-contiguous"]["config"], PROMPTS),
+                                     (gpt2, [[1, 50256, 25128, 25129], *PROMPTS[1:]]))]
     ranks = run_ranks(tp_parity_cases, 4, cases, timeout=600)
     for case in range(len(cases)):
         r = [ranks[k][case] for k in range(4)]
@@ -234,6 +246,11 @@ def test_four_ranks_two_stages_of_two_tensor_parallel_ranks():
         assert r[0]["ours"] == r[0]["hf"] == r[0]["alone"]
         assert all(x["ours"] == r[0]["ours"] and x["sampled"] == r[0]["sampled"] for x in r)
         assert all(x["weight_bytes"] < 0.75 * x["alone_weight_bytes"] for x in r)
+    # GPT-2, per rank: one layer's halves (6 h^2 + 9.5 h: norms, column biases halved, o /
+    # down biases whole), 25129 of the tied rows, + the positions (first) or the final norm
+    layer, rows = 6 * 32 * 32 + 19 * 32 // 2, 25129 * 32
+    assert [ranks[k][1]["weight_bytes"] for k in range(4)] == \
+        [(layer + rows + 64 * 32) * 4] * 2 + [(layer + rows + 2 * 32) * 4] * 2
 
 
 def test_a_planner_whose_splits_the_runtime_does_not_run_is_refused():

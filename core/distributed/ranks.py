@@ -6,8 +6,10 @@ Every rank runs the same program (``torchrun --nproc-per-node N script.py``, eac
 calling ``core.build(..., plugins=["tp"])`` and then the same ``generate`` calls), as
 with DeepSpeed-Inference. Column-parallel projections (qkv, gate_up / fc_in) hold their
 rank's heads and MLP rows; row-parallel ones (o, down) the matching input columns, and
-their outputs are summed across ranks (one all-reduce each). Sampled tokens are taken
-from rank 0, so sampling without a seed still agrees everywhere.
+their outputs are summed across ranks (one all-reduce each). The embeddings and an untied
+LM head hold the rank's rows of the padded vocab (``vocab``); the logits are gathered to
+rank 0, which samples, and sampled tokens are taken from rank 0, so sampling without a
+seed still agrees everywhere.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ..errors import PlanError, WeightLoadError
 from ..slots import slot_layout
 from .collectives import TensorParallelGroup
 from .stages import PipelineStage, not_held_elements, stage_slot, stage_spec
+from .vocab import VOCAB_SLOTS, rank_layout, vocab_not_held
 
 ROW_BIASES = (".o.bias", ".down.bias")  # added once, after the all-reduce (rank 0 keeps them)
 # the splits the model runs (all-reduce after o and down): a planner must shard so
@@ -30,7 +33,10 @@ ROW = (".o.weight", ".down.weight")
 
 
 def runtime_style(slot: str) -> str:
-    """How the tensor-parallel runtime splits ``slot``: column, row or replicated."""
+    """How the tensor-parallel runtime splits ``slot``: column, row, vocab (the embedding
+    and LM head's rows, ``vocab.py``) or replicated."""
+    if slot in VOCAB_SLOTS:
+        return "vocab"
     return "column" if slot.endswith(COLUMN) else "row" if slot.endswith(ROW) else "replicated"
 
 
@@ -117,14 +123,16 @@ def check_styles(planner, spec) -> None:
         if style != runtime_style(slot):
             raise PlanError(f"planner {planner.name!r} shards {slot!r} {style}, but the "
                             f"tensor-parallel runtime runs it {runtime_style(slot)} (column: "
-                            "qkv, gate_up, fc_in; row: o, down; the rest replicated)")
+                            "qkv, gate_up, fc_in; row: o, down; vocab: embed, lm_head; the rest "
+                            "replicated)")
 
 
 def _placed(spec, tp, stage, shard) -> RankSetup:
     """The rank's setup; its ``place`` drops another stage's slots, cuts ours (by the whole
     model's names), renames them to the stage's and checks each piece's shape."""
-    run_spec, not_held = rank_spec(spec, stage, 1 if tp is None else tp.size)
-    layout = slot_layout(run_spec)
+    size = 1 if tp is None else tp.size
+    run_spec, not_held = rank_spec(spec, stage, size)
+    layout = rank_layout(slot_layout(run_spec), spec.vocab_size, size)  # vocab slots: rows
 
     def place(slot, tensor):
         name = slot if stage is None else stage_slot(spec, stage, slot)
@@ -141,14 +149,20 @@ def _placed(spec, tp, stage, shard) -> RankSetup:
 
 def rank_spec(spec, stage, tp: int):
     """(what one rank runs: 1/tp of its stage's layers, elements of the embeddings and head
-    that rank does not hold though ``weight_bytes`` of that spec counts them)."""
+    that rank does not hold though ``weight_bytes`` of that spec counts them: another
+    stage's, and the other ranks' vocab rows of its own). The spec keeps the model's
+    ``vocab_size``: requests, logits and the sampler see the whole vocab."""
+    layout = slot_layout(spec)
     if stage is None:
-        return local_spec(spec, tp), 0
-    return local_spec(stage_spec(spec, stage), tp), not_held_elements(spec, stage)
+        return local_spec(spec, tp), vocab_not_held(layout, layout, spec.vocab_size, tp)
+    held = [s for s in VOCAB_SLOTS if s in layout and stage_slot(spec, stage, s) is not None]
+    return local_spec(stage_spec(spec, stage), tp), \
+        not_held_elements(spec, stage) + vocab_not_held(layout, held, spec.vocab_size, tp)
 
 
 def local_spec(spec, tp: int):
-    """What one rank runs: its share of the heads and of the MLP's rows."""
+    """What one rank runs: its share of the heads and of the MLP's rows (the vocab
+    whole: its rows of the embeddings and head are ``vocab.rank_layout``'s)."""
     if tp == 1:
         return spec
     # fewer kv heads than ranks: one (a copy) a rank

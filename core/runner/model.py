@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.vocab import VocabParallel
 from ..rope import rope_cos_sin
 from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
 from ..spec import ModelSpec, split_qkv
@@ -194,6 +195,8 @@ class DecoderModel(nn.Module):
         ``core.stages.PipelineStage``: the stream comes from and goes to its neighbours)."""
         super().__init__()
         self.spec, self.ops, self.tp, self.stage = spec, ops, tp, stage
+        # tp: the embeddings and head hold this rank's rows of the vocab (spec: the whole's)
+        self.vocab = None if tp is None else VocabParallel(spec.vocab_size, tp)
         from infergraft.kernels.paged_plan import CounterPool  # not at import: it imports triton
 
         self.counters = CounterPool()  # this engine's own: engines on other streams share none
@@ -248,9 +251,10 @@ class DecoderModel(nn.Module):
         return self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight
 
     def forward(self, tokens, cache, meta, logits_index=None, greedy_out=None):
-        """tokens: [T] -> logits [len(logits_index) or T, V] float32. ``greedy_out``: an
-        int64 buffer [n] that receives each row's argmax (the decode graphs' next tokens,
-        written in the same kernel that widens the logits)."""
+        """tokens: [T] -> logits [len(logits_index) or T, V] float32 (None on a pipeline
+        stage before the last, and under tp on every rank but the group's first).
+        ``greedy_out``: an int64 buffer [n] that receives each row's argmax (the decode
+        graphs' next tokens, written in the same kernel that widens the logits)."""
         positions = meta.positions
         fused = self._fused(tokens.shape[0])
         residual, stage = None, self.stage
@@ -262,7 +266,9 @@ class DecoderModel(nn.Module):
         elif fused and self.spec.position != "learned":  # one kernel: rows and their statistic
             h, sum_sq = self.ops.embed_sum_sq(tokens, self.embed.weight)  # [T, H], [1, T]
         else:
-            h = F.embedding(tokens, self.embed.weight)  # [T, H]
+            # tp: each rank's rows, summed over the group
+            h = F.embedding(tokens, self.embed.weight) if self.vocab is None \
+                else self.vocab.embed(tokens, self.embed.weight)  # [T, H]
             if self.spec.position == "learned":
                 h = h + F.embedding(positions, self.pos_embed.weight)
             sum_sq = h.float().square().sum(-1)[None] if fused else None
@@ -285,7 +291,9 @@ class DecoderModel(nn.Module):
             h = h[..., logits_index, :]
             residual = None if residual is None else residual[logits_index]
         x, _ = self.final_norm(h, residual)
-        y = self.ops.lm_head(x, self.lm_head_weight)  # [n, V] in the model dtype
+        y = self.ops.lm_head(x, self.lm_head_weight)  # [n, V] (tp: [n, V_pad / tp]), model dtype
+        if self.vocab is not None:  # gathered to the group's rank 0, which samples: else None
+            return self.vocab.logits(y, greedy_out)  # [n, V] float32
         if greedy_out is None:
             return y.float()
         # float32 [n, V]; argmax -> greedy_out (split rows merge on this model's counters)

@@ -6,12 +6,14 @@ sets ``world_sizes`` (accepted for the ``spec`` fixture) and ``bad_world_sizes``
 
 Sharding contract for planners whose plans have ``tensor_parallel > 1``::
 
-    planner.shard_style(spec, slot) -> "column" | "row" | "replicated"
+    planner.shard_style(spec, slot) -> "column" | "row" | "vocab" | "replicated"
         column:     dim 0 split into tp equal pieces *inside each fused part* (q, k and v
                     each split by heads; gate and up each split), parts kept in order;
                     with fewer kv heads than ranks, k and v give each rank the one kv
                     head its query heads read (rank r: head r // (tp / kv_heads))
         row:        dim 1 split into tp equal pieces (o, down)
+        vocab:      dim 0 padded with zero rows to a multiple of tp, then split into tp
+                    equal pieces (the embeddings, the LM head)
         replicated: every rank holds the whole tensor (norms, biases after an all-reduce)
     planner.shard(spec, parallel, slot, tensor, rank) -> the piece ``rank`` holds
 
@@ -32,7 +34,7 @@ from ..registry import _NAME
 from ..spec import ModelSpec, RopeSpec
 from . import strategies
 
-STYLES = ("column", "row", "replicated")
+STYLES = ("column", "row", "vocab", "replicated")
 
 
 def check_stages(planner, spec, pplan, world_size: int) -> None:
@@ -56,6 +58,8 @@ def reassemble(style: str, parts, pieces: list[torch.Tensor], copies: int = 1) -
         return pieces[0]
     if style == "row":
         return torch.cat(pieces, dim=-1)
+    if style == "vocab":  # the padded rows, in rank order (the caller trims the padding)
+        return torch.cat(pieces)
     tp = len(pieces)
     reps = [1] + [copies] * (len(parts) - 1) if parts else [1]
     sizes = [p * c // tp for p, c in zip(parts, reps)] if parts else [pieces[0].shape[0]]
@@ -84,6 +88,14 @@ def check_shards(planner, spec, pplan, seed: int = 0) -> None:
             continue
         assert len({tuple(p.shape) for p in pieces}) == 1, \
             f"{who}: {slot!r} pieces differ in shape: {[tuple(p.shape) for p in pieces]}"
+        if style == "vocab":  # V rows, then zero rows up to a multiple of tp
+            whole = reassemble(style, None, pieces)
+            assert whole.shape[0] == -(-full.shape[0] // tp) * tp, \
+                f"{who}: {slot!r} pieces hold {whole.shape[0]} rows of {full.shape[0]}, " \
+                f"expected the vocab padded to a multiple of {tp}"
+            assert torch.equal(whole[:full.shape[0]], full) and not whole[full.shape[0]:].any(), \
+                f"{who}: {slot!r} (vocab) pieces are not its rows in rank order, zero-padded"
+            continue
         qkv = slot.endswith(("qkv.weight", "qkv.bias")) and style == "column"
         copies = tp // spec.num_kv_heads if qkv and spec.num_kv_heads < tp else 1
         held = full.numel() + (copies - 1) * 2 * spec.kv_size * (full.numel() // full.shape[0])
