@@ -4,11 +4,14 @@ Decode is memory-bound: a step reads every weight and the live K/V once, so the 
 for TPOT is (weight bytes + K/V bytes) / copy bandwidth, the bandwidth measured here in
 the same run. Times are medians after warm-up runs of identical shapes. ``matmul_rate``
 is the compute roofline of ``infergraft bench throughput``, measured the same way.
+``SHAPES``: the random-weight LLaMA shapes a run may take instead of a checkpoint.
 """
 from __future__ import annotations
 
+import platform
 import statistics
 import time
+from pathlib import Path
 from typing import Optional
 
 import attrs
@@ -17,6 +20,39 @@ import torch
 from ..errors import PlanError
 from ..metrics import percentiles
 from ..request import SamplingParams
+
+SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                      max_position_embeddings=4096),
+    # GQA (8 kv heads for 32 query heads): the large-batch attention plans differ from MHA's
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, rope_theta=500000.0),
+    # GQA, 80 layers: 138 GB of bf16 weights, more than one H200 holds (bench_parallel)
+    "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                       max_position_embeddings=4096),
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
+                 max_position_embeddings=2048),
+}
+
+
+def shape_config(name: str):
+    """The LlamaConfig of the random shape ``name``."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       architectures=["LlamaForCausalLM"])
+
+
+def describe_device(device) -> str:
+    """The GPU's name on CUDA, else the host's processor (or machine)."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
 
 SYSTEMS = ("infergraft", "hf-eager", "hf-static")
 WARMUP_STEPS = 2  # decode steps left out of a run's TPOT: the first run slow (allocation, compile)
@@ -95,6 +131,17 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 def step_bytes(spec, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int) -> int:
     """Bytes one decode step must read: every weight once plus each sequence's K/V."""
     return weight_bytes + batch * context * kv_bytes_per_token
+
+
+def rank_floors(per_rank, batch: int, context: int, bw: float) -> tuple[float, float]:
+    """(the largest rank's step bytes / bw, the sum over stages of each stage's largest)
+    in ms: the floor of ranks reading at once, and of stages running in turn; ``per_rank``:
+    each rank's {stage, weight_bytes, kv_bytes_per_token} (bench_parallel)."""
+    ms = {}
+    for s in per_rank:
+        t = step_bytes(None, s["weight_bytes"], s["kv_bytes_per_token"], batch, context) / bw
+        ms[s["stage"]] = max(ms.get(s["stage"], 0.0), t * 1e3)
+    return max(ms.values()), sum(ms.values())
 
 
 def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
@@ -223,3 +270,26 @@ def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
                 f"  {r.tokens_per_s:9.1f} tok/s  roofline {r.roofline_fraction:5.1%}")
             results.append(r)
     return results, bw
+
+
+def plot(results, path: Path, title: str) -> bool:
+    """TPOT against batch, a line per system and the first system's roofline, as a PNG at
+    ``path``; False where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in sorted({r.system for r in results}):
+        rs = sorted((r for r in results if r.system == system), key=lambda r: r.batch)
+        ax.plot([r.batch for r in rs], [r.tpot_ms for r in rs], marker="o", label=system)
+    rs = sorted((r for r in results if r.system == results[0].system), key=lambda r: r.batch)
+    ax.plot([r.batch for r in rs], [r.roofline_ms for r in rs], "k--", label="HBM roofline")
+    ax.set(xscale="log", xlabel="batch size", ylabel="TPOT (ms)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -15,25 +14,13 @@ import torch
 from ..errors import PlanError
 from ..loading.source import ALIASES
 from ..selection import resolve_device, resolve_dtype
-from .bench import SYSTEMS, check_systems, min_new_tokens, run_benchmark
+from . import bench_parallel as parallel
+from .bench import (SHAPES, SYSTEMS, check_systems, describe_device, min_new_tokens, plot,
+                    run_benchmark, shape_config)
 from .bench_variants import (add_variants_argument, check_variants, engine_plugins,
                              run_variants, variants_table)
 from .config_cli import add_config_argument, bench_config
 from .provenance import provenance
-
-SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                      max_position_embeddings=4096),
-    # GQA (8 kv heads for 32 query heads): the large-batch attention plans differ from MHA's
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
-                 max_position_embeddings=2048),
-}
-
 
 def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
                 plugins=(), max_num_batched_tokens: int | None = None, config=None,
@@ -48,14 +35,12 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
 
 def load_hf(name: str, device, dtype):
     """The HF model of ``name``: a random shape of SHAPES (seed 0), or a checkpoint."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     if name in SHAPES:
-        cfg = LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, tie_word_embeddings=False)
-        cfg.architectures = ["LlamaForCausalLM"]
         torch.manual_seed(0)
         with torch.device(device):
-            return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+            return AutoModelForCausalLM.from_config(shape_config(name), dtype=dtype).eval()
     from ..loading.demo import ensure_demo_model
 
     path = ensure_demo_model(name) if name in ALIASES else name
@@ -92,27 +77,6 @@ def markdown_table(results, bw: float) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines.append(f"\ncopy bandwidth (roofline): {bw / 1e9:.1f} GB/s")
     return "\n".join(lines)
-
-
-def plot(results, path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for system in sorted({r.system for r in results}):
-        rs = sorted((r for r in results if r.system == system), key=lambda r: r.batch)
-        ax.plot([r.batch for r in rs], [r.tpot_ms for r in rs], marker="o", label=system)
-    rs = sorted((r for r in results if r.system == results[0].system), key=lambda r: r.batch)
-    ax.plot([r.batch for r in rs], [r.roofline_ms for r in rs], "k--", label="HBM roofline")
-    ax.set(xscale="log", xlabel="batch size", ylabel="TPOT (ms)", title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
 
 
 def main(argv=None) -> int:
@@ -223,6 +187,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "roofline then counts the packed bytes)")
     add_variants_argument(p, "each row against its own roofline")
     add_config_argument(p)
+    parallel.add_arguments(p, _positive)
 
 
 def resolve(args):
@@ -233,17 +198,13 @@ def resolve(args):
     args.batches = args.batches or ([1, 8, 32, 64] if gpu else [1, 8])
     args.prompt_len = args.prompt_len or (512 if gpu else 64)
     args.new_tokens = args.new_tokens or (64 if gpu else 32)
-    args.systems = args.systems or (list(SYSTEMS) if gpu else ["infergraft", "hf-eager"])
+    parallel.resolve(args, refused=[("--compare-plugins", args.compare_plugins), (
+        "an HF system in --systems", set(args.systems or ()) - {"infergraft"})])
+    args.systems = args.systems or (["infergraft"] if parallel.ranks(args) > 1 else
+                                    list(SYSTEMS) if gpu else ["infergraft", "hf-eager"])
     check_systems(args.systems, args.new_tokens, args.device)
     check_variants(args.device, args.plugins, args.compare_plugins)
     return args
-
-
-def describe_device(device) -> str:
-    """The GPU's name on CUDA, else the host's processor (or machine)."""
-    if str(device).startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
 
 
 def run(args) -> int:
@@ -252,6 +213,8 @@ def run(args) -> int:
 
 
 def measure(args) -> int:
+    if parallel.ranks(args) > 1:  # under torchrun: every rank, beside one device's run
+        return parallel.measure(args)
     dtype, batches = args.dtype, args.batches
     prompt_len, new_tokens = args.prompt_len, args.new_tokens
     hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import InfergraftError, PlanError
 from .bench import matmul_rate
-from . import bench_kv
+from . import bench_kv, bench_parallel as parallel
 from .bench_cli import (SHAPES, _batches, _device, _dtype, _model, _names, _out, _positive,
                         build_engine, describe_device, load_models, parse_resolved)
 from .bench_serve import add_workload_arguments, resolve_workload
@@ -84,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the prompts")
     p.add_argument("--out", type=_out, default=".bench",
                    help="folder for throughput.json, throughput.png")
+    parallel.add_arguments(p, _positive)  # under torchrun: one device, then the ranks
 
 
 def vocab_size(model: str) -> int:
@@ -106,6 +107,8 @@ def resolve(args):
     check_option_variants(args.device, args.plugins, args.build_options,
                           args.compare_options, args.config_options)
     budgets = args.max_num_batched_tokens or []
+    parallel.resolve(args, refused=[("--compare-plugins", args.compare_plugins), (
+        "--compare-options", args.compare_options), ("a budget sweep", len(budgets) > 1)])
     for flag in ("--compare-plugins", "--compare-options"):
         if getattr(args, flag[2:].replace("-", "_")) and len(budgets) > 1:
             raise PlanError(f"{flag} with the --max-num-batched-tokens sweep "
@@ -144,6 +147,8 @@ def run(args) -> int:
 
 
 def measure(args) -> int:
+    if parallel.ranks(args) > 1:  # under torchrun: these runs, one device's and the ranks'
+        return parallel.measure_throughput(args, _ours, _variant, _write, MATMUL_N)
     device, requests = torch.device(args.device), args.requests
     # 1) The floor's matmul rate, before the models take the device's memory
     n = MATMUL_N.get(device.type, MATMUL_N["cpu"])
