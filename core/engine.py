@@ -50,7 +50,7 @@ class Engine:
         self._stepping: list[Sequence] = []  # the running step's sequences
         # schedule the next step while the GPU runs this one (build(): on one CUDA device)
         self.schedule_ahead, self._ahead = False, None  # scheduler.schedule_ahead's step
-        self.runner = ModelRunner(model, cache, self.device)
+        self.runner = ModelRunner(model, cache, self.device, plan.parallel.micro_batches)
         self.lookahead = DecodeLookahead(self)  # greedy graph decode, one step ahead
         # distributed.collectives.TensorParallelGroup or distributed.stages.PipelineStage:
         # every rank takes the tokens sampled where the logits are

@@ -16,6 +16,9 @@ class ParallelPlan:
     tensor_parallel: int = 1
     #: per pipeline stage, the [first, last) layer range it runs
     stages: tuple[tuple[int, int], ...] = ()
+    #: token groups of one step in flight across the stages at once (the ``pp`` planner's
+    #: ``micro_batches``; 1: the stages run the whole step in turn)
+    micro_batches: int = 1
 
 
 @attrs.frozen

@@ -1,7 +1,10 @@
 """Pipeline parallelism: each rank runs a contiguous range of layers (its stage) and
 hands the residual stream to the next rank; the last stage computes the logits, samples,
-and every rank takes its tokens. Stages run one after another (no micro-batches): this
-splits a model's memory over devices, not its time.
+and every rank takes its tokens. With one micro-batch the stages run a step one after
+another (blocking send / recv): this splits a model's memory over devices, not its time.
+With ``micro_batches`` > 1 the runner cuts the step into groups in flight across the
+stages at once and the hand-over goes through its ``micro_batches.StepExchange``
+(non-blocking, posted for the whole step).
 
 Rank r runs stage r. The first stage holds the embeddings, the last the final norm and
 the LM head (and the embeddings too when the head is tied to them); layer ``first + i``
@@ -30,6 +33,9 @@ class PipelineStage:
         # neighbouring stages, and the last stage's rank 0, which samples for all
         self.prev, self.next = (index - 1) * tp + tp_rank, (index + 1) * tp + tp_rank
         self.sampler = (count - 1) * tp
+        # micro_batches.StepExchange while the runner runs a step in micro-batches: the
+        # model's send / recv go through it; events: a list it logs to (tests), or None
+        self.exchange, self.events = None, None
 
     def send(self, h: torch.Tensor, residual: torch.Tensor) -> None:
         # h: the last layer's output [T, H] (split-K partials [S, T, H] summed first),
@@ -38,10 +44,15 @@ class PipelineStage:
             from infergraft.kernels.rms_norm import sum_partials
 
             h = sum_partials(h, residual.dtype)
+        if self.exchange is not None:
+            return self.exchange.send(h, residual)
         for t in (h, residual):
             torch.distributed.send(t.contiguous(), dst=self.next)
+        return None
 
     def recv(self, rows: int, hidden: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exchange is not None:  # posted at the step's start
+            return self.exchange.recv(rows)
         h = torch.empty((rows, hidden), dtype=dtype, device=device)
         residual = torch.empty_like(h)
         for t in (h, residual):

@@ -6,12 +6,14 @@ replays it (``cuda_graph``), any other step within the largest token bucket repl
 mixed-step graph (``step_graph``, caches that support it), a fresh prompt alone replays a
 prefill graph on caches that only support those (``prefill_graph``), anything else runs
 eagerly through ``model.DecoderModel`` after the cache places the new tokens
-(``cache.prepare``).
+(``cache.prepare``); on a pipeline stage with ``micro_batches`` > 1, in groups in flight
+across the stages at once (``distributed.micro_batches``).
 """
 from __future__ import annotations
 
 import torch
 
+from ..distributed.micro_batches import forward_groups
 from ..errors import PlanError
 from .cuda_graph import CudaGraphRunner
 from .prefill_graph import PrefillGraphRunner
@@ -19,8 +21,10 @@ from .step_graph import StepGraphRunner
 
 
 class ModelRunner:
-    def __init__(self, model, cache, device: torch.device):
+    def __init__(self, model, cache, device: torch.device, micro_batches: int = 1):
         self.model, self.cache, self.device = model, cache, device
+        # a step's token groups in flight across pipeline stages (plan.parallel's)
+        self.micro_batches = micro_batches
         self.decode_graphs: CudaGraphRunner | None = None  # set by build() on CUDA
         self.prefill_graphs: PrefillGraphRunner | None = None  # likewise
         self.step_graphs: StepGraphRunner | None = None  # likewise
@@ -44,8 +48,11 @@ class ModelRunner:
         graphs = self.prefill_graphs
         if step.kind == "prefill" and graphs is not None and graphs.bucket(seqs, counts):
             return graphs.prefill(seqs[0].id, tokens)  # [1, V]
-        meta = self.cache.prepare([s.id for s in seqs], counts)
         token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        if self._pipelined():
+            return forward_groups(self.model, self.cache, [s.id for s in seqs], counts,
+                                  token_t, self.micro_batches, step.kind != "decode")
+        meta = self.cache.prepare([s.id for s in seqs], counts)
         if step.kind == "decode":
             return self.model(token_t, self.cache, meta, None)  # [B, V]
         last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
@@ -54,9 +61,16 @@ class ModelRunner:
     def every_row(self, seq_id, ids: list[int]):
         """Logits of every position of a sequence the cache just allocated: [len, V]
         (None on a pipeline stage before the last)."""
-        meta = self.cache.prepare([seq_id], [len(ids)])
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)  # [len]
+        if self._pipelined():  # the sequence in consecutive pieces through the stages
+            return forward_groups(self.model, self.cache, [seq_id], [len(ids)], tokens,
+                                  self.micro_batches, last_rows=False)
+        meta = self.cache.prepare([seq_id], [len(ids)])
         return self.model(tokens, self.cache, meta, None)
+
+    def _pipelined(self) -> bool:
+        """Micro-batches: a pipeline stage's eager step with ``micro_batches`` > 1."""
+        return self.micro_batches > 1 and getattr(self.model, "stage", None) is not None
 
 
 def decode_graphs_for(net, cache, plan, device, wanted) -> CudaGraphRunner | None:

@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stages of the pp planner (plugins=['pp'] under torchrun): the plan "
                         "is the largest stage's (the first: most layers and the embeddings); "
                         "with --tensor-parallel T, one of its T ranks (pp's tensor_parallel=T)")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                   help="with --pipeline-parallel: pp's micro_batches, a step's tokens cut "
+                        "into up to M groups in flight across the stages at once (default 1)")
     p.add_argument("--seq-len", type=int, action="append", default=None, metavar="L",
                    help="how many sequences of L tokens the paged pool holds (repeatable, "
                         "e.g. a workload's mean and its longest; default max_seq_len)")
@@ -111,7 +114,7 @@ def _weight_quantizer(weights: str, config):
     return q.configured(group_size=fmt.group_size) if fmt.quantizer == "int4" else q
 
 
-def one_rank(name: str, spec, stages: int, tp: int):
+def one_rank(name: str, spec, stages: int, tp: int, micro_batches: int = 1):
     """(label, spec, elements not held) of the largest rank's share: the first stage (the
     most layers, the embeddings), 1/tp of its layers. The planners refuse what does not
     divide."""
@@ -121,11 +124,14 @@ def one_rank(name: str, spec, stages: int, tp: int):
     if stages == 1:
         planners.get("tp").plan(spec, tp)
         return (f"{name}, one of {tp} ranks", *rank_spec(spec, None, tp))
-    plan = planners.get("pp").plan(spec, stages * tp, tensor_parallel=tp)
+    plan = planners.get("pp").plan(spec, stages * tp, tensor_parallel=tp,
+                                   micro_batches=micro_batches)
     stage = PipelineStage(0, stages, plan.stages[0])
     label = f"{name}, stage 1 of {stages} (layers {stage.layers[0]}-{stage.layers[1] - 1})"
     if tp > 1:
         label += f", one of its {tp} ranks"
+    if plan.micro_batches > 1:
+        label += f", {plan.micro_batches} micro-batches a step"
     return (label, *rank_spec(spec, stage, tp))
 
 
@@ -133,8 +139,12 @@ def run(args) -> int:
     plan_config(args)  # --config under the flags given, then plan's defaults
     name, spec, config = spec_of(args.model)
     not_held = 0  # elements of the embeddings / head a stage does not hold
+    if args.micro_batches != 1 and args.pipeline_parallel == 1:
+        raise PlanError(f"--micro-batches {args.micro_batches} pipelines the stages of "
+                        "--pipeline-parallel N (N > 1); give it too")
     if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
-        name, spec, not_held = one_rank(name, spec, args.pipeline_parallel, args.tensor_parallel)
+        name, spec, not_held = one_rank(name, spec, args.pipeline_parallel, args.tensor_parallel,
+                                        args.micro_batches)
     stored = stored_dtype(config)  # never config.torch_dtype: it warns in transformers 5
     dtype = resolve_dtype(args.dtype, stored if stored in DTYPES.values() else torch.float32)
     kv_quant, kv_dtype = None, dtype
@@ -170,7 +180,8 @@ def run(args) -> int:
         print(json.dumps({**attrs.asdict(mem), "kv_bytes_per_sequence": mem.kv_bytes_per_sequence,
                           "kv_bytes_total": mem.kv_bytes_total, "total_bytes": mem.total_bytes,
                           "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits,
-                          "max_batch_with_window": mem.max_batch_with_window, **extra,
+                          "max_batch_with_window": mem.max_batch_with_window,
+                          "micro_batches": args.micro_batches, **extra,
                           "pool": pool_json}, indent=2))
     else:
         print(rows_table(mem.rows() + rows))
