@@ -145,7 +145,9 @@ class Plan(KVSizes):
             ("cache backend", f"{self.cache_backend} (K/V {self.kv_dtype})"),
             ("quantizers", ", ".join(self.quantizers) or "none"),
             ("planner", f"{self.planner} (world {p.world_size}, tp {p.tensor_parallel}, "
-                        f"{len(p.stages)} stage(s))"),
+                        f"{len(p.stages)} stage(s)"
+                        + (f", {p.micro_batches} micro-batches" if p.micro_batches > 1 else "")
+                        + ")"),
             ("max batch x seq", f"{self.max_batch_size} x {self.max_seq_len}"),
             (f"weights{each}", fmt_bytes(self.weight_bytes)),
             *(self.weight_placement.rows(self.weight_bytes) if self.weight_placement else ()),
