@@ -14,16 +14,9 @@ PROMPTS = [[1, 5, 9, 33, 7, 80, 12], [1, 200, 3], [1, 17, 17, 4, 99]]
 
 
 def _configs():
-    from transformers import GPT2Config, MistralConfig
+    from infergraft.core.testing.distributed import parity_configs
 
-    gpt2 = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                      bos_token_id=1, eos_token_id=2)
-    gpt2.architectures = ["GPT2LMHeadModel"]
-    mistral = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=112,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            max_position_embeddings=256, sliding_window=4, bos_token_id=1,
-                            eos_token_id=2)
-    mistral.architectures = ["MistralForCausalLM"]
+    gpt2, mistral = parity_configs()["gpt2"], parity_configs()["mistral"]
     cases = {  # name -> case for tp_parity (int8: weights as in tests/test_weight_int8.py)
         "llama-gqa-contiguous": dict(config=tiny_llama_config(), plugins=[]),
         # one kv head, two ranks: each holds a copy of it (kv_replicas)

@@ -113,3 +113,19 @@ def build_verdicts(config, plugins: list, budgets: list) -> str:
     except PlanError as e:
         return str(e)
     return "built"
+
+
+def parity_configs() -> dict:
+    """The GPT-2 (tied head, learned positions) and Mistral (sliding window 4) configs the
+    multi-rank parity tests run beside ``tiny_llama_config``: small enough for gloo ranks."""
+    from transformers import GPT2Config, MistralConfig
+
+    gpt2 = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                      bos_token_id=1, eos_token_id=2)
+    gpt2.architectures = ["GPT2LMHeadModel"]
+    mistral = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=112,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256, sliding_window=4, bos_token_id=1,
+                            eos_token_id=2)
+    mistral.architectures = ["MistralForCausalLM"]
+    return {"gpt2": gpt2, "mistral": mistral}
