@@ -13,6 +13,7 @@ before the later one attends to it (a stage computes its groups in order).
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import attrs
@@ -49,7 +50,7 @@ def split_step(counts, micro_batches: int) -> list[Group]:
     group (one piece fewer), else cutting that sequence into consecutive pieces."""
     total = sum(counts)
     n = max(1, min(micro_batches, total))
-    bounds = list(_accumulate(counts))  # the sequence boundaries, 0 .. total
+    bounds = list(itertools.accumulate(counts, initial=0))  # sequence boundaries, 0 .. total
     slack = (total // n) // 8  # < half a group: the cuts stay in order and apart
     cuts = []
     for k in range(1, n):
@@ -67,14 +68,6 @@ def split_step(counts, micro_batches: int) -> list[Group]:
                 ends.append(b == end)
         groups.append(Group(tuple(seqs), tuple(pieces), tuple(ends), lo))
     return groups
-
-
-def _accumulate(counts):
-    at = 0
-    yield at
-    for n in counts:
-        at += n
-        yield at
 
 
 class StepExchange:
