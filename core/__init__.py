@@ -10,8 +10,8 @@ _moved.install()  # old paths of moved modules (infergraft.core.cuda_graph, ...)
 from .build import build  # noqa: E402
 from .engine import Engine
 from .errors import (InfergraftError, InvalidRequestError, KernelUnavailableError, PlanError,
-                     PluginError, RequestFailedError, UnknownPluginError, UnsupportedModelError,
-                     WeightLoadError)
+                     PluginError, RankFailedError, RequestFailedError, UnknownPluginError,
+                     UnsupportedModelError, WeightLoadError)
 from .hookspecs import CONTRACT_VERSION, hookimpl
 from .compat.init_inference import init_inference
 from .plugin_manager import DEFAULT_PLUGINS, get_plugin_manager, reset_plugin_manager
@@ -22,6 +22,6 @@ __all__ = [
     "build", "Engine", "Completion", "SamplingParams", "ModelSpec", "RopeSpec", "hookimpl",
     "CONTRACT_VERSION", "DEFAULT_PLUGINS", "get_plugin_manager", "reset_plugin_manager",
     "InfergraftError", "InvalidRequestError", "KernelUnavailableError", "PlanError",
-    "PluginError", "RequestFailedError", "UnknownPluginError", "UnsupportedModelError",
-    "WeightLoadError", "init_inference",
+    "PluginError", "RankFailedError", "RequestFailedError", "UnknownPluginError",
+    "UnsupportedModelError", "WeightLoadError", "init_inference",
 ]

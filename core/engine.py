@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from .cache import CacheFullError
+from .distributed.failure import across_ranks
 from .errors import InvalidRequestError
 from .fair_lock import FairRLock
 from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch,
@@ -39,7 +40,6 @@ class Engine:
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.plan, self.spec = plan, spec
         self.device = torch.device(plan.device)
-        # tokens one step carries at most (longer prompts go in chunks)
         self.scheduler = Scheduler(cache, plan.max_batch_size, max_num_batched_tokens=(
             max_num_batched_tokens or DEFAULT_BATCHED_TOKENS))
         eos = set(spec.eos_token_ids)
@@ -119,15 +119,14 @@ class Engine:
     def _guarded(self, run_step):
         try:
             return run_step()
-        # The step wrote K/V but did not append every token (an OOM, Ctrl-C, a sampler
-        # error): its sequences are recomputed from their tokens so far. A step launched
-        # ahead writes only slots freed here, in stream order.
-        except BaseException:
+        # K/V written, not every token appended (an OOM, Ctrl-C, a sampler error): the
+        # step's sequences are recomputed; a step launched ahead writes only slots freed here.
+        except BaseException as e:
             self.lookahead.inflight = self._ahead = None
             for s in self._stepping:
                 if s in self.scheduler.running:
                     self.scheduler.preempt(s, failed=True)
-            raise
+            raise across_ranks(e, self.ranks)  # tp / pp: RankFailedError, on every rank
 
     def _step_body(self, step, tokens, replay) -> list[Sequence]:
         seqs = step.seqs
@@ -277,6 +276,8 @@ class Engine:
                     out = self.ranks.broadcast_logits(out, (len(ids), self.spec.vocab_size),
                                                       self.device)
                 return out.cpu()
+            except Exception as e:  # tp / pp: RankFailedError, on every rank
+                raise across_ranks(e, self.ranks)
             finally:
                 self.cache.free(seq_id)
 
@@ -284,7 +285,6 @@ class Engine:
         with self.lock:  # the scheduler's and the cache's counters
             return self.scheduler.stats()
 
-    # -- helpers -----------------------------------------------------------------
     @staticmethod
     def _params(max_new_tokens, temperature, top_k, top_p, seed, stop) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,

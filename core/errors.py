@@ -66,3 +66,18 @@ class QuantizedCheckpointError(WeightLoadError):
 class PerformanceWarning(UserWarning):
     """What was asked for runs here on a slow path (fp8 weights on the CPU or on a GPU
     without fp8: the reference, dequantise then the float GEMM); results are unaffected."""
+
+
+class RankFailedError(InfergraftError, RuntimeError):
+    """A step across processes (``tp`` / ``pp``) stopped because a rank failed: it raised
+    (its message recorded in the process group's store), its process is gone, or it did
+    not answer within the collective timeout (``distributed/failure.py``). Every rank
+    raises it; the process group is left, so this engine cannot step any more.
+
+    ``ranks``: the ranks named, ``reasons``: rank -> what was recorded or seen of it,
+    ``world_size``: the group's size."""
+
+    def __init__(self, message: str, ranks=(), reasons=None, world_size: int = 0):
+        super().__init__(message)
+        self.ranks, self.reasons = tuple(ranks), dict(reasons or {})
+        self.world_size = world_size

@@ -55,7 +55,7 @@ class Switch:
             return text == "1"
         if not (text.isascii() and text.isdigit()):  # no sign: rows are never negative
             raise SwitchError(f"{self.name}={raw!r} is not an integer >= 0 "
-                              f"(rows; default {self.default})")
+                              f"({self.set_to}; default {self.default})")
         return int(text)
 
 
@@ -123,6 +123,12 @@ SWITCHES = _switches(
            "the GPU runs it (CUDA, one process; a slot freed by a stop is refilled a step "
            "sooner)",
            changes_results=True),
+    # Not a kernel path: how long a rank waits in a collective for the others
+    # (core/distributed/failure.py says why 120 s); an integer, as the row counts are.
+    Switch("INFERGRAFT_COLLECTIVE_TIMEOUT", ROWS, "120", "build", "seconds (`0`: torch's own)",
+           "how long a rank waits in a collective across processes (`tp`, `pp`) before the "
+           "step fails with `RankFailedError`, instead of torch's 30 min (gloo) / 10 min (NCCL)",
+           changes_results=False),
 )
 
 

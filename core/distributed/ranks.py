@@ -22,6 +22,7 @@ import torch
 from ..errors import PlanError, WeightLoadError
 from ..slots import slot_layout
 from .collectives import TensorParallelGroup
+from .failure import adopt, collective_timeout, new_group
 from .stages import PipelineStage, not_held_elements, stage_slot, stage_spec
 from .vocab import VOCAB_SLOTS, rank_layout, vocab_not_held
 
@@ -55,14 +56,22 @@ def world_size_for(planner, device: torch.device) -> int:
                 f"planner {planner.name!r} runs one process per rank: launch with `torchrun "
                 f"--nproc-per-node N script.py` (or call torch.distributed."
                 f"init_process_group first); no process group and no WORLD_SIZE found")
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # every collective waits failure.collective_timeout() at most (torch's: 30 min)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=collective_timeout())
         atexit.register(_leave_group)  # a group alive at interpreter exit aborts the process
+    else:  # the caller's group: ours unless it chose a timeout (send / recv keep theirs)
+        adopt()
     return dist.get_world_size()
 
 
 def _leave_group() -> None:
+    """At exit: leave the group (a rank that failed has left it already)."""
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:  # a peer gone meanwhile: the process exits anyway
+            pass
 
 
 def rank_device(device: torch.device, parallel) -> torch.device:
@@ -106,7 +115,7 @@ def rank_setup(planner, spec, parallel) -> RankSetup:
     group = None
     if tp > 1:
         # every rank creates every stage's group, in the same order (new_group's contract)
-        subgroups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) if stages > 1 else None
+        subgroups = [new_group(list(range(s * tp, (s + 1) * tp))) if stages > 1 else None
                      for s in range(stages)]
         group = TensorParallelGroup(tp, tp_rank, subgroups[index])
         check_styles(planner, spec)

@@ -13,7 +13,9 @@ sleep (docs/BENCHMARKS.md, "Serving").
 
 The thread and what it shares with the callers: ``engine_thread``; under torchrun with
 tp / pp, rank 0 runs the AsyncEngine and the other ranks ``AsyncEngine.follow(engine)``
-(``lockstep``: every rank's scheduler sees the same requests in the same order).
+(``lockstep``: every rank's scheduler sees the same requests in the same order). A rank
+that fails there ends the loop (``failed`` says why); a shutdown then waits no longer
+than the collective timeout for a step stuck in a collective.
 """
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ import itertools
 import threading
 import time
 
+from ..distributed.failure import CENSUS_S, group_timeout
 from ..errors import InfergraftError, InvalidRequestError
 from ..request import SamplingParams, check_request
-from .engine_thread import (EngineThread, Inbox, RequestOutput, Submission, coalesce,
-                            engine_stats, refusal)
+from .engine_thread import EngineThread, Inbox, Submission, engine_stats, refusal
 from .lockstep import Lockstep, follow
+from .outputs import RequestOutput, coalesce
 
 __all__ = ["AsyncEngine", "QueueFullError", "RequestOutput"]
 _ids = itertools.count()
@@ -74,6 +77,13 @@ class AsyncEngine:
 
         threading.Thread(target=build_then_serve, daemon=True, name="infergraft-engine").start()
         return built.result()
+
+    @property
+    def failed(self) -> str | None:
+        """Why the loop stopped for good (under torchrun: a rank failed, named here), or
+        None while it serves."""
+        with self._inbox.cond:
+            return self._inbox.fatal
 
     @property
     def num_steps(self) -> int:
@@ -134,7 +144,10 @@ class AsyncEngine:
             with box.cond:
                 box.stop = "abort"
                 box.cond.notify_all()
-            await asyncio.to_thread(thread.join)
+            # a step stuck in a collective fails by the timeout (then its census)
+            timeout = group_timeout() if self._loop.link.active else None
+            await asyncio.to_thread(thread.join, None if timeout is None else
+                                    timeout.total_seconds() + CENSUS_S + 5)
 
     def stats(self) -> dict:
         """Gauges and counters for /metrics (waits for the step in progress, if any)."""

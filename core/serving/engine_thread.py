@@ -7,7 +7,8 @@ from rank 0 (``lockstep``); 3) apply them to the engine; 4) step; 5) hand each r
 new tokens and text to its asyncio.Queue on its event loop (``call_soon_threadsafe``,
 once per loop and iteration). The thread outlives any one request's failure: a request
 whose sampling failed, or whose step raised, ends with finish_reason "error" and the
-others go on.
+others go on; under torchrun a failed rank (RankFailedError) ends the loop: what runs
+ends with "error" naming it, new requests are refused, ``Inbox.fatal`` says why.
 """
 from __future__ import annotations
 
@@ -20,48 +21,15 @@ from typing import Optional
 import attrs
 import torch
 
-from ..metrics import RequestMetrics
+from ..errors import RankFailedError
 from ..request import SamplingParams
 from ..streaming import Deltas
 from .lockstep import Events, apply, params_fields, prune
+# (RequestOutput, coalesce and send are imported from here too)
+from .outputs import RequestOutput, coalesce, last_output, send  # noqa: F401
 
 log = logging.getLogger("infergraft.serving")
-HEARTBEAT_S = 60.0  # an idle rank 0 broadcasts this often, or the followers' wait times out
-
-
-@attrs.frozen
-class RequestOutput:
-    """What one request produced since its previous output."""
-
-    request_id: str
-    text: str  # new text (stop strings trimmed; an incomplete UTF-8 character held back)
-    token_ids: list  # new token ids
-    logprobs: Optional[list]  # TokenLogprob per new id, when the request asked for them
-    finished: bool
-    finish_reason: Optional[str]  # "stop", "length", "abort", "error" once finished
-    prompt_tokens: int
-    completion_tokens: int  # so far
-    metrics: Optional[RequestMetrics] = None  # on the last output
-    error: Optional[str] = None  # why, when finish_reason is "error"
-
-
-def coalesce(out: RequestOutput, queue) -> RequestOutput:
-    """``out`` and the outputs its queue holds already, as one: a consumer that lags (the
-    HTTP side streaming hundreds of requests) gets fewer, larger outputs instead of a
-    backlog, as vLLM's output collector merges them."""
-    while not out.finished and not queue.empty():
-        nxt = queue.get_nowait()
-        lp = None if out.logprobs is None and nxt.logprobs is None else \
-            [*(out.logprobs or ()), *(nxt.logprobs or ())]
-        out = attrs.evolve(nxt, text=out.text + nxt.text,
-                           token_ids=[*out.token_ids, *nxt.token_ids], logprobs=lp)
-    return out
-
-
-def last_output(req, reason: str, error: str | None = None) -> RequestOutput:
-    """The output that ends a request the engine never ran."""
-    return RequestOutput(req.request_id, "", [], None, True, reason, len(req.ids), 0,
-                         error=error)
+HEARTBEAT_S = 60.0  # an idle rank 0 broadcasts this often at most (Lockstep.heartbeat_s)
 
 
 @attrs.define(eq=False)
@@ -115,6 +83,7 @@ class EngineThread:
         self.fail: list = []  # (request id, why) for the next broadcast
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.counts = StepCounts()
+        self.heartbeat = link.heartbeat_s(HEARTBEAT_S) if link.active else None
 
     def run(self) -> None:
         # the current CUDA device is the thread's own, and Triton launches on it
@@ -125,8 +94,7 @@ class EngineThread:
                 events, taken = self._collect()
                 events = self.link.exchange(events)
             except Exception as e:  # a rank went away: nothing can step any more
-                log.exception("the engine loop stopped")
-                return self._die(f"the engine loop stopped: {type(e).__name__}: {e}")
+                return self._die(e)
             try:
                 self._admit(events, taken)
                 if events.shutdown:  # (after "abort": what ran ends with "abort")
@@ -134,6 +102,8 @@ class EngineThread:
                 if self.engine.has_unfinished():
                     self._step()
                 self._publish()
+            except RankFailedError as e:  # the process group is left: end what runs
+                return self._die(e)
             except Exception as e:  # a bug of ours: fail what runs, keep serving
                 log.exception("the engine loop failed an iteration")
                 self._fail_requests(list(self.live.values()), e)
@@ -144,7 +114,7 @@ class EngineThread:
         box, busy = self.inbox, self.engine.scheduler.has_work
         with box.cond:
             while not (box.intake or box.aborts or box.stop or busy()):
-                if not box.cond.wait(HEARTBEAT_S if self.link.active else None):
+                if not box.cond.wait(self.heartbeat):
                     break  # idle under torchrun: an empty broadcast keeps the followers
             new, aborts, stop = box.intake, box.aborts, box.stop
             box.intake, box.aborts = [], []
@@ -182,6 +152,8 @@ class EngineThread:
         # The engine preempted the step's sequences (they would be recomputed): end them
         # with "error" instead, so that a step that fails every time cannot loop forever.
         # A scheduler that raised ran no sequence: then every request ends.
+        except RankFailedError:
+            raise
         except Exception as e:
             log.exception("an engine step failed; its requests end with finish_reason 'error'")
             hit = set(map(id, engine._stepping))
@@ -235,7 +207,11 @@ class EngineThread:
             self.inbox.aborts.append(request_id)
             self.inbox.cond.notify()
 
-    def _die(self, why: str) -> None:
+    def _die(self, error: Exception) -> None:
+        # a RankFailedError's message names the rank; anything else: its traceback too
+        log.error("the engine loop stopped: %s", error,
+                  exc_info=not isinstance(error, RankFailedError))
+        why = f"the engine loop stopped: {type(error).__name__}: {error}"
         with self.inbox.cond:
             self.inbox.fatal = why
             reqs = [*self.inbox.intake, *self.live.values()]
@@ -244,27 +220,6 @@ class EngineThread:
             if req.seq is not None and not req.seq.finished:
                 self.engine.abort(req.seq, reason="error")
             self._end_unadmitted(req, why)
-
-
-def send(outs: list, abort) -> None:
-    """(Submission, RequestOutput) pairs to their queues, one hand-over per event loop;
-    ``abort(request_id)`` for a request whose event loop has closed. Anything with
-    ``loop`` and ``queue`` stands for a Submission; an item may be an exception (a refusal)."""
-    by_loop: dict = {}
-    for req, out in outs:
-        by_loop.setdefault(req.loop, []).append((req.queue, out))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # its event loop is closed: nobody reads these any more
-            for _, out in items:
-                if isinstance(out, RequestOutput) and not out.finished:
-                    abort(out.request_id)
-
-
-def _put_all(items) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
 
 
 def refusal(engine, box: Inbox, max_waiting: int) -> str | None:

@@ -6,6 +6,11 @@ matching. The AsyncEngine on rank 0 gathers each loop iteration's ``Events`` (re
 admitted, aborted, failed, shutdown), broadcasts them (``Lockstep.exchange``, a
 ``broadcast_object_list``) before it steps, and ``apply`` does the same to the engine of
 every rank. ``follow`` is the other ranks' loop: receive, apply, step, until shutdown.
+
+A rank that fails (its step raised, its process died, it stopped answering) ends the loop
+on every rank with a RankFailedError naming it (``distributed/failure.py``), raised by
+the step or by the exchange, within the collective timeout; an idle rank 0 broadcasts
+often enough (``heartbeat_s``) that the followers' wait never runs into that timeout.
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import logging
 import attrs
 import torch
 
-from ..errors import InvalidRequestError
+from ..distributed.failure import across_ranks, group_timeout
+from ..errors import InvalidRequestError, RankFailedError
 from ..request import SamplingParams
 
 log = logging.getLogger("infergraft.serving")
@@ -77,8 +83,17 @@ class Lockstep:
         if not self.active:
             return events
         box = [events]
-        torch.distributed.broadcast_object_list(box, src=0, device=self.device)
+        try:
+            torch.distributed.broadcast_object_list(box, src=0, device=self.device)
+        except Exception as e:  # a rank gone: RankFailedError naming it, on every rank
+            raise across_ranks(e, self)
         return box[0]
+
+    def heartbeat_s(self, longest: float) -> float:
+        """How long an idle rank 0 may wait before an empty exchange: ``longest``, or a
+        quarter of the group's timeout where that is less."""
+        timeout = group_timeout() if self.active else None
+        return longest if timeout is None else min(longest, timeout.total_seconds() / 4)
 
 
 def follow(engine) -> int:
@@ -101,6 +116,7 @@ def follow(engine) -> int:
             steps += 1
             try:
                 engine.step()
-            except Exception:  # rank 0 fails the step's requests and says so next time
-                log.exception("rank %d: an engine step failed", link.rank)
+            except RankFailedError as e:  # the group is left: nothing can step any more
+                log.error("rank %d stops following: %s", link.rank, e)
+                raise
         prune(seqs)

@@ -4,8 +4,9 @@ an HF-parity worker for planners that split the model across them.
     results = run_ranks(tp_parity, 2, config, ["tp"], prompts)   # one dict per rank
 
 Each rank is a fresh ``spawn``ed interpreter; ``fn`` must be importable (module level)
-and return JSON-able data. A rank that fails fails the call with its traceback; a hang
-is killed after ``timeout`` seconds.
+and return JSON-able data. A rank that fails fails the call with its traceback (unless
+``outcomes=True``: then each rank's result, error or exit code); a hang is killed after
+``timeout`` seconds.
 """
 from __future__ import annotations
 
@@ -25,36 +26,76 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
-    """``fn(*args)`` on each rank of a fresh group (``backend="nccl"``: one GPU a rank)."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
+              outcomes: bool = False, collective_timeout: float | None = None) -> list:
+    """``fn(*args)`` on each rank of a fresh group (``backend="nccl"``: one GPU a rank).
+
+    ``outcomes``: a rank that raises or dies does not fail the call; each rank's entry is
+    ``{"result": ...}``, ``{"error": "Type: message", "traceback": ...}`` or, for a process
+    that died (a signal, ``os._exit``), ``{"exitcode": n}``. ``collective_timeout``: the
+    group's timeout in seconds (and ``INFERGRAFT_COLLECTIVE_TIMEOUT`` in the ranks)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, out,
-                                                   backend),
+                                                   backend, outcomes, collective_timeout),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
+        if outcomes:  # join() would end the others once one rank fails
+            while any(p.is_alive() for p in ctx.processes):
+                if time.monotonic() > deadline:
+                    _kill(ctx)
+                    raise TimeoutError(f"{world_size} ranks of {fn.__name__} ran over {timeout} s")
+                time.sleep(0.05)
+            return [_outcome(Path(out, f"{r}.json"), p) for r, p in enumerate(ctx.processes)]
         while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
+                _kill(ctx)
                 raise TimeoutError(f"{world_size} ranks of {fn.__name__} ran over {timeout} s")
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world_size)]
 
 
-def _rank_main(rank, world_size, port, fn, args, out, backend):
+def _kill(ctx) -> None:
+    for p in ctx.processes:
+        p.kill()
+
+
+def _outcome(path: Path, process) -> dict:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"exitcode": process.exitcode}
+
+
+def _rank_main(rank, world_size, port, fn, args, out, backend, outcomes=False,
+               collective_timeout=None):
+    import datetime
+    import traceback
+
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    group_timeout = None
+    if collective_timeout is not None:
+        os.environ["INFERGRAFT_COLLECTIVE_TIMEOUT"] = str(int(collective_timeout))
+        group_timeout = datetime.timedelta(seconds=collective_timeout)
     torch.set_num_threads(1)  # N ranks share the machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=group_timeout)
+    path = Path(out, f"{rank}.json")
     try:
-        Path(out, f"{rank}.json").write_text(json.dumps(fn(*args)))
+        if not outcomes:
+            path.write_text(json.dumps(fn(*args)))
+            return
+        try:
+            result = {"result": fn(*args)}
+        except BaseException as e:
+            result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        path.write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a rank whose step failed has left the group already
+            dist.destroy_process_group()
 
 
 def tp_parity_cases(cases: list[dict]) -> list[dict]:

@@ -6,7 +6,10 @@ thread.
 SIGTERM (or Ctrl-C) stops accepting connections, lets the running requests finish (30 s
 at most, then they are aborted), shuts the engine down and exits 0 (Ctrl-C: 130). Under
 torchrun with ``--plugin tp`` or ``pp``, rank 0 serves and the other ranks follow its
-steps. Needs the ``serve`` extra: ``pip install 'infergraft[serve]'``."""
+steps; when a rank fails or dies, the requests in flight end with an error naming it, the
+server stops, and every surviving rank exits 1 (or on the SIGTERM torchrun's agent sends
+once a worker died) within the collective timeout (``INFERGRAFT_COLLECTIVE_TIMEOUT``,
+core/distributed/failure.py). Needs the ``serve`` extra: ``pip install 'infergraft[serve]'``."""
 from __future__ import annotations
 
 import argparse
@@ -14,9 +17,10 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 
 from ..build import build
-from ..errors import InfergraftError
+from ..errors import InfergraftError, RankFailedError
 from .config_cli import add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"  # as `infergraft generate`
@@ -112,7 +116,11 @@ def run(args) -> int:
         engine = build(args.model, **options)
         if engine.ranks is not None:
             # rank 0 admits and aborts requests; this rank applies the same at each step
-            AsyncEngine.follow(engine)
+            try:
+                AsyncEngine.follow(engine)
+            except RankFailedError as e:
+                print(f"infergraft serve: {e}", file=sys.stderr, flush=True)
+                return 1
             return 0
         aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
     engine = aengine.engine
@@ -127,6 +135,7 @@ def run(args) -> int:
     # uvicorn re-raises the signal it stopped on once it has shut down; under the default
     # SIGTERM action that would kill the process (exit 143) after a clean shutdown
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    stop_watching = _stop_when_failed(aengine, server)
     try:
         asyncio.run(server.serve())
     except SystemExit as e:  # uvicorn's startup failure: the engine is shut down already
@@ -135,5 +144,25 @@ def run(args) -> int:
         raise ServeSetupError(f"the server did not start on {args.host}:{args.port} "
                               f"(uvicorn's log above says why: the port in use?)") from e
     finally:
+        stop_watching.set()
         signal.signal(signal.SIGTERM, previous)
+    failed = getattr(aengine, "failed", None)
+    if failed:  # a rank went away: the engine cannot serve, torchrun should know
+        print(f"infergraft serve: {failed}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _stop_when_failed(aengine, server) -> threading.Event:
+    """Stop ``server`` once the engine's loop has stopped for good (a rank failed); the
+    event returned ends the watch."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.2):
+            if getattr(aengine, "failed", None):
+                server.should_exit = True
+                return
+
+    threading.Thread(target=watch, daemon=True, name="infergraft-failure-watch").start()
+    return done
