@@ -51,7 +51,8 @@ def test_padding_and_ranges():
 
 class _Rank:
     """One rank of a group of ``size`` simulated in this process: the all-reduce left to
-    the caller (it sums the ranks' partial lookups), the gather answered by ``parts``."""
+    the caller (it sums the ranks' partial lookups), the gather answered by ``parts``, the
+    broadcast from rank 0 a no-op."""
 
     def __init__(self, size, rank, parts=None):
         self.size, self.rank, self.parts = size, rank, parts
@@ -61,6 +62,9 @@ class _Rank:
 
     def gather_to_first(self, x):
         return self.parts if self.rank == 0 else None
+
+    def broadcast_from_first(self, x):  # the group's rank 0's argmax: here, its own
+        return x
 
 
 def test_lookup_and_gather_on_a_stand_in_group():

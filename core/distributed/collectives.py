@@ -34,6 +34,11 @@ class TensorParallelGroup:
         torch.distributed.gather(x, parts, dst=self.first, group=self.group)
         return parts
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's rank 0's ``x``, in place on every rank."""
+        torch.distributed.broadcast(x, src=self.first, group=self.group)
+        return x
+
     def broadcast_logits(self, logits, shape, device):
         """The group's rank 0's logits [rows, V] float32 (the others have None: the
         vocab-parallel head gathers them there only), on every rank."""

@@ -88,14 +88,17 @@ class VocabParallel:
 
     def logits(self, y: torch.Tensor, greedy_out: torch.Tensor | None = None):
         """y: this rank's slice [n, rows] -> the whole logits [n, V] float32 on the group's
-        rank 0 (``greedy_out`` [n] then takes each row's argmax there), None elsewhere."""
+        rank 0, None elsewhere; ``greedy_out`` [n] takes each row's argmax on every rank
+        (a decode graph's next input: the look-ahead feeds it without the host)."""
         parts = self.tp.gather_to_first(y)  # tp x [n, rows] on rank 0
         if parts is None:
+            if greedy_out is not None:  # rank 0's argmax: every rank's graph feeds it back
+                self.tp.broadcast_from_first(greedy_out)
             return None
         out = torch.empty((y.shape[0], self.vocab), dtype=torch.float32, device=y.device)
         for r, part in enumerate(parts):  # widened into place, the padding left out
             start, end = vocab_range(self.vocab, self.tp.size, r)
             out[:, start:end].copy_(part[:, :end - start])
         if greedy_out is not None:
-            greedy_out.copy_(out.argmax(-1))
+            self.tp.broadcast_from_first(greedy_out.copy_(out.argmax(-1)))
         return out

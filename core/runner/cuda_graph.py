@@ -102,10 +102,10 @@ class CudaGraphRunner:
         return next((b for b in self.buckets if b >= batch), None)
 
     def decode(self, seq_ids: list, tokens: list[int]) -> torch.Tensor:
-        """One decode token for each sequence: logits [B, V] float32."""
-        n = len(seq_ids)
+        """One decode token for each sequence: logits [B, V] float32 (None where this rank
+        does not sample: tp's ranks but the group's first)."""
         bs = self._run(seq_ids, tokens)
-        return self.logits[bs][:n]
+        return rows(self.logits[bs], len(seq_ids))
 
     def launch(self, seq_ids: list, tokens: list[int] | None) -> "PendingTokens":
         """Start one greedy decode step without waiting for it. ``tokens=None`` feeds each
@@ -139,6 +139,11 @@ class CudaGraphRunner:
             self.logits[bs] = self.model(self.tokens[bs], self.cache, self.metas[bs],
                                          greedy_out=self.tokens[bs])
         return bs
+
+
+def rows(logits: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    # a graph's logits [bucket, V] -> the live rows [n, V]; None: a rank that does not sample
+    return None if logits is None else logits[:n]
 
 
 class PinnedStaging:

@@ -6,7 +6,6 @@ step (all sequences concatenated), H = hidden, D = head_dim.
 """
 from __future__ import annotations
 
-import inspect
 import types
 
 import torch
@@ -17,73 +16,11 @@ from ..distributed.vocab import VocabParallel
 from ..rope import rope_cos_sin
 from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
 from ..spec import ModelSpec, split_qkv
+# (Linear, QuantizedLinear, gemm_operands: imported from here too)
+from .layers import Linear, Norm, QuantizedLinear, gemm_operands, row_sum_sq  # noqa: F401
 
 # the weight streamer of a model whose layers all stay on the device: nothing to copy
 _RESIDENT = types.SimpleNamespace(begin=lambda: None, before=lambda i: None, after=lambda i: None)
-
-
-class Linear(nn.Module):
-    """y = x W^T + b (skinny Triton GEMM at decode on CUDA). Quantisers replace the module.
-    ``partials``: the output feeds an add+RMSNorm, so it may come as split-K float32
-    partial sums [S, T, N] that the norm adds up (kernels/linear.py)."""
-
-    def __init__(self, ops, partials: bool = False):
-        super().__init__()
-        self.linear = ops.linear_partials if partials else ops.linear
-        self.register_buffer("weight", None)
-        self.register_buffer("bias", None)
-
-    def forward(self, x):
-        return self.linear(x, self.weight, self.bias)
-
-
-class QuantizedLinear(nn.Module):
-    """y = quantizer.matmul(x, packed) (+ b): a weight quantiser's packed projection
-    (core/quant.py); ``core.build`` swaps it in for a ``Linear`` as the weight loads."""
-
-    def __init__(self, quantizer, packed, bias, ops):
-        super().__init__()
-        self.quantizer, self.packed = quantizer, packed
-        self._kw = {"ops": ops} if "ops" in inspect.signature(quantizer.matmul).parameters else {}
-        self.register_buffer("bias", bias)
-
-    def forward(self, x):
-        y = self.quantizer.matmul(x, self.packed, **self._kw)  # [T, K] -> [T, N]
-        return y if self.bias is None else y + self.bias
-
-    def scaled_rows(self):
-        """(q [N, K] int8 or float8_e4m3fn, scale float32 [N]) when the quantiser packs that
-        form (the fused decode GEMMs read it: ``Quantizer.scaled_rows``), else None."""
-        return self.quantizer.scaled_rows(self.packed)
-
-
-def gemm_operands(lin):
-    """(weight, bias, scale) of a projection for the fused decode GEMMs: a Linear's weight
-    (scale None), or a quantised one's 8-bit rows and their scales; None if neither."""
-    if type(lin) is Linear:
-        return lin.weight, lin.bias, None
-    rows = lin.scaled_rows() if isinstance(lin, QuantizedLinear) else None
-    return None if rows is None else (rows[0], lin.bias, rows[1])
-
-
-class Norm(nn.Module):
-    """RMSNorm or LayerNorm, optionally fused with the residual add."""
-
-    def __init__(self, kind: str, eps: float, ops):
-        super().__init__()
-        self.kind, self.eps, self.ops = kind, eps, ops
-        self.register_buffer("weight", None)
-        self.register_buffer("bias", None)
-
-    def forward(self, x, residual=None):
-        """Returns (normed, new residual); the residual is x (+ residual)."""
-        if self.kind == "rms":
-            if residual is None:
-                return self.ops.rms_norm(x, self.weight, self.eps), x
-            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is None:
-            return self.ops.layer_norm(x, self.weight, self.bias, self.eps), x
-        return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -152,11 +89,20 @@ class DecoderLayer(nn.Module):
             qkv = ops.normed_linear(stream, wqkv, bqkv, sum_sq, s.norm_eps,
                                     scale=sqkv)  # [T, q + 2kv]
             attn = self._attend(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
-        stream, sum_sq = ops.linear_residual(attn, wo, bo, stream, sum_sq=True,
-                                             scale=so)  # [T, H], [P, T]
+        stream, sum_sq = self._add_to_stream(attn, wo, bo, so, stream, True)  # [T, H], [P, T]
         act = ops.normed_swiglu(stream, wgu, bgu, sum_sq, s.norm_eps, scale=sgu)  # [T, I]
-        out = ops.linear_residual(act, wd, bd, stream, sum_sq=want_next, scale=sd)
-        return out if want_next else (out, None)
+        return self._add_to_stream(act, wd, bd, sd, stream, want_next)
+
+    def _add_to_stream(self, x, weight, bias, scale, stream, sum_sq: bool):
+        """(stream + x W^T + b, its sum of squares per row or None). Under tp each rank's
+        heads / columns give a share: summed over the group, the residual added once (by
+        the group's rank 0, which holds the bias too), the statistic taken after the sum."""
+        if self.tp is None:
+            out = self.ops.linear_residual(x, weight, bias, stream, sum_sq=sum_sq, scale=scale)
+            return out if sum_sq else (out, None)  # [T, H] (, [P, T])
+        base = stream if self.tp.rank == 0 else torch.zeros_like(stream)
+        out = self.tp.all_reduce(self.ops.linear_residual(x, weight, bias, base, scale=scale))
+        return out, (row_sum_sq(out) if sum_sq else None)  # [T, H], [1, T]
 
     def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
         x, residual = self.attn_norm(h, residual)  # [T, H]
@@ -225,9 +171,9 @@ class DecoderModel(nn.Module):
         """Whether the fused decode layer can run for this spec, ops and weight dtype
         (known before any weight loads): RMSNorm + SwiGLU, ops that fuse, 16-bit weights
         (float32 GEMMs stay on cuBLAS: the plain layer is the fast one)."""
-        s = self.spec  # (the fused layer adds the residual inside o / down: no all-reduce)
+        s = self.spec  # (tp: the residual joins o's and down's shares on the group's rank 0)
         return s.norm == "rms" and s.gated_mlp and bool(getattr(self.ops, "fuse_max_rows", 0)) \
-            and dtype in (torch.float16, torch.bfloat16) and self.tp is None and self.stage is None
+            and dtype in (torch.float16, torch.bfloat16)
 
     def fold_norm_weights(self) -> bool:
         """Move each layer's norm weights into its GEMMs (after the weights are loaded)
@@ -263,7 +209,11 @@ class DecoderModel(nn.Module):
         if stage is not None and not stage.first:  # the previous stage's stream: [T, H] x 2
             h, residual = stage.recv(tokens.shape[0], self.spec.hidden_size, self.dtype,
                                      tokens.device)
-        elif fused and self.spec.position != "learned":  # one kernel: rows and their statistic
+            if fused:  # the fused layer's stream is whole: their sum, and its statistic
+                h, residual = h + residual, None
+                sum_sq = row_sum_sq(h)  # [1, T]
+        elif fused and self.spec.position != "learned" and self.vocab is None:
+            # one kernel: the rows and their statistic
             h, sum_sq = self.ops.embed_sum_sq(tokens, self.embed.weight)  # [T, H], [1, T]
         else:
             # tp: each rank's rows, summed over the group
@@ -271,7 +221,7 @@ class DecoderModel(nn.Module):
                 else self.vocab.embed(tokens, self.embed.weight)  # [T, H]
             if self.spec.position == "learned":
                 h = h + F.embedding(positions, self.pos_embed.weight)
-            sum_sq = h.float().square().sum(-1)[None] if fused else None
+            sum_sq = row_sum_sq(h) if fused else None
         if fused:  # h is the residual stream throughout; sum_sq: the next norm's statistic
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
@@ -284,8 +234,8 @@ class DecoderModel(nn.Module):
                 streamer.before(i)
                 h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
                 streamer.after(i)
-        if stage is not None and not stage.last:
-            stage.send(h, residual)
+        if stage is not None and not stage.last:  # (the fused layer's stream is whole)
+            stage.send(h, torch.zeros_like(h) if residual is None else residual)
             return None  # the last stage has the logits
         if logits_index is not None:  # only the rows we sample from
             h = h[..., logits_index, :]

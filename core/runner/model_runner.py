@@ -76,20 +76,37 @@ class ModelRunner:
 def decode_graphs_for(net, cache, plan, device, wanted) -> CudaGraphRunner | None:
     """Decode under CUDA graphs on the GPU (default) when the cache supports it. Where
     layers' weights stream in, each graph holds its step's copies too (``WeightStreamer``)."""
+    across = graphs_across_ranks(plan)
     if wanted is None:
-        wanted = device.type == "cuda" and CudaGraphRunner.supported(cache) \
-            and plan.parallel.world_size == 1
+        wanted = device.type == "cuda" and CudaGraphRunner.supported(cache) and across is None
     if not wanted:
         return None
-    if plan.parallel.world_size > 1:
-        raise PlanError("cuda_graphs=True is not supported across processes yet (world size "
-                        f"{plan.parallel.world_size}): decode runs eagerly")
+    if across is not None:
+        raise PlanError(f"cuda_graphs=True cannot run here: {across}")
     if device.type != "cuda" or not CudaGraphRunner.supported(cache):
         raise PlanError(f"cuda_graphs=True needs a CUDA device and a cache backend that "
                         f"supports them (contiguous, paged); got {device} / {plan.cache_backend}")
     runner = CudaGraphRunner(net, cache, plan.max_batch_size)
     runner.capture()
     return runner
+
+
+def graphs_across_ranks(plan) -> str | None:
+    """Why the ranks of this plan cannot replay CUDA graphs (None: they can). Under tp
+    on NCCL the graphs hold the all-reduces (and the head's gather): every rank captures
+    the same buckets in the same order at build, and replays them in lockstep. A gloo
+    collective cannot be captured; a pipeline stage's send / recv are left eager."""
+    parallel = plan.parallel
+    if parallel.world_size == 1:
+        return None
+    if len(parallel.stages) > 1:
+        return (f"pipeline stages ({len(parallel.stages)}) run eagerly: their send / recv "
+                "are not captured")
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    if "nccl" not in str(backend):  # ("cpu:gloo,cuda:nccl": CUDA tensors go to NCCL)
+        return (f"graphs across {parallel.world_size} ranks capture NCCL's all-reduce; this "
+                f"process group runs {backend!r}")
+    return None
 
 
 def prefill_graphs_for(net, cache, plan, decode_graphs, wanted) -> PrefillGraphRunner | None:

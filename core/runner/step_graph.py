@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graph import PinnedStaging, capture_graph
+from .cuda_graph import PinnedStaging, capture_graph, rows
 
 STEP_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
                 8192, 12288, 16384)
@@ -95,5 +95,5 @@ class StepGraphRunner:
             self.graphs[length].replay()
         else:
             self.logits[length] = self.model(dev[:length], self.cache, meta, dev[length:])
-        return self.logits[length][:n]
+        return rows(self.logits[length], n)
 

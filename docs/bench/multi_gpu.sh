@@ -10,7 +10,8 @@
 #   beside one GPU in the same script (target: tp 2 TPOT <= 0.6x one GPU's at batch 1),
 #   OUT_DIR/x2/tp2/results.json; fp32 greedy of the same shape on tp 2 equal to one GPU's
 #   (OUT_DIR/x2/greedy_fp32.json); tests/test_tensor_parallel.py::test_two_gpus_match_hf
-#   (parity with HF over NCCL; OUT_DIR/x2/pytest.txt).
+#   (parity with HF over NCCL) and tests/test_parallel_fused.py (tp 2's fused layer and
+#   graphs with the all-reduces captured, against one GPU; OUT_DIR/x2/pytest.txt).
 # x4-bench: a LLaMA-70B-shaped bf16 model (random weights, 138 GB: no single GPU, so
 #   --no-single): tp 4, tp 2 x pp 2 with micro_batches 4, pp 4 (PP4_MICRO=K: pp 4 with
 #   micro_batches K); batch-1 and batch-32 TPOT, TTFT(512); OUT_DIR/x4/<config>/results.json.
@@ -117,7 +118,8 @@ EOF
     left "test_two_gpus_match_hf" || return
     echo "== pytest test_two_gpus_match_hf at ${SECONDS} s"
     timeout "$LEFT" python3 -m pytest -q -p no:cacheprovider \
-      "tests/test_tensor_parallel.py::test_two_gpus_match_hf" >"$OUT/x2/pytest.txt" 2>&1
+      "tests/test_tensor_parallel.py::test_two_gpus_match_hf" tests/test_parallel_fused.py \
+      >"$OUT/x2/pytest.txt" 2>&1
     echo "== pytest rc $? at ${SECONDS} s"; tail -3 "$OUT/x2/pytest.txt"
 }
 

@@ -1,0 +1,78 @@
+"""The model's building blocks: projections (our own ``Linear`` or a quantiser's
+``QuantizedLinear``), what the fused decode GEMMs read of each (``gemm_operands``), and
+the norms (RMSNorm / LayerNorm, with the residual add)."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T + b (skinny Triton GEMM at decode on CUDA). Quantisers replace the module.
+    ``partials``: the output feeds an add+RMSNorm, so it may come as split-K float32
+    partial sums [S, T, N] that the norm adds up (kernels/linear.py)."""
+
+    def __init__(self, ops, partials: bool = False):
+        super().__init__()
+        self.linear = ops.linear_partials if partials else ops.linear
+        self.register_buffer("weight", None)
+        self.register_buffer("bias", None)
+
+    def forward(self, x):
+        return self.linear(x, self.weight, self.bias)
+
+
+class QuantizedLinear(nn.Module):
+    """y = quantizer.matmul(x, packed) (+ b): a weight quantiser's packed projection
+    (core/quant.py); ``core.build`` swaps it in for a ``Linear`` as the weight loads."""
+
+    def __init__(self, quantizer, packed, bias, ops):
+        super().__init__()
+        self.quantizer, self.packed = quantizer, packed
+        self._kw = {"ops": ops} if "ops" in inspect.signature(quantizer.matmul).parameters else {}
+        self.register_buffer("bias", bias)
+
+    def forward(self, x):
+        y = self.quantizer.matmul(x, self.packed, **self._kw)  # [T, K] -> [T, N]
+        return y if self.bias is None else y + self.bias
+
+    def scaled_rows(self):
+        """(q [N, K] int8 or float8_e4m3fn, scale float32 [N]) when the quantiser packs that
+        form (the fused decode GEMMs read it: ``Quantizer.scaled_rows``), else None."""
+        return self.quantizer.scaled_rows(self.packed)
+
+
+def gemm_operands(lin):
+    """(weight, bias, scale) of a projection for the fused decode GEMMs: a Linear's weight
+    (scale None), or a quantised one's 8-bit rows and their scales; None if neither."""
+    if type(lin) is Linear:
+        return lin.weight, lin.bias, None
+    rows = lin.scaled_rows() if isinstance(lin, QuantizedLinear) else None
+    return None if rows is None else (rows[0], lin.bias, rows[1])
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm, optionally fused with the residual add."""
+
+    def __init__(self, kind: str, eps: float, ops):
+        super().__init__()
+        self.kind, self.eps, self.ops = kind, eps, ops
+        self.register_buffer("weight", None)
+        self.register_buffer("bias", None)
+
+    def forward(self, x, residual=None):
+        """Returns (normed, new residual); the residual is x (+ residual)."""
+        if self.kind == "rms":
+            if residual is None:
+                return self.ops.rms_norm(x, self.weight, self.eps), x
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self.ops.layer_norm(x, self.weight, self.bias, self.eps), x
+        return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+
+def row_sum_sq(h: torch.Tensor) -> torch.Tensor:
+    # h: [T, H] -> the sum of squares of each row [1, T] float32 (the next norm's statistic)
+    return h.float().square().sum(-1)[None]
