@@ -165,6 +165,19 @@ def test_tpot_of_a_batch_admitted_over_several_steps():
         bench_ours(engine, prompts, 3, warmup=0, repeats=1)  # the first ends before the last starts
 
 
+def test_each_timed_run_prefills_its_prompts_whole():
+    """The prefix cache (on by default) finds none of a run's blocks: TTFT is a prefill."""
+    from infergraft import core
+    from infergraft.core.testing.models import random_model, tiny_llama_config
+    from infergraft.core.tools.bench import bench_ours, random_prompts
+
+    hf = random_model(tiny_llama_config())
+    engine = core.build(hf, plugins=["paged"], block_size=4, device="cpu")
+    bench_ours(engine, random_prompts(2, 16, hf.config.vocab_size), 4, warmup=1, repeats=2)
+    stats = engine.stats()
+    assert stats["prefix_cache_queries"] > 0 and stats["prefix_cache_hits"] == 0, stats
+
+
 def test_random_shapes_read_as_their_config_says():
     from transformers import LlamaConfig
 

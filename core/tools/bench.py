@@ -147,11 +147,13 @@ def rank_floors(per_rank, batch: int, context: int, bw: float) -> tuple[float, f
 def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
                repeats: int = 3) -> tuple[float, float, dict]:
     """(median TTFT, median TPOT, percentiles of the step times) in seconds over
-    ``repeats`` runs after ``warmup``."""
+    ``repeats`` runs after ``warmup``. Each run rotates the prompts by its index: the
+    prefix cache would otherwise hand every run after the first its prompts' K/V, and
+    TTFT would time one token's prefill."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     ttfts, itls = [], []
     for run in range(warmup + repeats):
-        seqs = [engine.add_request(p, params) for p in prompts]
+        seqs = [engine.add_request(p[run:] + p[:run], params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
         if run >= warmup:
