@@ -258,3 +258,25 @@ def test_serve_under_torchrun_exits_when_a_rank_is_killed(tmp_path_factory, tmp_
     assert status != 0 and gone < TIMEOUT_S, (gone, out[-3000:])
     assert "rank 1 of 2 stopped responding" in out, out[-3000:]
     assert not Path(f"/proc/{workers[0]}").exists()  # rank 0 exited too (not left behind)
+
+
+def test_a_graph_replay_that_never_finishes_fails_as_a_timed_out_collective():
+    """NCCL's watchdog does not see a replayed graph's collectives: the host gives up on
+    the replay's event after the timeout, with an error the census reads as a timeout."""
+    from infergraft.core.distributed.failure import is_collective_error, wait_for_device
+    from infergraft.core.runner.cuda_graph import PendingTokens
+
+    class Stuck:  # a CUDA event whose work never completes (a peer died mid-replay)
+        def query(self):
+            return False
+
+    import torch
+
+    pending = PendingTokens(torch.zeros(2, dtype=torch.long), 2, Stuck(),
+                            datetime.timedelta(seconds=0.2))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out after 0.2 s") as failed:
+        pending.get()
+    assert 0.2 <= time.monotonic() - start < 2 and is_collective_error(failed.value)
+    with pytest.raises(RuntimeError, match="timed out"):
+        wait_for_device(Stuck(), datetime.timedelta(seconds=0.05))

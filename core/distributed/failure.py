@@ -65,6 +65,21 @@ def new_group(ranks: list[int]):
     return torch.distributed.new_group(ranks, timeout=collective_timeout())
 
 
+def wait_for_device(event, timeout: datetime.timedelta | None) -> None:
+    """Wait for a CUDA ``event``; with a ``timeout`` (graphs across ranks: NCCL's
+    watchdog does not see a replayed graph's collectives) give up after it with the
+    error a timed-out collective raises, which ``across_ranks`` turns into the census."""
+    if timeout is None:
+        return event.synchronize()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not event.query():  # spins, as synchronize() does
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"NCCL: a CUDA graph's collectives timed out after "
+                               f"{timeout.total_seconds():g} s (a rank died or stopped "
+                               "during the replay)")
+    return None
+
+
 def adopt(group=None) -> None:
     """A group someone else made (``init_process_group`` before ``core.build``) at torch's
     default timeout takes ours; one made with a timeout of its own keeps it. Gloo's

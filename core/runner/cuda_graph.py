@@ -69,6 +69,7 @@ class CudaGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}
         self.host_tokens: dict[int, PinnedStaging] = {}  # pinned [bs] per bucket, in turn
         self.pool = None
+        self.replay_timeout = None  # across ranks: PendingTokens gives up after it
 
     @staticmethod
     def supported(cache) -> bool:
@@ -118,7 +119,7 @@ class CudaGraphRunner:
         if self.device.type == "cuda":  # graphs or not, the copy to host is asynchronous
             event = torch.cuda.Event()
             event.record()
-        return PendingTokens(host, len(seq_ids), event)
+        return PendingTokens(host, len(seq_ids), event, self.replay_timeout)
 
     def _run(self, seq_ids, tokens) -> int:
         n = len(seq_ids)
@@ -168,10 +169,12 @@ class PinnedStaging:
 class PendingTokens:
     """The greedy tokens of a launched step; ``get`` waits for that step only."""
 
-    def __init__(self, host: torch.Tensor, n: int, event):
-        self.host, self.n, self.event = host, n, event
+    def __init__(self, host: torch.Tensor, n: int, event, timeout=None):
+        self.host, self.n, self.event, self.timeout = host, n, event, timeout
 
     def get(self) -> list[int]:
         if self.event is not None:
-            self.event.synchronize()
+            from ..distributed.failure import wait_for_device
+
+            wait_for_device(self.event, self.timeout)
         return self.host[:self.n].tolist()

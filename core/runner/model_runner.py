@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed.failure import collective_timeout, wait_for_device
 from ..distributed.micro_batches import forward_groups
 from ..errors import PlanError
 from .cuda_graph import CudaGraphRunner
@@ -28,6 +29,8 @@ class ModelRunner:
         self.decode_graphs: CudaGraphRunner | None = None  # set by build() on CUDA
         self.prefill_graphs: PrefillGraphRunner | None = None  # likewise
         self.step_graphs: StepGraphRunner | None = None  # likewise
+        # graphs across ranks: how long a replay's collectives may take (failure.py)
+        self.replay_timeout = None
 
     def replays_decode(self, step) -> bool:
         """True where ``step`` is a decode step whose batch size has a captured graph."""
@@ -41,13 +44,13 @@ class ModelRunner:
         pipeline stage before the last)."""
         seqs, counts = step.seqs, step.counts
         if replay:
-            return self.decode_graphs.decode([s.id for s in seqs], tokens)  # [B, V]
+            return self._watched(self.decode_graphs.decode([s.id for s in seqs], tokens))
         steps = self.step_graphs
         if steps is not None and step.kind == "prefill" and steps.bucket(counts) is not None:
-            return steps.run([s.id for s in seqs], counts, tokens)  # [B, V]
+            return self._watched(steps.run([s.id for s in seqs], counts, tokens))  # [B, V]
         graphs = self.prefill_graphs
         if step.kind == "prefill" and graphs is not None and graphs.bucket(seqs, counts):
-            return graphs.prefill(seqs[0].id, tokens)  # [1, V]
+            return self._watched(graphs.prefill(seqs[0].id, tokens))  # [1, V]
         token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         if self._pipelined():
             return forward_groups(self.model, self.cache, [s.id for s in seqs], counts,
@@ -68,6 +71,16 @@ class ModelRunner:
         meta = self.cache.prepare([seq_id], [len(ids)])
         return self.model(tokens, self.cache, meta, None)
 
+    def _watched(self, logits):
+        """A replay's logits, once its collectives finished within ``replay_timeout``
+        (NCCL's watchdog does not see a graph's collectives: a peer gone mid-replay would
+        leave this rank waiting for ever)."""
+        if self.replay_timeout is not None:
+            event = torch.cuda.Event()
+            event.record()
+            wait_for_device(event, self.replay_timeout)
+        return logits
+
     def _pipelined(self) -> bool:
         """Micro-batches: a pipeline stage's eager step with ``micro_batches`` > 1."""
         return self.micro_batches > 1 and getattr(self.model, "stage", None) is not None
@@ -87,6 +100,8 @@ def decode_graphs_for(net, cache, plan, device, wanted) -> CudaGraphRunner | Non
         raise PlanError(f"cuda_graphs=True needs a CUDA device and a cache backend that "
                         f"supports them (contiguous, paged); got {device} / {plan.cache_backend}")
     runner = CudaGraphRunner(net, cache, plan.max_batch_size)
+    if plan.parallel.world_size > 1:
+        runner.replay_timeout = collective_timeout()
     runner.capture()
     return runner
 
