@@ -145,3 +145,23 @@ def test_without_the_one_device_run_the_table_shows_the_ranks_alone(tmp_path, ca
     assert data["results"][0]["roofline_ms"] == pytest.approx(600 / 1e6 * 1e3)
     assert up["stages_in_turn_roofline_ms"] == pytest.approx((600 + 400) / 1e6 * 1e3)
     assert rank_floors(shares, 1, 10, 1e6) == pytest.approx((0.6, 1.0))
+
+
+def test_the_all_reduce_latency_script_runs_under_torchrun(tmp_path):
+    """docs/bench/allreduce_latency.py (the one-shot all-reduce question, for 2 x H200):
+    on gloo ranks, every size timed eagerly beside its copy; no graphs off CUDA."""
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "docs" / "bench" / "allreduce_latency.py"
+    out = tmp_path / "allreduce.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(script), str(out), "--device", "cpu", "--repeats", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and len(data["rows"]) == 8
+    for r in data["rows"]:
+        assert r["bytes"] == r["rows"] * r["hidden"] * 2 and "graph_us" not in r
+        assert r["eager_us"] > 0 and r["copy_us"] > 0
+    assert done.stdout.count("| 64 | 8192 | 1024 |") == 1  # rank 0 alone prints

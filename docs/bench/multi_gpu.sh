@@ -9,8 +9,10 @@
 # x2: LLaMA-2-7B shape bf16 (random weights), batch-1 and batch-32 TPOT and TTFT(512) at tp 2
 #   beside one GPU in the same script (target: tp 2 TPOT <= 0.6x one GPU's at batch 1),
 #   OUT_DIR/x2/tp2/results.json; fp32 greedy of the same shape on tp 2 equal to one GPU's
-#   (OUT_DIR/x2/greedy_fp32.json); tests/test_tensor_parallel.py::test_two_gpus_match_hf
-#   (parity with HF over NCCL) and tests/test_parallel_fused.py (tp 2's fused layer and
+#   (OUT_DIR/x2/greedy_fp32.json); NCCL's all-reduce at decode sizes, eager and in a graph,
+#   beside a copy of the same bytes (docs/bench/allreduce_latency.py: whether a one-shot
+#   all-reduce would pay; OUT_DIR/x2/allreduce.json);
+#   tests/test_tensor_parallel.py::test_two_gpus_match_hf (parity with HF over NCCL) and tests/test_parallel_fused.py (tp 2's fused layer and
 #   graphs with the all-reduces captured, against one GPU; OUT_DIR/x2/pytest.txt).
 # x4-bench: a LLaMA-70B-shaped bf16 model (random weights, 138 GB: no single GPU, so
 #   --no-single): tp 4, tp 2 x pp 2 with micro_batches 4, pp 4 (PP4_MICRO=K: pp 4 with
@@ -113,6 +115,9 @@ if rank == 0:
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
 EOF
+    left "the all-reduce latency" && echo "== all-reduce latency at ${SECONDS} s" &&
+    timeout "$LEFT" $RUN --nproc-per-node 2 docs/bench/allreduce_latency.py \
+      "$OUT/x2/allreduce.json"
     left "the fp32 greedy check" && timeout "$LEFT" $RUN --nproc-per-node 2 /tmp/greedy_fp32.py \
       "$OUT/x2/greedy_fp32.json"
     left "test_two_gpus_match_hf" || return
