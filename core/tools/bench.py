@@ -83,10 +83,13 @@ def sync(device) -> None:
 
 
 def best_seconds(device, fn, repeats: int) -> float:
-    """The shortest of ``repeats`` timed ``fn()`` calls after an untimed one (the limit the
-    hardware reaches, as STREAM reports it). On CUDA each call is timed by events around
-    it: host timing adds its sync latency."""
+    """The shortest of ``repeats`` timed ``fn()`` calls after an untimed one (STREAM's way)."""
     fn()
+    return min(timings(device, fn, repeats))
+
+
+def timings(device, fn, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` ``fn()`` calls (CUDA: events; the host adds its sync)."""
     times = []
     cuda = torch.device(device).type == "cuda"
     for _ in range(repeats):
@@ -102,7 +105,7 @@ def best_seconds(device, fn, repeats: int) -> float:
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
-    return min(times)
+    return times
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:

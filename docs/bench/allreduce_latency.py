@@ -16,10 +16,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+
+from infergraft.core.tools.bench import timings
 
 ROWS = (1, 8, 32, 64)
 HIDDEN = (4096, 8192)
@@ -27,21 +28,8 @@ CALLS = 64  # all-reduces in a LLaMA-2-7B decode step at tp 2 (o and down, 32 la
 
 
 def timed(fn, repeats: int, device) -> float:
-    """Median seconds of ``fn`` over ``repeats`` (CUDA: events; CPU: the clock)."""
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``fn`` over ``repeats`` (a latency: the median, not the best)."""
+    return statistics.median(timings(device, fn, repeats))
 
 
 def measure(device, rows=ROWS, hidden=HIDDEN, repeats: int = 20) -> list[dict]:
