@@ -4,7 +4,9 @@ and every rank takes its tokens. With one micro-batch the stages run a step one 
 another (blocking send / recv): this splits a model's memory over devices, not its time.
 With ``micro_batches`` > 1 the runner cuts the step into groups in flight across the
 stages at once and the hand-over goes through its ``micro_batches.StepExchange``
-(non-blocking, posted for the whole step).
+(non-blocking, posted for the whole step). On NCCL each send / recv already runs on
+NCCL's own stream for that pair of ranks, ordered after the compute that made its tensor
+by an event: the next group's layers run beside the hand-over without a stream of ours.
 
 Rank r runs stage r. The first stage holds the embeddings, the last the final norm and
 the LM head (and the embeddings too when the head is tied to them); layer ``first + i``
