@@ -19,7 +19,7 @@ from .distributed.failure import across_ranks
 from .errors import InvalidRequestError
 from .fair_lock import FairRLock
 from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch,
-                      check_request, encode_prompt)
+                      check_request, completion_of, encode_prompt)
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
 from .runner.sampler import sample_each
@@ -164,6 +164,8 @@ class Engine:
                     continue
                 child.num_prefill_tokens = parent.num_prefill_tokens
                 child.num_computed_tokens = parent.num_computed_tokens
+                # it holds the parent's K/V: their prompt's cached tokens are the same
+                child.count_admission(parent.num_cached_tokens)
                 self.scheduler.adopt(child)
                 self._stepping.append(child)
                 row_logits = None if logits is None else logits[row:row + 1]
@@ -294,7 +296,4 @@ class Engine:
         check_request(ids, params, self.plan.max_seq_len, self.spec, self.tokenizer)
 
     def _completion(self, seq: Sequence) -> Completion:
-        return Completion(prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
-                          text=seq.text if self.tokenizer is not None else None,
-                          finish_reason=seq.finish_reason, metrics=seq.metrics,
-                          logprobs=None if seq.logprobs is None else list(seq.logprobs))
+        return completion_of(seq, with_text=self.tokenizer is not None)

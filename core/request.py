@@ -140,6 +140,10 @@ class Sequence:
         # prompt (plus the output so far after a preemption), 0 while waiting
         self.num_computed_tokens = 0
         self.num_prefill_tokens = 0
+        # prompt tokens whose K/V the prefix cache held at the first admission (OpenAI's
+        # usage.prompt_tokens_details.cached_tokens; 0 without prefix caching)
+        self.num_cached_tokens = 0
+        self.num_admissions = 0
         self.metrics = RequestMetrics()
         # one per output token, appended by the sampler (None: logprobs not asked for)
         self.logprobs: Optional[list[TokenLogprob]] = None if params.logprobs is None else []
@@ -151,6 +155,14 @@ class Sequence:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(params.seed)
+
+    def count_admission(self, cached: int) -> None:
+        """The scheduler admitted it, ``cached`` leading tokens' K/V found in the cache.
+        The first admission's count stays: a recompute's re-admission finds the blocks
+        this request filled itself (its prompt, its output), not ones it was served."""
+        if self.num_admissions == 0:
+            self.num_cached_tokens = cached
+        self.num_admissions += 1
 
     @property
     def num_tokens(self) -> int:
@@ -180,6 +192,17 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string), "length", "error" or "abort"
     metrics: RequestMetrics
     logprobs: Optional[list[TokenLogprob]] = None  # one per token_ids entry, if asked for
+    # prompt tokens whose K/V came from the prefix cache (Sequence.num_cached_tokens)
+    num_cached_tokens: int = 0
+
+
+def completion_of(seq: Sequence, with_text: bool) -> Completion:
+    """``seq``'s Completion (``with_text``: the engine has a tokenizer: its text)."""
+    return Completion(prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
+                      text=seq.text if with_text else None, finish_reason=seq.finish_reason,
+                      metrics=seq.metrics,
+                      logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                      num_cached_tokens=seq.num_cached_tokens)
 
 
 def as_batch(prompts) -> list:

@@ -223,6 +223,8 @@ class Scheduler:
             seq.num_prefill_tokens = seq.num_computed_tokens = 0
             self.waiting.appendleft(seq)
         self.running.extend(admitted)
+        for s in admitted:  # those that stay (the ones sent back above are not admitted)
+            s.count_admission(s.num_computed_tokens)
         self.prefix_cache_queries += sum(s.num_prefill_tokens for s in admitted)
         self.prefix_cache_hits += sum(s.num_computed_tokens for s in admitted)
         return admitted, counts

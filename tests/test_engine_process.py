@@ -107,3 +107,22 @@ def test_a_dead_engine_process_ends_its_requests_with_error_and_refuses_new_ones
     first, rest = asyncio.run(serve())
     assert not first.finished and rest[-1].finished
     assert rest[-1].finish_reason == "error" and "exited" in rest[-1].error
+
+
+def test_the_prompt_tokens_served_from_the_prefix_cache_cross_the_pipe(model_dir):
+    prompt = random_prompt(40, 256, seed=40)  # 2 full blocks of 16, then 8 tokens
+
+    async def serve():
+        aengine = EngineProcess.launch(str(model_dir), plugins=["paged"], num_blocks=32,
+                                       **OPTIONS)
+        try:
+            runs = []
+            for _ in range(2):  # one after the other: the second finds the first's blocks
+                runs.append([(out.num_cached_tokens, out.prompt_tokens)
+                             async for out in aengine.generate(prompt, GREEDY)])
+            return runs
+        finally:
+            await aengine.shutdown()
+
+    first, second = asyncio.run(serve())
+    assert set(first) == {(0, 40)} and set(second) == {(32, 40)}

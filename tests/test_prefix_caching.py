@@ -73,10 +73,43 @@ def test_forks_of_a_cached_prompt(llama):
     prompt = random_prompt(14, 256, 40)
     engine.generate([prompt], max_new_tokens=2)
     kw = dict(max_new_tokens=8, n=3, temperature=0.9, seed=7)
-    got = [c.token_ids for c in engine.generate([prompt], **kw)]
-    assert got == [c.token_ids for c in plain.generate([prompt], **kw)]
+    done = engine.generate([prompt], **kw)
+    assert [c.token_ids for c in done] == [c.token_ids for c in plain.generate([prompt], **kw)]
     assert engine.stats()["prefix_cache_hits"] == 12
+    # the samples forked from the prompt hold its K/V: each reports its cached tokens
+    assert [c.num_cached_tokens for c in done] == [12] * 3
     engine.cache.check_invariants()
+
+
+def test_a_completion_counts_the_prompt_tokens_served_from_the_cache(llama):
+    # a shared prefix of 10 tokens: 2 full blocks of 4, then 2 tokens of a third
+    first, second = _shared(10, [3, 5], seed=90)
+    engines = {"paged": (_engine(llama), 8), "off": (_engine(llama, prefix_caching=False), 0),
+               "contiguous": (core.build(llama, max_seq_len=96, max_batch_size=4), 0)}
+    for name, (engine, shared) in engines.items():
+        a, b = (engine.generate([p], max_new_tokens=4)[0] for p in (first, second))
+        again = engine.generate([first], max_new_tokens=4)[0]  # 13 tokens, 3 blocks keyed
+        assert (a.num_cached_tokens, b.num_cached_tokens, again.num_cached_tokens) == \
+            (0, shared, 12 if shared else 0), name
+        assert again.token_ids == a.token_ids, name
+
+
+def test_a_recomputed_request_keeps_its_first_admissions_cached_count(llama):
+    engine = _engine(llama)
+    first, second = _shared(8, [1, 5], seed=95)
+    engine.generate([first], max_new_tokens=2)  # keys the 2 blocks of the shared prefix
+    seq = engine.add_request(second, core.SamplingParams(max_new_tokens=12))
+    while len(seq.output_ids) < 6:
+        engine.step()
+    assert (seq.num_cached_tokens, seq.num_admissions) == (8, 1)
+    hits = engine.stats()["prefix_cache_hits"]
+    engine.scheduler.preempt(seq)  # recompute: its prompt's 3 full blocks stay keyed
+    while not seq.finished:
+        engine.step()
+    # re-admitted on its own 12 keyed prompt tokens; what it was served stays 8
+    assert engine.stats()["prefix_cache_hits"] - hits == 12
+    assert (seq.num_cached_tokens, seq.num_admissions) == (8, 2)
+    assert seq.output_ids == hf_greedy(llama, second, 12)
 
 
 def test_recompute_preemption_takes_its_own_blocks_back(llama):

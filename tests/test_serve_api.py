@@ -68,6 +68,7 @@ def test_completion_equals_the_offline_engine(server, client, engine):
     assert r.choices[0].text == done.text and r.choices[0].finish_reason == done.finish_reason
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
         (len(engine.encode("The sea is")), 10, len(engine.encode("The sea is")) + 10)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # a contiguous cache: no prefix cache
     ids = client.completions.create(model=server.model, prompt=engine.encode("The sea is"),
                                     max_tokens=10, temperature=0)
     assert ids.choices[0].text == done.text  # a prompt of token ids

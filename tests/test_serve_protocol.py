@@ -120,6 +120,7 @@ class Out:  # the fields of AsyncEngine's RequestOutput the builders read
     completion_tokens: int = 0
     metrics: object = None
     error: str = None
+    num_cached_tokens: int = 0
 
 
 @attrs.frozen
@@ -183,6 +184,17 @@ class FakeEngine:
         except asyncio.CancelledError:
             self.cancelled.append(request_id)
             raise
+
+
+def test_usage_counts_each_prompt_once_with_its_first_choices_cached_tokens():
+    # 2 prompts x 2 choices; each second choice found blocks its sibling had just computed
+    choices = [R.Choice(i) for i in range(4)]
+    for c, hit in zip(choices, (16, 48, 0, 32)):
+        c.add(Out("x", [1], True, "length", completion_tokens=3, num_cached_tokens=hit))
+    assert R.request_usage(100, choices, 2) == {
+        "prompt_tokens": 100, "completion_tokens": 12, "total_tokens": 112,
+        "prompt_tokens_details": {"cached_tokens": 16}}
+    assert R.usage(3, 1)["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_fanout_interleaves_choices_and_cancels_on_a_refusal():

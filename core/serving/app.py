@@ -181,12 +181,12 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
         except QueueFullError as e:
             raise OpenAIError(503, f"{e}; retry later", type="server_error",
                               code="queue_full") from e
-        use = R.usage(sum(map(len, batch)), 0)
+        prompt_tokens = sum(map(len, batch))
         choices = [R.Choice(i) for i in range(len(fan.jobs))]
         if req.stream:
-            return StreamingResponse(events(req, rid, fan, choices, use),
+            return StreamingResponse(events(req, rid, fan, choices, prompt_tokens),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        return await collect(request, req, rid, fan, choices, use)
+        return await collect(request, req, rid, fan, choices, prompt_tokens)
 
     def take(choices, index: int, out) -> None:
         choices[index].add(out)
@@ -197,7 +197,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
         failed = [c for c in choices if c.finish_reason == "error"]
         return None if not failed else (failed[0].error or "sampling failed")
 
-    async def events(req, rid, fan: Fanout, choices, use):
+    async def events(req, rid, fan: Fanout, choices, prompt_tokens: int):
         writer = R.ChunkWriter(req.kind, rid, model_name, len(choices), req.include_usage,
                                token_text, token_ids=engine.tokenizer is None)
         try:
@@ -210,9 +210,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
                 if event:
                     yield event
             else:
-                use["completion_tokens"] = sum(c.completion_tokens for c in choices)
-                use["total_tokens"] += use["completion_tokens"]
-                yield writer.usage(use)
+                yield writer.usage(R.request_usage(prompt_tokens, choices, req.n))
         except Exception as e:  # noqa: BLE001 -- the status is sent: say it in the stream
             yield R.error_event(f"the engine failed: {type(e).__name__}: {e}")
         finally:
@@ -223,7 +221,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
                     metrics.finished("abort")
         yield R.DONE
 
-    async def collect(request, req, rid, fan: Fanout, choices, use):
+    async def collect(request, req, rid, fan: Fanout, choices, prompt_tokens: int):
         async def run():
             async for index, out in fan.outputs():
                 take(choices, index, out)
@@ -246,7 +244,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
         why = failure(choices)
         if why is not None:
             raise OpenAIError(500, f"the request failed: {why}", type="server_error")
-        use = R.usage(use["prompt_tokens"], sum(c.completion_tokens for c in choices))
+        use = R.request_usage(prompt_tokens, choices, req.n)
         return R.body(req.kind, rid, R.now(), model_name, choices, use, token_text)
 
     return app

@@ -186,7 +186,8 @@ class EngineThread:
                     if reason == "error" else None
                 outs.append((req, RequestOutput(
                     rid, text, ids, logprobs, finished, reason, len(seq.prompt_ids),
-                    len(seq.output_ids), seq.metrics if finished else None, error)))
+                    len(seq.output_ids), seq.metrics if finished else None, error,
+                    seq.num_cached_tokens)))
                 if finished:
                     done.append(rid)
         for rid in done:

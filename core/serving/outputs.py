@@ -24,6 +24,8 @@ class RequestOutput:
     completion_tokens: int  # so far
     metrics: Optional[RequestMetrics] = None  # on the last output
     error: Optional[str] = None  # why, when finish_reason is "error"
+    # prompt tokens whose K/V came from the prefix cache (known from the first output on)
+    num_cached_tokens: int = 0
 
 
 def coalesce(out: RequestOutput, queue) -> RequestOutput:

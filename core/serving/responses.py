@@ -1,7 +1,8 @@
 """OpenAI's response shapes out: whole bodies (``text_completion``, ``chat.completion``),
 streamed chunks (``*.chunk``, sent as server-sent events ``data: {json}`` ending with
-``data: [DONE]``), usage and the two logprobs layouts (completions': parallel lists;
-chat's: one entry per token with its top alternatives). ``token_text(id)`` is a token's
+``data: [DONE]``), usage (``prompt_tokens_details.cached_tokens``: prompt tokens served
+from the prefix cache) and the two logprobs layouts (completions': parallel lists; chat's:
+one entry per token with its top alternatives). ``token_text(id)`` is a token's
 text as the tokenizer decodes it alone (what OpenAI lists as ``token``)."""
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Choice:
     finish_reason: Optional[str] = None
     completion_tokens: int = 0
     error: Optional[str] = None
+    num_cached_tokens: int = 0  # of its prompt, from the prefix cache
 
     def add(self, out) -> None:
         self.text += out.text
@@ -45,14 +47,27 @@ class Choice:
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(out.logprobs)
         self.completion_tokens = out.completion_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = getattr(out, "error", None)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``cached_tokens``: the prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def request_usage(prompt_tokens: int, choices: list[Choice], n: int) -> dict:
+    """The usage of a request whose ``choices`` are ``n`` per prompt, prompt by prompt.
+    Each prompt counts once, as in OpenAI's usage, and so do its cached tokens: its first
+    choice's. That one is queued first and admitted first (the waiting queue is FIFO), so
+    it sees the cache as the request found it; a later choice may also hit the blocks its
+    sibling just computed, which the request itself paid for (the max would count them)."""
+    return usage(prompt_tokens, sum(c.completion_tokens for c in choices),
+                 sum(c.num_cached_tokens for c in choices[::n]))
 
 
 def _lp(x: float) -> float:
