@@ -92,6 +92,12 @@ class KVCache:
     def free(self, seq_id: Hashable) -> None:
         raise NotImplementedError
 
+    def key_tokens(self, seq_id: Hashable, token_ids: list[int]) -> None:
+        """Before ``free``: the ids of every token ``seq_id`` holds K/V for, and maybe
+        more (its prompt and output). A prefix cache keys the full blocks they fill, so a
+        conversation's next turn, whose prompt repeats this one's answer, hits them. The
+        default: nothing."""
+
     def discard(self, seq_id: Hashable) -> None:
         """``free`` for a sequence whose last step may have left its K/V half written (the
         step failed): nothing it holds may be reused by a later request."""

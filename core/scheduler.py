@@ -270,6 +270,8 @@ class Scheduler:
         self.running.remove(seq)  # first: a sequence that is not running stays as it was
         self._last_ran.pop(seq.id, None)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        if reason != "error" and hasattr(self.cache, "key_tokens"):  # the next turn's prefix
+            self.cache.key_tokens(seq.id, tokens_of(seq))
         self.cache.free(seq.id)
 
     def abort(self, seqs) -> None:

@@ -5,7 +5,8 @@ output after a recompute preemption) takes the cached blocks its tokens start wi
 prefills only the rest; at least its last token is computed, for its logits, so a prompt
 that is cached whole (a multiple of the block size) recomputes its last block. As its
 steps fill blocks with known tokens, each full one is registered, chained from the one
-before. Tokens sampled later are not keyed (their ids arrive after the step).
+before. Tokens sampled later are keyed when the request finishes (``key_tokens``, ids
+known then): the next turn of a conversation repeats them.
 
 Sliding windows: a cached block that left a sequence's window still holds the K/V its
 tokens have after exactly that prefix, so it is shared like any other; a sequence that
@@ -35,6 +36,13 @@ class PrefixCaching:
         self._tokens[seq_id], self._chain[seq_id] = list(token_ids), chain
         return len(chain) * self.block_size
 
+    def key_tokens(self, seq_id, token_ids) -> None:
+        """Key the full blocks of ``seq_id`` past those keyed already, ``token_ids`` the
+        ids of its tokens (prompt, output) in order; blocks beyond its K/V stay unkeyed."""
+        if self.prefix is not None and seq_id in self._chain:
+            self._tokens[seq_id] = list(token_ids)
+            self._register_full(seq_id)
+
     def _register_full(self, seq_id) -> None:
         """Key the blocks ``seq_id`` filled with known tokens since it was last asked."""
         tokens = self._tokens.get(seq_id)
@@ -44,8 +52,10 @@ class PrefixCaching:
         full = min(self._len[seq_id], len(tokens)) // self.block_size
         for j in range(len(chain), full):
             parent = chain[j - 1] if j else None
-            ident = self.prefix.register(table[j], parent, self.prefix.chunk(tokens, j))
-            if ident is None:  # a collision, or its parent evicted: no keys past it
+            ident = None if table[j] == HOLE else \
+                self.prefix.register(table[j], parent, self.prefix.chunk(tokens, j))
+            # a collision, its parent evicted, or a block the window dropped: no keys past it
+            if ident is None:
                 del self._tokens[seq_id]
                 return
             chain.append(ident)

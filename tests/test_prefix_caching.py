@@ -112,6 +112,23 @@ def test_a_recomputed_request_keeps_its_first_admissions_cached_count(llama):
     assert seq.output_ids == hf_greedy(llama, second, 12)
 
 
+@pytest.mark.parametrize("fixture", ["llama", "mistral"])
+def test_a_finished_answer_serves_the_next_turn(fixture, request):
+    """A conversation's second turn repeats the first's prompt and answer: the full blocks
+    of both are keyed when the first finishes (its last token was never fed: no K/V). A
+    window (mistral's 8 tokens) drops the blocks behind it as decode runs: those are gone."""
+    hf = request.getfixturevalue(fixture)
+    engine = _engine(hf)
+    prompt = random_prompt(10, 256, 97)
+    answer = engine.generate([prompt], max_new_tokens=12)[0]
+    turn = prompt + answer.token_ids + random_prompt(3, 256, 98)  # 25 tokens
+    got = engine.generate([turn], max_new_tokens=8)[0]
+    assert got.token_ids == hf_greedy(hf, turn, 8)
+    # 10 + 11 fed tokens: 5 full blocks (the window keeps only the prompt's 2 + 0 after)
+    assert got.num_cached_tokens == (20 if fixture == "llama" else 8), got.num_cached_tokens
+    engine.cache.check_invariants()
+
+
 def test_recompute_preemption_takes_its_own_blocks_back(llama):
     # 12 blocks of 4: four sequences of 5 + 30 tokens want 36, so some are preempted
     engine = _engine(llama, num_blocks=24, preemption="recompute")

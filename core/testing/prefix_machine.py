@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import rule
+from hypothesis.stateful import precondition, rule
 
 from ..cache import CacheFullError
 from .cache_machine import CacheBackendMachine, make_cache_test
@@ -52,13 +52,28 @@ class PrefixCacheMachine(CacheBackendMachine):
     def _new_kv(self, ids, counts, layer, rand):
         ks, vs = [], []
         for sid, n in zip(ids, counts):
-            start, tokens = self.cache.length(sid) - n, self.tokens.get(sid, [])
+            start, tokens = self.cache.length(sid) - n, self.tokens.get(sid)
+            if tokens is not None and len(tokens) < start + n:  # decoded: ids of its own
+                tokens = self.tokens[sid] = tokens + [
+                    hash((sid, p)) % VOCAB for p in range(len(tokens), start + n)]
             for p in range(start, start + n):
-                k, v = self._kv_at(tokens[:p + 1], layer) if p < len(tokens) else \
-                    (rand(*self.shape1), rand(*self.shape1))
+                k, v = (rand(*self.shape1), rand(*self.shape1)) if tokens is None else \
+                    self._kv_at(tokens[:p + 1], layer)
                 ks.append(k)
                 vs.append(v)
         return torch.stack(ks).to(self.dtype), torch.stack(vs).to(self.dtype)
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data())
+    def finish(self, data):
+        """A request ends: the ids of its tokens handed over (``key_tokens``), then freed;
+        a later prompt starting with them must read back what a fresh prefill writes."""
+        sid = self._live(data)
+        key_tokens = getattr(self.cache, "key_tokens", None)  # (a third party's may lack it)
+        if key_tokens is not None and sid in self.tokens:
+            key_tokens(sid, self.tokens[sid])
+        self.cache.free(sid)
+        del self.ref[sid]
 
     @property
     def shape1(self):
