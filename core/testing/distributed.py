@@ -69,9 +69,12 @@ def _outcome(path: Path, process) -> dict:
 def _rank_main(rank, world_size, port, fn, args, out, backend, outcomes=False,
                collective_timeout=None):
     import datetime
+    import faulthandler
     import traceback
 
     import torch.distributed as dist
+
+    faulthandler.enable()  # a rank that aborts in C++ (SIGABRT) prints where it was
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
