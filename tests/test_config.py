@@ -45,7 +45,9 @@ def world_of_one(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
                             rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    from infergraft.core.distributed.failure import leave_group
+
+    leave_group()
 
 
 def greedy(engine):

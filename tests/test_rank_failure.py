@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from infergraft.core.distributed.failure import CENSUS_S, GONE
+from infergraft.core.distributed.failure import CENSUS_S, GONE, leave_group
 from infergraft.core.testing.distributed import free_port, run_ranks
 
 TIMEOUT_S = 10  # these groups' collective timeout: a raise or a kill is named well before
@@ -31,7 +31,7 @@ def cases_on_processes(cases: list, marks: str) -> None:
     import torch.distributed as dist
 
     me = int(os.environ["RANK"])
-    dist.destroy_process_group()  # run_ranks' group of all three: each case makes its own
+    leave_group()  # run_ranks' group of all three: each case makes its own
     for i, case in enumerate(cases):
         if me in case["members"]:
             got = _case(marks, i, **case)
@@ -70,7 +70,7 @@ def _case(marks, index, members, plugins, port, fault, timeout=None, env_timeout
     finally:
         os.environ.pop("INFERGRAFT_COLLECTIVE_TIMEOUT", None)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            leave_group()
 
 
 def _after(engine) -> str:
@@ -280,3 +280,26 @@ def test_a_graph_replay_that_never_finishes_fails_as_a_timed_out_collective():
     assert 0.2 <= time.monotonic() - start < 2 and is_collective_error(failed.value)
     with pytest.raises(RuntimeError, match="timed out"):
         wait_for_device(Stuck(), datetime.timedelta(seconds=0.05))
+
+
+def left_group_references() -> list:
+    """Leave the group once transformers has imported torch.distributed.nn.functional."""
+    import sys
+
+    import torch.distributed as dist
+
+    from infergraft.core.testing.models import random_model, tiny_llama_config
+
+    random_model(tiny_llama_config())  # (imports torch.distributed.nn.functional)
+    module = sys.modules["torch.distributed.nn.functional"]
+    held = lambda: [n for n, f in vars(module).items() if any(  # noqa: E731
+        isinstance(d, dist.ProcessGroup) for d in getattr(f, "__defaults__", None) or ())]
+    before = held()
+    leave_group()
+    return [before, held(), dist.is_initialized()]
+
+
+def test_leaving_drops_the_reference_torch_keeps_to_the_group():
+    """Else the gloo group lives on to interpreter exit, where C++ aborts the process."""
+    (before, after, initialized), = run_ranks(left_group_references, 1)
+    assert "all_reduce" in before and after == [] and not initialized, (before, after)

@@ -252,15 +252,21 @@ def _post(store, key: str, value: str, strict: bool = False) -> None:
 def _leave() -> None:
     """Destroy the process group: the peers' pending operations on it fail now (gloo
     closes its connections once nothing holds the group any more)."""
-    dist = torch.distributed
     try:
-        pg = dist.distributed_c10d._get_default_group()
-        dist.destroy_process_group()
+        leave_group()
     except Exception as e:  # leaving is best effort: the error raised says what failed
         log.warning("leaving the process group failed: %s", e)
-        return
-    # torch.distributed.nn.functional, imported after init_process_group (transformers
-    # does), holds the group in its functions' defaults (group=group.WORLD)
+
+
+def leave_group() -> None:
+    """``destroy_process_group()`` and drop the one reference torch keeps to the group:
+    ``torch.distributed.nn.functional``, imported after ``init_process_group``
+    (transformers does), holds it in its functions' defaults (``group=group.WORLD``).
+    Left there, the gloo group outlives the call; its threads then end only at interpreter
+    exit, where C++ aborts ("terminate called without an active exception")."""
+    dist = torch.distributed
+    pg = dist.distributed_c10d._get_default_group()
+    dist.destroy_process_group()
     module = sys.modules.get("torch.distributed.nn.functional")
     for f in vars(module).values() if module is not None else ():
         if getattr(f, "__defaults__", None) and any(d is pg for d in f.__defaults__):

@@ -22,7 +22,7 @@ import torch
 from ..errors import PlanError, WeightLoadError
 from ..slots import slot_layout
 from .collectives import TensorParallelGroup
-from .failure import adopt, collective_timeout, new_group
+from .failure import adopt, collective_timeout, leave_group, new_group
 from .stages import PipelineStage, not_held_elements, stage_slot, stage_spec
 from .vocab import VOCAB_SLOTS, rank_layout, vocab_not_held
 
@@ -69,7 +69,7 @@ def _leave_group() -> None:
     """At exit: leave the group (a rank that failed has left it already)."""
     if torch.distributed.is_initialized():
         try:
-            torch.distributed.destroy_process_group()
+            leave_group()
         except Exception:  # a peer gone meanwhile: the process exits anyway
             pass
 

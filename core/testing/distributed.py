@@ -74,6 +74,8 @@ def _rank_main(rank, world_size, port, fn, args, out, backend, outcomes=False,
 
     import torch.distributed as dist
 
+    from infergraft.core.distributed.failure import leave_group
+
     faulthandler.enable()  # a rank that aborts in C++ (SIGABRT) prints where it was
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -98,7 +100,7 @@ def _rank_main(rank, world_size, port, fn, args, out, backend, outcomes=False,
         path.write_text(json.dumps(result))
     finally:
         if dist.is_initialized():  # a rank whose step failed has left the group already
-            dist.destroy_process_group()
+            leave_group()
 
 
 def tp_parity_cases(cases: list[dict]) -> list[dict]:

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import attrs
 import torch
 
+from ..distributed import failure
 from ..errors import PlanError
 from .bench import (SHAPES, copy_bandwidth, describe_device, matmul_rate, plot, rank_floors,
                     run_benchmark, shape_config)
@@ -98,7 +99,7 @@ def join_group(device: str):
 
 def leave_group() -> None:
     torch.distributed.barrier()  # the others leave once rank 0 has written
-    torch.distributed.destroy_process_group()
+    failure.leave_group()
 
 
 def first_on_rank0(rank: int, fn):

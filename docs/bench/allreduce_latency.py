@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from infergraft.core.distributed.failure import leave_group
 from infergraft.core.tools.bench import timings
 
 ROWS = (1, 8, 32, 64)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         report(rows, dist.get_world_size(), args.out, device)
     dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
     return 0
 
 
