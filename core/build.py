@@ -187,7 +187,6 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
                                                prefill_graphs)
     engine.runner.step_graphs = step_graphs_for(net, cache, plan, engine.decode_graphs,
                                                 plan.max_num_batched_tokens, step_graphs)
-    engine.runner.replay_timeout = getattr(engine.decode_graphs, "replay_timeout", None)
     engine.build_seconds = time.perf_counter() - t0
     return engine
 

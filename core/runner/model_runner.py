@@ -29,8 +29,6 @@ class ModelRunner:
         self.decode_graphs: CudaGraphRunner | None = None  # set by build() on CUDA
         self.prefill_graphs: PrefillGraphRunner | None = None  # likewise
         self.step_graphs: StepGraphRunner | None = None  # likewise
-        # graphs across ranks: how long a replay's collectives may take (failure.py)
-        self.replay_timeout = None
 
     def replays_decode(self, step) -> bool:
         """True where ``step`` is a decode step whose batch size has a captured graph."""
@@ -72,13 +70,15 @@ class ModelRunner:
         return self.model(tokens, self.cache, meta, None)
 
     def _watched(self, logits):
-        """A replay's logits, once its collectives finished within ``replay_timeout``
-        (NCCL's watchdog does not see a graph's collectives: a peer gone mid-replay would
-        leave this rank waiting for ever)."""
-        if self.replay_timeout is not None:
+        """A replay's logits, once its collectives finished within the decode graphs'
+        ``replay_timeout`` (set across ranks, where the step and prefill graphs come beside
+        them). NCCL's watchdog does not see a graph's collectives: a peer gone mid-replay
+        would leave this rank waiting for ever."""
+        timeout = getattr(self.decode_graphs, "replay_timeout", None)
+        if timeout is not None:
             event = torch.cuda.Event()
             event.record()
-            wait_for_device(event, self.replay_timeout)
+            wait_for_device(event, timeout)
         return logits
 
     def _pipelined(self) -> bool:
