@@ -4,8 +4,10 @@ When no running sequence fits the cache the scheduler preempts the newest one, o
 ways:
 
 - **swap**: its K/V blocks go to host memory now and come back when there is room:
-  ``2 x bytes`` over the host link, at the rate measured once per device (a pinned host ->
-  device copy and back, 32 MiB each way, timed by CUDA events; on the CPU a memcpy);
+  ``2 x bytes`` over the host link, at the rate the cache's own swap copies ran so far
+  (``swap_seconds``: a layer and pool at a time, launches and waits included), and before
+  the first at the rate measured once per device (a pinned host -> device copy and back,
+  32 MiB each way, timed by CUDA events; on the CPU a memcpy);
 - **recompute**: its cache is freed and its tokens are prefilled again: the FLOPs of a
   prefill of the tokens it had computed (2 a weight for each through the layers, plus
   attention's causal triangle, counted as ``tools/throughput_report.py`` counts them) at
@@ -127,7 +129,8 @@ class PreemptionPolicy:
         r, n = self.rates, seq.num_computed_tokens
         # the leading blocks the prefix cache keeps (until evicted) are not computed again
         cached = min(n, getattr(cache, "cached_tokens", lambda _: 0)(seq.id))
-        return (2 * cache.swap_bytes(seq.id) / r.link_bytes_per_s,
+        swap = getattr(cache, "swap_seconds", lambda _: None)(seq.id)  # as its copies ran
+        return (2 * cache.swap_bytes(seq.id) / r.link_bytes_per_s if swap is None else swap,
                 (recompute_flops(self.spec, n) - recompute_flops(self.spec, cached))
                 / r.flops_per_s)
 

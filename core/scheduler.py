@@ -28,7 +28,7 @@ import attrs
 from .cache import CacheFullError, KVCache
 from .errors import InfergraftError
 from .request import Sequence, Status
-from .swap_schedule import RECOMPUTE, drop_waiting, preempt_newest, swap_in_ready
+from .swap_schedule import RECOMPUTE, can_swap_in_now, drop_waiting, preempt_newest, swap_in_ready
 
 #: tokens one step carries at most when ``max_num_batched_tokens`` is not given (the
 #: engine and the memory planner both use it, so the planned step is the one that runs;
@@ -84,9 +84,7 @@ class Scheduler:
         self.num_preemptions = 0  # num_swapped_out + num_recomputed
         self.num_swapped_out = 0  # preemptions whose blocks went to host memory
         self.num_recomputed = 0  # preemptions whose cache was freed, to prefill again
-        # prompt tokens looked up in the prefix cache at admission / found there
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up / found
         self.num_paused = 0  # sequence-steps sat out because the cache was short
         # running sequence id -> when it last ran (a tick per sequence run: ties never)
         self._ticks = itertools.count()
@@ -119,12 +117,14 @@ class Scheduler:
         return step
 
     def schedule_ahead(self) -> Step | None:
-        """The next step, scheduled while the current one still runs (its sequences'
-        counts fed, their tokens not yet sampled), or None where the cache is short or a
-        swapped sequence waits: pausing, preempting, swapping in see the step's outcome.
-        Admits as ``schedule`` does; ``resume`` takes the step once this one is done."""
+        """The next step, scheduled while this one runs (its counts fed, its tokens not yet
+        sampled), or None where the cache is short or a swapped sequence could come back:
+        pausing, preempting, swapping in see the step's outcome. Admits as ``schedule``
+        does; ``resume`` takes the step once this one is done."""
+        if can_swap_in_now(self):  # its step must run ``schedule``'s swap-in first
+            return None
         seqs, counts, short = self._running_part()
-        return None if short or not seqs or self.swapped else self._take(seqs, counts)
+        return None if short or not seqs else self._take(seqs, counts, admit=not self.swapped)
 
     def resume(self, step: Step) -> Step | None:
         """``step`` (from ``schedule_ahead``) without the sequences that finished since (a

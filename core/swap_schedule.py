@@ -4,7 +4,10 @@ A sequence swapped out keeps everything but its place on the device: its tokens,
 its prefill got, when it last ran. It waits in ``Scheduler.swapped`` (oldest request
 first) and no waiting prompt is admitted before it is back. It comes back at the start
 of a step, when the running sequences' next step fits, the batch has a slot and the cache
-has room for it and its next token (``KVCache.can_swap_in``). Like a recomputed sequence
+has room for it and its next token (``KVCache.can_swap_in``). While it cannot, the steps of
+the running sequences are still scheduled ahead and looked ahead (``can_swap_in_now``): a
+swapped sequence that waits for room must not cost every other step the host's overlap;
+it comes back at most one step after the room appears. Like a recomputed sequence
 readmitted, it rejoins the running ones as the newest (the next to be preempted), but it
 keeps when it last ran, so it goes before every sequence that ran since. Aborting it
 drops its host copy.
@@ -39,11 +42,18 @@ def swap_out(sched, seq: Sequence) -> None:
     sched.num_swapped_out += 1
 
 
+def can_swap_in_now(sched) -> bool:
+    """True where the oldest swapped sequence would come back at a step's start now (room
+    in the batch and in the cache); the running ones' shortage aside."""
+    return bool(sched.swapped) and sched.has_room() \
+        and sched.cache.can_swap_in(sched.swapped[0].id)
+
+
 def swap_in_ready(sched) -> None:
     """Swapped sequences back, oldest first, while there is room (module docstring)."""
     if not sched.swapped or sched._running_part()[2]:  # the running ones come first
         return
-    while sched.swapped and sched.has_room() and sched.cache.can_swap_in(sched.swapped[0].id):
+    while can_swap_in_now(sched):
         seq = sched.swapped[0]
         sched.cache.swap_in(seq.id)
         del sched.swapped[0]

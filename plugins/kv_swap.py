@@ -17,6 +17,7 @@ of a block swapped in can overtake a copy. On the CPU the copies are plain copie
 from __future__ import annotations
 
 import contextlib
+import time
 
 import attrs
 import torch
@@ -97,6 +98,8 @@ class SwapSpace:
         self._host_free: list[int] = []  # descending: pop() hands out low ids first
         self._swapped: dict = {}  # seq id -> Swapped, in swap-out order
         self._swap_stream = None
+        self._timings: list = []  # (bytes, start, end) of copies whose events may not be done
+        self._copied = [0, 0.0]  # bytes and seconds of the copies timed so far
 
     def _device_pools(self) -> list:
         return [p for p in (self.k, self.v, self.k_scale, self.v_scale) if p is not None]
@@ -112,6 +115,26 @@ class SwapSpace:
 
     def swap_bytes(self, seq_id) -> int:
         return len(self._written(seq_id)) * self._swap_block_bytes
+
+    def swap_seconds(self, seq_id) -> float | None:
+        """Seconds swapping ``seq_id`` out and back in would take at the rate this cache's
+        copies ran so far (their events on CUDA: launches, waits and the layers' many
+        small copies included, which a bulk copy's rate leaves out), or None before one is
+        timed."""
+        rate = self._copy_rate()
+        return None if rate is None else 2 * self.swap_bytes(seq_id) / rate
+
+    def _copy_rate(self) -> float | None:
+        pending = []
+        for n, start, end in self._timings:
+            if end.query():
+                self._copied[0] += n
+                self._copied[1] += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((n, start, end))
+        self._timings = pending
+        n, seconds = self._copied
+        return n / seconds if n and seconds > 0 else None
 
     def _host_room(self) -> int:
         return self.swap_blocks if self._host is None else len(self._host_free)
@@ -191,7 +214,7 @@ class SwapSpace:
         if not device_blocks:
             return
         spans = runs(host_blocks)
-        with self._copy_stream():
+        with self._copy_stream(), self._timed(len(device_blocks) * self._swap_block_bytes):
             idx = torch.tensor(device_blocks, dtype=torch.long, device=self.device)  # [n]
             for dev_pool, host_pool in zip(self._device_pools(), self._host):
                 for d, h in zip(map(_raw, dev_pool), map(_raw, host_pool)):  # [NB, BS, Hkv(, D)]
@@ -205,6 +228,22 @@ class SwapSpace:
                         for at, first, n in spans:
                             rows[at:at + n].copy_(h[first:first + n], non_blocking=True)
                         d.index_copy_(0, idx, rows)
+
+    @contextlib.contextmanager
+    def _timed(self, nbytes: int):
+        """Time the body's copies: events on the copy stream (read once done), else the
+        host's clock."""
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            yield
+            self._copied[0] += nbytes
+            self._copied[1] += time.perf_counter() - start
+            return
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        yield
+        end.record()
+        self._timings.append((nbytes, start, end))
 
     @contextlib.contextmanager
     def _copy_stream(self):

@@ -57,6 +57,9 @@ def test_an_oversubscribed_pool_gives_every_request_its_tokens_alone(hf, preempt
     st = engine.stats()
     key = "num_swapped_out" if preemption == "swap" else "num_recomputed"
     assert st[key] > 0 and st["num_preemptions"] == st[key], st
+    if preemption == "swap":  # the copies timed by their events, for "auto"'s later choices
+        torch.cuda.synchronize()
+        assert engine.cache._copy_rate() > 0 and not engine.cache._timings
     engine.cache.check_invariants()
 
 

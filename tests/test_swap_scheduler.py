@@ -36,6 +36,20 @@ def test_auto_swaps_on_a_fast_link_and_recomputes_on_a_slow_one():
     assert recompute == recompute_flops(spec, 10) / 1e12
 
 
+def test_once_its_copies_ran_the_swap_cost_is_their_rate_not_the_bulk_links():
+    cache, s = _filled(10)
+    assert cache.swap_seconds(s.id) is None  # nothing copied yet: the link's rate serves
+    cache.swap_out(s.id)
+    cache.swap_in(s.id)
+    n, seconds = cache._copied
+    assert n == 2 * cache.swap_bytes(s.id) and seconds > 0  # out and back in, timed
+    policy = PreemptionPolicy("auto", cache.spec, rates=FAST_LINK)
+    # out and back in again, at the rate they ran: the seconds they took
+    assert policy.costs(cache, s)[0] == cache.swap_seconds(s.id) == pytest.approx(seconds)
+    cache._copied = [1, 1e6]  # copies that ran at a byte per 10^6 s: a fast link no longer helps
+    assert policy.choose(cache, s) == "recompute"
+
+
 def test_the_modes_and_the_fallbacks_to_recompute():
     cache, s = _filled(10)
     assert PreemptionPolicy("swap").choose(cache, s) == "swap"
@@ -113,11 +127,13 @@ def test_the_newest_is_swapped_out_and_comes_back_before_any_prompt():
     assert sched.swapped == [b] and b.status is Status.SWAPPED and sched.running == [a]
     assert (sched.num_swapped_out, sched.num_recomputed, sched.num_preemptions) == (1, 0, 1)
     assert b.id in cache.out and b.id not in cache.blocks and sched.has_work()
-    assert sched.schedule_ahead() is None  # the swap in must see the step's outcome
+    ahead = sched.schedule_ahead()  # no room for b: a's next step is scheduled ahead still
+    assert ahead.seqs == [a]
     sched.add(c)
     assert sched.stats()["num_waiting"] == 2  # c, and b swapped out
-    assert sched.schedule().seqs == [a]  # no room for b: c waits behind it
+    assert sched.resume(ahead).seqs == [a]  # c, arrived meanwhile, waits behind b
     sched.finish(a, "stop")
+    assert sched.schedule_ahead() is None  # room for b now: schedule() swaps it in first
     step = sched.schedule()  # b is back (it ran longest ago: first), and only then c
     assert step.seqs == [b, c] and b.status is Status.RUNNING and not sched.swapped
     assert b.num_computed_tokens == 4 and step.counts == [1, 1]
@@ -141,6 +157,35 @@ def test_swapped_sequences_come_back_oldest_first_and_all_finish():
     assert all(len(s.output_ids) == 12 for s in seqs) and swapped_in_order
     assert sched.num_swapped_out > 0 and sched.num_recomputed == 0
     assert not cache.blocks and not cache.out
+
+
+def test_steps_are_scheduled_ahead_while_a_swapped_sequence_waits_for_room():
+    # as the engine steps: counts fed, the next step scheduled ahead, then tokens sampled
+    sched, cache = swapping(num_blocks=6, max_batch_size=4, budget=8)
+    seqs = [seq(3, 12) for _ in range(6)]
+    for s in seqs:
+        sched.add(s)
+    ahead, ahead_while_out, admitted_while_out = None, 0, []
+    while sched.has_work():
+        step = (ahead and sched.resume(ahead)) or sched.schedule()
+        cache.prepare([s.id for s in step.seqs], step.counts)
+        for s, n in zip(step.seqs, step.counts):
+            s.num_computed_tokens += n
+        waiting = list(sched.waiting)
+        ahead = sched.schedule_ahead()
+        if sched.swapped and ahead is not None:
+            ahead_while_out += 1
+            admitted_while_out += [s for s in ahead.seqs if s in waiting]
+        for s in step.seqs:
+            if not s.prefilling:
+                s.output_ids.append(10_000 + 100 * s.id + len(s.output_ids))
+                if len(s.output_ids) >= s.params.max_new_tokens:
+                    sched.finish(s, "length")
+        assert set(cache.out) == {s.id for s in sched.swapped}
+    assert all(len(s.output_ids) == 12 for s in seqs)
+    assert sched.num_swapped_out > 0 and not cache.blocks and not cache.out
+    assert ahead_while_out > 0, "no step was scheduled ahead while a sequence was out"
+    assert not admitted_while_out, "a prompt admitted ahead while a sequence was swapped out"
 
 
 def test_aborting_a_swapped_sequence_frees_its_host_copy():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 
 from ..request import Status
+from ..swap_schedule import can_swap_in_now
 
 
 class DecodeLookahead:
@@ -67,7 +68,10 @@ class DecodeLookahead:
     def _can_look_ahead(self, seqs) -> bool:
         scheduler = self.engine.scheduler
         running = scheduler.running
-        if scheduler.waiting or scheduler.swapped or len(running) != len(seqs):
+        # a waiting prompt would join the next step, unless a swapped sequence holds the
+        # queue (no prompt before it is back) and cannot come back yet
+        admits = scheduler.waiting and not scheduler.swapped
+        if admits or can_swap_in_now(scheduler) or len(running) != len(seqs):
             return False
         if any(a is not b for a, b in zip(running, seqs)):
             return False

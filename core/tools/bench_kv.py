@@ -7,6 +7,8 @@ besides its timings.
   recomputed) as counted after the warm-up, so the warm-up's own request is not in them;
   the pool's blocks (total, free) and the requests running and waiting at the end; the
   hit rate, hits / queries.
+- ``device``: steps replayed from CUDA graphs by kind, and the CUDA caching allocator's
+  retries and OOMs, over the measured requests; its peak reserved bytes.
 - ``full_length``: every request finished with all the tokens it asked for (EOS ignored).
 - ``alone`` (``--check-alone K``): K requests, spread over the run, generated again one at
   a time on the same engine after it: whether each got the same tokens in the batch as
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from ..preemption import MODES
 from ..request import SamplingParams
 from .bench_cli import _positive
@@ -24,6 +28,7 @@ from .serve_offline import offline_summary
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
             "num_swapped_out", "num_recomputed")
 GAUGES = ("kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting")
+PEAKS = ("reserved_bytes_peak",)  # device_counts' gauges (the others are counted over a run)
 BUILD_FLAGS = ("num_blocks", "block_size", "gpu_memory_utilization", "preemption")
 
 
@@ -61,20 +66,39 @@ def measured_run(engine, requests, after_warm_up=None, check_alone: int | None =
     """``offline_summary`` of ``requests`` on ``engine``, with ``kv``, ``full_length``
     and (``check_alone`` K) ``alone`` as the module says."""
     seen = Recording(engine)
-    before = {}
+    before, device_before = {}, {}
 
     def warmed_up():
         before.update(engine.stats())
+        device_before.update(device_counts(engine))
         seen.seqs = []  # from here on: the measured requests, in order
         if after_warm_up is not None:
             after_warm_up()
     summary = offline_summary(seen, requests, None, after_warm_up=warmed_up)
     summary["kv"] = run_stats(before, engine.stats())
+    after = device_counts(engine)
+    summary["device"] = {k: v if k in PEAKS else v - device_before.get(k, 0)
+                         for k, v in after.items()}
     summary["full_length"] = len(seen.seqs) == len(requests) and all(
         len(s.output_ids) == r.output_len for s, r in zip(seen.seqs, requests))
     if check_alone:
         summary["alone"] = alone(engine, requests, seen.seqs, check_alone)
     return summary
+
+
+def device_counts(engine) -> dict:
+    """Steps replayed from CUDA graphs, by kind, and on CUDA the caching allocator's
+    retries (each frees its cached blocks and synchronises: what a pool that leaves the
+    allocator too little costs every step), OOMs and peak reserved bytes."""
+    runner = engine.runner
+    out = {f"{kind}_graph_replays": getattr(getattr(runner, f"{kind}_graphs"), "replays", 0)
+           for kind in ("decode", "step", "prefill")}
+    if engine.device.type == "cuda":
+        stats = torch.cuda.memory_stats(engine.device)
+        out.update(alloc_retries=stats.get("num_alloc_retries", 0),
+                   ooms=stats.get("num_ooms", 0),
+                   reserved_bytes_peak=stats.get("reserved_bytes.all.peak", 0))
+    return out
 
 
 class Recording:

@@ -9,7 +9,10 @@
 #   HF_PROMPTS (16; 0: none) requests beside them; prefix512: the same at max_batch_size 512
 #   (the pool the cached prefix saves takes twice the sequences), without HF
 # uniform: 512 / 256 (prompts 128-896, outputs 64-448): on vs off at a 0% hit rate
-# sharegpt: sharegpt-like (lognormal) at max_seq_len 8192 vs 2048
+# sharegpt: sharegpt-like (lognormal) at max_seq_len 8192, 2048, then 8192 again (the
+#   order's drift, seen before as 1-4%, shows as the two 8192 runs' difference)
+# preemption: PREEMPT_PROMPTS (300) uniform 512 / 256 requests in BLOCKS blocks, preemption
+#   auto, then recompute, then swap
 # oversubscribed: uniform 512 / 256 with a pool of BLOCKS (3072) blocks, a quarter of what
 #   the batch wants (256 x (512 + 256) / 16 = 12288), preemption PREEMPTION (auto); 8
 #   requests rerun alone after it (--check-alone); COMPARE=preemption=recompute adds a run
@@ -38,7 +41,8 @@ RUNS=(
   "prefix|170|--dataset prefix --prompt-len 1024 --output-len 128 $HF --compare-options prefix_caching=false"
   "prefix512|120|--dataset prefix --prompt-len 1024 --output-len 128 --max-batch-size 512 --no-hf --compare-options prefix_caching=false"
   "uniform|95|--dataset uniform --prompt-len 512 --output-len 256 --no-hf --compare-options prefix_caching=false"
-  "sharegpt|115|--dataset sharegpt-like --max-seq-len 8192 --no-hf --compare-options max_seq_len=2048"
+  "sharegpt|150|--dataset sharegpt-like --max-seq-len 8192 --no-hf --compare-options max_seq_len=2048,max_seq_len=8192"
+  "preemption|110|--dataset uniform --prompt-len 512 --output-len 256 --no-hf --num-prompts ${PREEMPT_PROMPTS:-300} --num-blocks ${BLOCKS:-3072} --preemption auto --compare-options preemption=recompute,preemption=swap"
   "oversubscribed|85|--dataset uniform --prompt-len 512 --output-len 256 --no-hf --num-blocks ${BLOCKS:-3072} --check-alone ${CHECK_ALONE:-8}${PREEMPTION:+ --preemption $PREEMPTION}${COMPARE:+ --compare-options $COMPARE}"
 )
 SELECTED=()
@@ -94,5 +98,6 @@ for run in runs:
         kv, vs = s.get("kv") or {}, s.get("vs_base") or {}
         print(f"==   {name}: {s.get('output_throughput', 0):.0f} out tok/s, TTFT P50 "
               f"{(s.get('ttft_ms') or {}).get('p50') or 0:.0f} ms, vs base {vs}, kv {kv}, "
-              f"full length {s.get('full_length')}, alone {s.get('alone')}", flush=True)
+              f"full length {s.get('full_length')}, alone {s.get('alone')}, "
+              f"device {s.get('device')}", flush=True)
 EOF
