@@ -7,12 +7,13 @@ its sliding-window holes are remembered. Swapping in allocates fresh blocks thro
 ``allocate``, puts the holes back in front and copies the K/V into the new blocks. Blocks
 of int8 / e4m3 K/V carry their float32 scales.
 
-The host pool is ``swap_space`` bytes of blocks, made at the first swap out (an engine
-that never preempts pays nothing), pinned on CUDA. There the copies run on a stream of
-their own: it first waits for the compute stream (the step that wrote the K/V, or a
-look-ahead step's write into a block freed since), and the compute stream waits for its
-event before anything later runs, so neither a released block's reuse nor a step's read
-of a block swapped in can overtake a copy. On the CPU the copies are plain copies.
+The host pool is ``swap_space`` bytes of blocks (``swap_host.HostBlocks``), made a chunk at
+a time as swapped blocks first need it (an engine that never preempts pays nothing),
+pinned on CUDA. There the copies run on a stream of their own: it first waits for the
+compute stream (the step that wrote the K/V, or a look-ahead step's write into a block
+freed since), and the compute stream waits for its event before anything later runs, so
+neither a released block's reuse nor a step's read of a block swapped in can overtake a
+copy. On the CPU the copies are plain copies.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from infergraft.core.units import parse_bytes
 
 from .block_allocator import blocks_for
 from .paged_checks import HOLE
+from .swap_host import HostBlocks
 
 #: swap_space when none is given: vLLM's 4 GiB on CUDA, a small pool on the CPU (where
 #: "host" and "device" are the same memory); at most twice the device pool either way
@@ -64,23 +66,6 @@ def swap_space_bytes(value, device: torch.device, pool_bytes: int, block_bytes: 
     return n
 
 
-def runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(index in ``ids``, first id, length) of each run of consecutive ids."""
-    out = []
-    for i, b in enumerate(ids):
-        if out and out[-1][1] + out[-1][2] == b:
-            at, first, n = out[-1]
-            out[-1] = (at, first, n + 1)
-        else:
-            out.append((i, b, 1))
-    return out
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as bytes where its dtype is e4m3 (index_copy_ has no float8 kernel)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
 class SwapSpace:
     """Mixed into PagedCache (its tables, rows, lengths, allocator, pools, ``allocate``,
     ``free`` and ``_physical``); ``_init_swap`` runs at the end of its __init__."""
@@ -94,8 +79,7 @@ class SwapSpace:
                                  block_bytes)
         self.swap_blocks = limit // block_bytes  # host blocks at most
         self._swap_block_bytes = block_bytes
-        self._host = None  # (k, v[, k_scale, v_scale]) per layer, [swap_blocks, BS, ...]
-        self._host_free: list[int] = []  # descending: pop() hands out low ids first
+        self._host = HostBlocks(pools, self.swap_blocks, block_bytes, self.device)
         self._swapped: dict = {}  # seq id -> Swapped, in swap-out order
         self._swap_stream = None
         self._timings: list = []  # (bytes, start, end) of copies whose events may not be done
@@ -137,7 +121,7 @@ class SwapSpace:
         return n / seconds if n and seconds > 0 else None
 
     def _host_room(self) -> int:
-        return self.swap_blocks if self._host is None else len(self._host_free)
+        return len(self._host.free)
 
     def can_swap_out(self, seq_id) -> bool:
         return seq_id in self._tables and len(self._written(seq_id)) <= self._host_room()
@@ -149,29 +133,16 @@ class SwapSpace:
         if len(blocks) > self._host_room():
             raise CacheFullError(f"swapping out needs {len(blocks)} host blocks, "
                                  f"{self._host_room()} of {self.swap_blocks} free")
-        if self._host is None:
-            self._make_host_pool()
-        host = sorted(self._host_free.pop() for _ in blocks)
+        host = self._host.take(len(blocks))
         try:
             self._copy(self._physical(blocks), host, out=True)
         except BaseException:  # (an OOM on the copy's rows): nothing changed
-            self._free_host(host)
+            self._host.give_back(host)
             raise
         table = self._tables[seq_id]
         self._swapped[seq_id] = Swapped(host, self._len[seq_id], self._reserved[seq_id],
                                         table.count(HOLE))
         self.free(seq_id)
-
-    def _make_host_pool(self) -> None:
-        """The host blocks, at the first swap out: like the device pools, uninitialised
-        (nothing reads a host block before a copy writes it); normal tensors even when made
-        under inference mode, so that copies outside it may write them too."""
-        pin = self.device.type == "cuda"
-        with torch.inference_mode(False):
-            self._host = [[torch.empty((self.swap_blocks, *t.shape[1:]), dtype=t.dtype,
-                                       pin_memory=pin) for t in pool]
-                          for pool in self._device_pools()]
-        self._host_free = list(range(self.swap_blocks - 1, -1, -1))
 
     def _need_in(self, rec: Swapped, next_token: bool) -> int:
         """Device blocks ``rec`` takes when swapped in (with room for its next token)."""
@@ -198,36 +169,18 @@ class SwapSpace:
             self.free(seq_id)
             raise
         del self._swapped[seq_id]
-        self._free_host(rec.host)
+        self._host.give_back(rec.host)
 
     def free_swapped(self, seq_id) -> None:
-        self._free_host(self._swapped.pop(seq_id).host)
-
-    def _free_host(self, host: list[int]) -> None:
-        # (a later copy into these blocks runs on the same stream, after the ones that read them)
-        self._host_free.extend(host)
-        self._host_free.sort(reverse=True)
+        self._host.give_back(self._swapped.pop(seq_id).host)
 
     # -- the copies ---------------------------------------------------------------------
     def _copy(self, device_blocks: list[int], host_blocks: list[int], out: bool) -> None:
         """Device blocks -> host blocks (``out``) or back, every layer and pool."""
         if not device_blocks:
             return
-        spans = runs(host_blocks)
         with self._copy_stream(), self._timed(len(device_blocks) * self._swap_block_bytes):
-            idx = torch.tensor(device_blocks, dtype=torch.long, device=self.device)  # [n]
-            for dev_pool, host_pool in zip(self._device_pools(), self._host):
-                for d, h in zip(map(_raw, dev_pool), map(_raw, host_pool)):  # [NB, BS, Hkv(, D)]
-                    if out:
-                        rows = d.index_select(0, idx)  # [n, BS, Hkv(, D)]
-                        for at, first, n in spans:
-                            h[first:first + n].copy_(rows[at:at + n], non_blocking=True)
-                    else:
-                        rows = torch.empty((len(idx), *d.shape[1:]), dtype=d.dtype,
-                                           device=self.device)
-                        for at, first, n in spans:
-                            rows[at:at + n].copy_(h[first:first + n], non_blocking=True)
-                        d.index_copy_(0, idx, rows)
+            self._host.copy(self._device_pools(), device_blocks, host_blocks, out)
 
     @contextlib.contextmanager
     def _timed(self, nbytes: int):
@@ -271,6 +224,7 @@ class SwapSpace:
         held = [b for r in self._swapped.values() for b in r.host]
         assert len(set(held)) == len(held), "a host block holds two swapped blocks"
         assert not set(self._swapped) & set(self._tables), "a sequence both swapped and allocated"
-        if self._host is not None:
-            assert not set(held) & set(self._host_free), "a host block both used and free"
-            assert len(held) + len(self._host_free) == self.swap_blocks, "host blocks leaked"
+        free = self._host.free
+        assert not set(held) & set(free), "a host block both used and free"
+        assert len(held) + len(free) == self.swap_blocks, "host blocks leaked"
+        assert all(b < self._host.made for b in held), "a swapped block in no chunk"

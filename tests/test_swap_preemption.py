@@ -77,6 +77,33 @@ def test_swap_out_and_in_restores_exactly_the_kv(window, kv):
     assert cache.length(0) == 18 and cache.swap_stats()["swap_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("kv", [None, "kv-int8"], ids=["float32", "kv-int8"])
+def test_host_blocks_are_made_a_chunk_at_a_time_and_copies_cross_chunks(kv):
+    cache = paged(kv=kv, num_blocks=12)
+    cache._host.chunk = 3  # blocks a chunk: a sequence of 4 blocks spans two
+    assert cache._host.made == 0  # nothing pinned before the first swap out
+    want = {}
+    for sid, seed in ((0, 1), (1, 2)):
+        cache.allocate(sid, 14)
+        fill(cache, sid, [14], seed=seed)  # 4 blocks each
+        want[sid] = read_all(cache, sid)
+    cache.swap_out(0)
+    assert cache._host.made == 6 and len(cache._host.chunks) == 2  # host ids 0-3
+    cache.swap_out(1)
+    assert cache._host.made == 9 and cache._swapped[1].host == [4, 5, 6, 7]
+    cache.check_invariants()
+    cache.allocate(2, 24)  # overwrites the device blocks both had
+    fill(cache, 2, [24], seed=3)
+    cache.free(2)
+    for sid in (1, 0):
+        cache.swap_in(sid)
+        for (k, v), (k0, v0) in zip(read_all(cache, sid), want[sid]):
+            torch.testing.assert_close(k, k0, atol=0, rtol=0)
+            torch.testing.assert_close(v, v0, atol=0, rtol=0)
+    cache.check_invariants()
+    assert cache._host.made == 9 and len(cache._host.free) == cache.swap_blocks
+
+
 def test_a_prompt_swapped_mid_prefill_keeps_its_reservation():
     cache = paged()
     cache.allocate(0, 14)
@@ -124,7 +151,7 @@ def test_a_bad_swap_space_is_refused_naming_what_is_accepted(bad):
 def test_swap_space_takes_sizes_and_defaults_to_a_small_host_pool():
     assert paged(swap_space="1KiB").swap_blocks == 1024 // paged()._swap_block_bytes
     cache = paged()
-    assert cache.swap_blocks == 2 * 12 and cache._host is None  # made at the first swap out
+    assert cache.swap_blocks == 2 * 12 and cache._host.made == 0  # made as swaps need it
 
 
 # -- whole engines -----------------------------------------------------------------------

@@ -54,7 +54,7 @@ def test_the_modes_and_the_fallbacks_to_recompute():
     cache, s = _filled(10)
     assert PreemptionPolicy("swap").choose(cache, s) == "swap"
     assert PreemptionPolicy("recompute").choose(cache, s) == "recompute"
-    cache.swap_blocks = 0  # no host room
+    cache._host.free.clear()  # no host room
     assert PreemptionPolicy("swap").choose(cache, s) == "recompute"
     assert PreemptionPolicy("swap").choose(FakeCache(8), s) == "recompute"  # no swap at all
     with pytest.raises(PlanError, match="preemption must be one of 'auto', 'swap', 'recompute'"):
