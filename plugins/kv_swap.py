@@ -217,7 +217,8 @@ class SwapSpace:
     def swap_stats(self) -> dict:
         used = sum(len(r.host) for r in self._swapped.values())
         return {"swap_blocks_total": self.swap_blocks, "swap_blocks_used": used,
-                "sequences_swapped": len(self._swapped)}
+                "swap_blocks_made": self._host.made, "sequences_swapped": len(self._swapped),
+                "swap_bytes_per_s": self._copy_rate()}  # None before a copy is timed
 
     def check_invariants(self):
         super().check_invariants()

@@ -265,7 +265,8 @@ class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
                 "sequences": len(self._tables), "tokens": sum(self._len.values()),
                 "block_size": self.block_size, "blocks_total": a.num_blocks,
                 "blocks_free": a.num_free, "blocks_used": a.num_blocks - a.num_free,
-                "blocks_shared": sum(r > 1 for r in a.refs), **self.prefix_stats()}
+                "blocks_shared": sum(r > 1 for r in a.refs), **self.prefix_stats(),
+                **self.swap_stats()}
 
     def check_invariants(self):
         super().check_invariants()

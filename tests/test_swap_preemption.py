@@ -121,8 +121,11 @@ def test_freeing_a_swapped_sequence_returns_its_host_blocks():
     cache.allocate(0, 9)
     fill(cache, 0, [9])
     cache.swap_out(0)
-    assert cache.swap_stats() == {"swap_blocks_total": cache.swap_blocks,
-                                  "swap_blocks_used": 3, "sequences_swapped": 1}
+    stats = cache.swap_stats()
+    assert stats == {"swap_blocks_total": cache.swap_blocks, "swap_blocks_used": 3,
+                     "swap_blocks_made": cache.swap_blocks, "sequences_swapped": 1,
+                     "swap_bytes_per_s": stats["swap_bytes_per_s"]}
+    assert stats["swap_bytes_per_s"] > 0 and cache.stats()["swap_blocks_used"] == 3
     cache.free_swapped(0)
     assert cache.swap_stats()["swap_blocks_used"] == 0 and cache.swapped_ids() == []
     assert cache.stats()["blocks_free"] == 12
