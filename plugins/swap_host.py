@@ -92,10 +92,11 @@ class HostBlocks:
         """Device blocks -> host blocks (``out``) or back, every pool and layer, on the
         current stream."""
         spans = self._spans(host_ids)
+        used = sorted({c for _, c, _, _ in spans})  # the chunks these blocks lie in
         idx = torch.tensor(device_blocks, dtype=torch.long, device=self.device)  # [n]
         for p, dev_pool in enumerate(device_pools):
             for layer, d in enumerate(map(_raw, dev_pool)):  # [NB, BS, Hkv(, D)]
-                host = [_raw(chunk[p][layer]) for chunk in self.chunks]
+                host = {c: _raw(self.chunks[c][p][layer]) for c in used}
                 if out:
                     rows = d.index_select(0, idx)  # [n, BS, Hkv(, D)]
                     for at, c, row, n in spans:
