@@ -83,7 +83,7 @@ class SwapSpace:
         self._swapped: dict = {}  # seq id -> Swapped, in swap-out order
         self._swap_stream = None
         self._timings: list = []  # (bytes, start, end) of copies whose events may not be done
-        self._copied = [0, 0.0]  # bytes and seconds of the copies timed so far
+        self._copied_bytes, self._copied_seconds = 0, 0.0  # of the copies timed so far
 
     def _device_pools(self) -> list:
         return [p for p in (self.k, self.v, self.k_scale, self.v_scale) if p is not None]
@@ -112,13 +112,16 @@ class SwapSpace:
         pending = []
         for n, start, end in self._timings:
             if end.query():
-                self._copied[0] += n
-                self._copied[1] += start.elapsed_time(end) / 1e3
+                self._count_copy(n, start.elapsed_time(end) / 1e3)
             else:
                 pending.append((n, start, end))
         self._timings = pending
-        n, seconds = self._copied
+        n, seconds = self._copied_bytes, self._copied_seconds
         return n / seconds if n and seconds > 0 else None
+
+    def _count_copy(self, nbytes: int, seconds: float) -> None:
+        self._copied_bytes += nbytes
+        self._copied_seconds += seconds
 
     def _host_room(self) -> int:
         return len(self._host.free)
@@ -189,8 +192,7 @@ class SwapSpace:
         if self.device.type != "cuda":
             start = time.perf_counter()
             yield
-            self._copied[0] += nbytes
-            self._copied[1] += time.perf_counter() - start
+            self._count_copy(nbytes, time.perf_counter() - start)
             return
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()

@@ -41,12 +41,13 @@ def test_once_its_copies_ran_the_swap_cost_is_their_rate_not_the_bulk_links():
     assert cache.swap_seconds(s.id) is None  # nothing copied yet: the link's rate serves
     cache.swap_out(s.id)
     cache.swap_in(s.id)
-    n, seconds = cache._copied
+    n, seconds = cache._copied_bytes, cache._copied_seconds
     assert n == 2 * cache.swap_bytes(s.id) and seconds > 0  # out and back in, timed
     policy = PreemptionPolicy("auto", cache.spec, rates=FAST_LINK)
     # out and back in again, at the rate they ran: the seconds they took
     assert policy.costs(cache, s)[0] == cache.swap_seconds(s.id) == pytest.approx(seconds)
-    cache._copied = [1, 1e6]  # copies that ran at a byte per 10^6 s: a fast link no longer helps
+    # copies that ran at a byte per 10^6 s: a fast link no longer helps
+    cache._copied_bytes, cache._copied_seconds = 1, 1e6
     assert policy.choose(cache, s) == "recompute"
 
 
