@@ -9,7 +9,7 @@
 # (the attention-bound case); throughput: bench throughput on the LLaMA-3-8B shape, 1000
 # uniform requests of 512 / 256 tokens, fp8 (and fp8 + kv-fp8) beside bf16, HF on a slice.
 set -u
-# (tests/kernels/* before tests/*: given after them, the kernels' conftest fixtures were
+# (tests/kernel_tests/* before tests/*: given after them, the kernels' conftest fixtures were
 # not found on the H200)
 OUT=${1:?OUT_DIR}
 shift
@@ -22,9 +22,9 @@ has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 if has tests; then
   # (~9 minutes with every part's kernels compiling: give tests a call of their own)
   timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
-    -m "not slow" tests/kernels/test_fp8_linear.py tests/kernels/test_kv_write_quant.py \
-    tests/kernels/test_rotary_quant.py tests/kernels/test_fused_scaled_rows.py \
-    tests/kernels/test_paged_attention.py tests/kernels/test_varlen_attention.py \
+    -m "not slow" tests/kernel_tests/test_fp8_linear.py tests/kernel_tests/test_kv_write_quant.py \
+    tests/kernel_tests/test_rotary_quant.py tests/kernel_tests/test_fused_scaled_rows.py \
+    tests/kernel_tests/test_paged_attention.py tests/kernel_tests/test_varlen_attention.py \
     tests/test_weight_fp8.py tests/test_kv_fp8.py \
     -k "${TESTS_K:-(cuda or gpu) and (fp8 or int8 or quant or scaled_rows)}" \
     > "$OUT/gpu_tests.txt" 2>&1

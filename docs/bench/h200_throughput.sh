@@ -14,7 +14,7 @@ export INFERGRAFT_COMMIT=${INFERGRAFT_COMMIT:-$(git describe --always --dirty 2>
 ig() { python3 -c 'import sys; from infergraft.core.cli import main; sys.exit(main())' "$@"; }
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_mixed_steps.py tests/test_gpu.py \
-    ${KERNEL_TESTS:+tests/kernels/test_varlen_attention.py} -k "${TESTS_K:-cuda or gpu}" \
+    ${KERNEL_TESTS:+tests/kernel_tests/test_varlen_attention.py} -k "${TESTS_K:-cuda or gpu}" \
     > "$OUT/gpu_tests.txt" 2>&1
   tail -3 "$OUT/gpu_tests.txt"
 fi
