@@ -35,10 +35,11 @@ class TableRows:
     def remove(self, seq_id) -> None:
         self._free.append(self._slot.pop(seq_id))
 
-    def gather(self, seq_ids) -> torch.Tensor:
-        """The rows of ``seq_ids``, in order: [n, width] int32."""
+    def gather(self, seq_ids, columns: int | None = None) -> torch.Tensor:
+        """The first ``columns`` entries (all: None) of the rows of ``seq_ids``, in order:
+        [n, columns] int32."""
         index = torch.tensor([self._slot[s] for s in seq_ids], dtype=torch.long)
-        return self.rows.index_select(0, index)
+        return self.rows[:, :columns].index_select(0, index)
 
     def check(self, tables: dict) -> None:
         """AssertionError unless the rows hold exactly ``tables`` (seq id -> block ids, a

@@ -161,7 +161,8 @@ class PinnedStaging:
         self._turn = 0
 
     def next(self) -> torch.Tensor:
-        """The buffer to fill now (its previous contents are stale; rewrite all of it)."""
+        """The buffer to fill now (its previous contents are stale: rewrite all that is
+        copied from it)."""
         self._turn ^= 1
         return self._buffers[self._turn]
 
