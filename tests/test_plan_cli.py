@@ -151,3 +151,26 @@ def test_stored_dtype_reads_dtype_then_a_plain_torch_dtype():
     assert stored_dtype(types.SimpleNamespace(dtype=None, torch_dtype=torch.float16)) == \
         torch.float16
     assert stored_dtype(types.SimpleNamespace(dtype="no-such-dtype")) is None
+
+
+def test_the_exit_status_speaks_for_the_cache_asked_for(tmp_path, capsys):
+    """A budget too small for max_batch_size x max_seq_len reserved (contiguous: exit 1)
+    whose paged pool still holds a max_seq_len sequence (--cache paged, or a config naming
+    the paged plugin: exit 0); a budget below one sequence: 1 for both."""
+    directory = str(_config_dir(tmp_path))
+    args = ["plan", directory, "--max-seq-len", "512", "--max-batch-size", "512",
+            "--device-memory", "64MiB"]
+    assert main(args) == 1
+    rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["fits"].strip() == "NO" and rows["fits (paged cache)"].strip() == "yes"
+    assert main([*args, "--cache", "paged", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["paged_fits"] is True and out["cache"] == "paged"
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"plugins": ["paged"]}))
+    assert main([*args, "--config", str(config)]) == 0
+    capsys.readouterr()
+    for cache in ("contiguous", "paged"):  # weights alone are ~1 MiB
+        assert main([*args[:-1], "1200KiB", "--cache", cache]) == 1
+        rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
+        assert rows["fits (paged cache)"].strip() == "NO"

@@ -54,7 +54,8 @@ def bench_config(args) -> dict | None:
 
 
 PLAN_DEFAULTS = dict(model="smollm2-135m", max_batch_size=8, tensor_parallel=1,
-                     pipeline_parallel=1, kv_dtype="auto", weights="auto", ring_size=2)
+                     pipeline_parallel=1, kv_dtype="auto", weights="auto", ring_size=2,
+                     cache="contiguous")
 
 
 def plan_config(args) -> None:
@@ -76,6 +77,7 @@ def plan_config(args) -> None:
             max_num_batched_tokens=options.get("max_num_batched_tokens"),
             device_memory=options.get("device_memory"), tensor_parallel=tp,
             offload_weights=True if "offload-weights" in plugins else None,
+            cache="paged" if "paged" in plugins else None,
             resident_layers=options.get("resident_layers"), ring_size=options.get("ring_size"),
             block_size=options.get("block_size"),
             gpu_memory_utilization=options.get("gpu_memory_utilization"))

@@ -6,7 +6,9 @@ model's config alone; no weight is loaded. Then the paged cache's pool as a buil
 
 Exit status: 0 the plan fits, 1 it does not (the plan is printed all the same), 2 an
 error (one line on stderr: a config that cannot be read, an option refused, ...), so that
-a script can tell "does not fit" from "cannot plan".
+a script can tell "does not fit" from "cannot plan". "Fits" is said of the ``--cache``
+build: the contiguous cache (build's default) reserves max_batch_size x max_seq_len
+tokens, the paged one needs a pool that holds one max_seq_len sequence.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .config_cli import add_config_argument, plan_config
 KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 FITS, DOES_NOT_FIT = 0, 1  # and 2, from cli.main, for an InfergraftError
 EPILOG = """exit status:
-  0  the plan fits the budget (or no budget could be read)
+  0  the plan fits the budget (or no budget could be read), for the --cache build
   1  it does not fit (the plan is printed all the same)
   2  error: the model, its config.json or an option cannot be used (one line on stderr)"""
 
@@ -67,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=1, metavar="M",
                    help="with --pipeline-parallel: pp's micro_batches, a step's tokens cut "
                         "into up to M groups in flight across the stages at once (default 1)")
+    p.add_argument("--cache", default=None, choices=("contiguous", "paged"),
+                   help="the K/V cache whose build the exit status speaks for (default: "
+                        "contiguous, as core.build; paged: the pool holds a max_seq_len "
+                        "sequence)")
     p.add_argument("--seq-len", type=int, action="append", default=None, metavar="L",
                    help="how many sequences of L tokens the paged pool holds (repeatable, "
                         "e.g. a workload's mean and its longest; default max_seq_len)")
@@ -176,16 +182,21 @@ def run(args) -> int:
     cuda = args.device_memory is not None or torch.cuda.is_available()
     pool, pool_json = pool_rows(mem, args, cuda)
     rows += pool
+    # the contiguous cache reserves max_batch_size x max_seq_len; the paged one admits by
+    # blocks and needs a pool that holds one max_seq_len sequence
+    fits = {"contiguous": mem.fits, "paged": pool_json["holds_max_seq_len"]}
+    rows.append(("fits (paged cache)", "yes" if fits["paged"] else "NO"))
     if args.json:
         print(json.dumps({**attrs.asdict(mem), "kv_bytes_per_sequence": mem.kv_bytes_per_sequence,
                           "kv_bytes_total": mem.kv_bytes_total, "total_bytes": mem.total_bytes,
                           "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits,
+                          "cache": args.cache, "paged_fits": fits["paged"],
                           "max_batch_with_window": mem.max_batch_with_window,
                           "micro_batches": args.micro_batches, **extra,
                           "pool": pool_json}, indent=2))
     else:
         print(rows_table(mem.rows() + rows))
-    return FITS if mem.fits else DOES_NOT_FIT
+    return FITS if fits[args.cache] else DOES_NOT_FIT
 
 
 def pool_rows(mem, args, cuda: bool) -> tuple[list[tuple[str, str]], dict]:
@@ -213,12 +224,14 @@ def pool_rows(mem, args, cuda: bool) -> tuple[list[tuple[str, str]], dict]:
     rows = [("K/V pool (paged)", f"{blocks} blocks of {bs} tokens = {tokens} tokens, "
              f"{fmt_bytes(tokens * mem.kv_bytes_per_token)} ({why} {mem.max_batch_size} x "
              f"{mem.max_seq_len} tokens)")]
-    if blocks < blocks_for(mem.max_seq_len, bs):
+    holds = blocks >= blocks_for(mem.max_seq_len, bs)
+    if not holds:
         rows.append(("pool holds a max_seq_len sequence", "NO: a paged build refuses it"))
     for n, k in fit.items():
         at_once = f" ({mem.max_batch_size} at once: max_batch_size)" \
             if k > mem.max_batch_size else ""
         rows.append((f"{n}-token sequences in the pool", f"{k}{at_once}"))
     return rows, {"block_size": bs, "gpu_memory_utilization": util, "blocks": blocks,
+                  "holds_max_seq_len": holds,
                   "tokens": tokens, "bytes": tokens * mem.kv_bytes_per_token,
                   "sequences": {str(n): k for n, k in fit.items()}}
