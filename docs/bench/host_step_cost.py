@@ -6,7 +6,7 @@ appending). The paged cache's decode and mixed-step graph inputs are filled as o
 ahead as on one CUDA device: the part of the host's time that would run beside the GPU's
 forward is reported apart.
 
-    python docs/bench/host_step_cost.py [B] [STEPS]
+    python docs/bench/host_step_cost.py [B] [STEPS] [MAX_SEQ_LEN]
 """
 import random
 import sys
@@ -37,10 +37,10 @@ class NullModel(torch.nn.Module):
         return torch.zeros(rows, VOCAB)
 
 
-def main(batch=256, steps=200):
+def main(batch=256, steps=200, max_seq_len=1344):
     torch.set_num_threads(1)
     hf = random_model(tiny_llama_config(), seed=0)
-    engine = core.build(hf, plugins=["paged"], max_seq_len=1344, max_batch_size=batch,
+    engine = core.build(hf, plugins=["paged"], max_seq_len=max_seq_len, max_batch_size=batch,
                         dtype="float32", device="cpu", max_num_batched_tokens=2048)
     null = NullModel()
     engine.runner.model = null
