@@ -37,6 +37,7 @@ class Int4Weight:
     group_size: int  # 32, 64 or 128
     in_features: int  # K (the last group may be partial)
     dtype: torch.dtype  # of the weight it came from
+    perm: torch.Tensor | None = None  # act-order: x[..., perm] is what the columns multiply
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

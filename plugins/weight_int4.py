@@ -5,7 +5,8 @@ Every decoder layer's projection (qkv, o, gate_up or fc_in, down) is stored as 4
 codes, two a byte, with a float32 scale and a uint8 zero-point per row and group of
 ``group_size`` input columns (asymmetric round to nearest at load time,
 ``kernels.int4_linear.quantize_int4``; the format, ``Int4Weight``, is what the GPTQ / AWQ
-loaders convert into). ``ops.int4_linear`` unpacks the nibbles in registers: about a
+loaders convert into; an act-order GPTQ checkpoint's codes come reordered by group, and
+its ``perm`` gathers x's columns the same way before the product). ``ops.int4_linear`` unpacks the nibbles in registers: about a
 quarter of bf16's weight bytes (plus 5 bytes a group). Embeddings, the lm_head and norms
 stay in the model dtype. The fused decode layer reads 8-bit rows with a scale each only
 (``scaled_rows`` is None here): an int4 model runs the plain layer, its norms unfolded
@@ -15,6 +16,8 @@ would widen with the norm's outliers).
 from __future__ import annotations
 
 import math
+
+import torch
 
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
@@ -47,18 +50,24 @@ class WeightInt4(Quantizer):
         return quantize_int4(weight, self.group_size)
 
     def unpack(self, packed):
-        return dequantize_int4(packed)
+        w = dequantize_int4(packed)  # [N, K], columns in the packed order
+        if packed.perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, packed.perm, w)  # back to the input's
 
     def matmul(self, x, packed, ops=None):
         # x: [..., K] -> [..., N]; the engine's kernels, else by x's device
         op = ops.int4_linear if ops is not None else \
             get_op("int4_linear", resolve_backend(x.device))
+        if packed.perm is not None:  # an act-order checkpoint: x's columns in its order
+            x = x.index_select(-1, packed.perm)
         return op(x, packed.qweight, packed.scales, packed.zeros, packed.group_size,
                   packed.in_features)
 
     def packed_bytes(self, packed):
         return sum(t.numel() * t.element_size()
-                   for t in (packed.qweight, packed.scales, packed.zeros))
+                   for t in (packed.qweight, packed.scales, packed.zeros, packed.perm)
+                   if t is not None)
 
     def packed_bytes_of(self, shape, element_bytes):
         rows, cols = shape

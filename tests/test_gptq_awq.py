@@ -112,19 +112,6 @@ def test_unsupported_settings_are_refused_by_name(tmp_path, method, change, name
     assert "infergraft loads" in str(e.value)
 
 
-def test_act_order_g_idx_is_refused(tmp_path):
-    write_quantized(_hf(), tmp_path, "gptq", group_size=32)
-    _rewrite_config(tmp_path, desc_act=True)
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(tmp_path / "model.safetensors"))
-    key = "model.layers.0.self_attn.q_proj.g_idx"
-    tensors[key] = tensors[key][torch.randperm(tensors[key].numel())].contiguous()
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(QuantizedCheckpointError, match="q_proj.g_idx is not arange"):
-        core.build(str(tmp_path), device="cpu", max_seq_len=64)
-
-
 def test_act_order_with_the_trivial_g_idx_loads(tmp_path):
     ref = write_quantized(_hf(), tmp_path, "gptq", group_size=32)
     _rewrite_config(tmp_path, desc_act=True)

@@ -18,8 +18,9 @@ g = k // group_size:
 comes out as one ``Prequantized`` under the key ``P.weight``, so the policy's weight map
 places it like a dense weight (fused parts concatenated along N: rows are independent,
 groups run along K); ``core.loading.packing.SlotPacker`` makes it a ``QuantizedLinear``.
-Act-order (a ``g_idx`` other than ``arange(K) // group_size``) is refused: the int4 format
-needs each group's columns contiguous. ``quant_method`` "fp8" is read by ``fp8_checkpoint``
+Act-order (a ``g_idx`` other than ``arange(K) // group_size``) is loaded with the codes
+reordered by group and the input gathered the same way (``prequantized.act_order``).
+``quant_method`` "fp8" is read by ``fp8_checkpoint``
 (``prequant_format`` hands it over; the functions below serve both formats).
 """
 from __future__ import annotations
@@ -30,6 +31,10 @@ import attrs
 import torch
 
 from ..errors import QuantizedCheckpointError, WeightLoadError
+from .prequantized import Prequantized, act_order
+
+__all__ = ["Prequantized", "PrequantFormat", "prequant_format", "prequantized_tensors",
+           "with_prequantized", "convert"]
 
 QUANT_METHODS = ("gptq", "awq")
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> the offset added to qzeros
@@ -101,8 +106,8 @@ def prequant_format(config) -> Optional[PrequantFormat]:
                     "(no per-module 'dynamic' overrides)")
         if qc.get("lm_head"):
             _refuse("lm_head", True, "GPTQ checkpoints with a dense lm_head (lm_head: false)")
-        # desc_act: true is accepted where each layer's g_idx is the trivial one (checked
-        # as the layers stream in); sym either way: the zero-points are stored
+        # desc_act either way (an act order is read from each layer's g_idx); sym either
+        # way: the zero-points are stored
         return PrequantFormat("gptq", group_size, GPTQ_FORMATS[fmt])
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
@@ -124,53 +129,6 @@ def unpack_int32(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.to(torch.int32)[..., None] >> shifts) & 0xF).to(torch.uint8)
 
 
-@attrs.frozen
-class Prequantized:
-    """One projection of a GPTQ / AWQ checkpoint in the int4 format's tensors, not yet an
-    ``Int4Weight`` (the build's dtype and device come at loading). ``shape`` is the dense
-    weight's, [N, K], for the weight map's checks."""
-
-    qweight: torch.Tensor  # uint8 [N, ceil(K / 2)]: column 2c low nibble, 2c + 1 high
-    scales: torch.Tensor  # float32 [N, G]
-    zeros: torch.Tensor  # uint8 [N, G]
-    group_size: int
-    in_features: int  # K
-    dtype: Optional[torch.dtype] = None
-    prequantized = True  # what load_weights and SlotPacker look for
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.qweight.shape[0], self.in_features)
-
-    def to(self, device=None, dtype=None) -> "Prequantized":
-        return attrs.evolve(self, qweight=self.qweight.to(device), scales=self.scales.to(device),
-                            zeros=self.zeros.to(device), dtype=dtype or self.dtype)
-
-    @staticmethod
-    def cat(parts: list["Prequantized"]) -> "Prequantized":
-        """Fused parts (q, k, v) stacked along N: one slot's weight."""
-        first = parts[0]
-        if any((p.group_size, p.in_features) != (first.group_size, first.in_features)
-               for p in parts):
-            raise QuantizedCheckpointError(
-                "the parts of a fused projection differ in group_size or in_features: "
-                f"{[(p.group_size, p.in_features) for p in parts]}")
-        return attrs.evolve(first, qweight=torch.cat([p.qweight for p in parts]),
-                            scales=torch.cat([p.scales for p in parts]),
-                            zeros=torch.cat([p.zeros for p in parts]))
-
-    def packed(self):  # what SlotPacker installs
-        return self.int4()
-
-    def int4(self):
-        """The ``kernels.int4_linear.Int4Weight`` the ``int4`` quantiser multiplies by."""
-        from infergraft.kernels.int4_linear import Int4Weight
-
-        return Int4Weight(self.qweight.contiguous(), self.scales.contiguous(),
-                          self.zeros.contiguous(), self.group_size, self.in_features,
-                          self.dtype or torch.float32)
-
-
 def _check(name: str, key: str, t: torch.Tensor, shape: tuple, dtypes: tuple) -> None:
     if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes:
         raise QuantizedCheckpointError(f"{name}.{key} is {tuple(t.shape)} {t.dtype}; the format "
@@ -178,22 +136,17 @@ def _check(name: str, key: str, t: torch.Tensor, shape: tuple, dtypes: tuple) ->
 
 
 def unpack_gptq(name: str, parts: dict, fmt: PrequantFormat):
-    """(q uint8 [N, K], zeros uint8 [N, G], scales float32 [N, G]) of GPTQ ``parts``."""
+    """(q uint8 [N, K], zeros uint8 [N, G], scales float32 [N, G], the act order or None)
+    of GPTQ ``parts``; an act-order checkpoint's codes come reordered by group."""
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     groups = -(-k // fmt.group_size)
     _check(name, "qzeros", qzeros, (groups, n // 8), (torch.int32,))
     _check(name, "scales", scales, (groups, n), (torch.float16, torch.bfloat16, torch.float32))
-    g_idx = parts.get("g_idx")
+    g_idx, perm = parts.get("g_idx"), None
     if g_idx is not None:
         _check(name, "g_idx", g_idx, (k,), (torch.int32, torch.int64))
-        trivial = torch.arange(k, device=g_idx.device) // fmt.group_size
-        if not torch.equal(g_idx.long(), trivial):
-            raise QuantizedCheckpointError(
-                f"{name}.g_idx is not arange(K) // group_size: an act-order (desc_act: true) "
-                "checkpoint whose input columns are permuted across groups; the int4 format "
-                "needs each group's columns contiguous. Quantise with desc_act=false (or "
-                "static_groups=true), or load the dense model with plugins=['int4']")
+        perm = act_order(name, g_idx, fmt.group_size)
     q = unpack_int32(qweight).permute(0, 2, 1).reshape(k, n).t()  # [N, K]
     zeros = unpack_int32(qzeros).reshape(groups, n).t().to(torch.int16) + fmt.zero_offset
     if int(zeros.max()) > 15:
@@ -201,11 +154,13 @@ def unpack_gptq(name: str, parts: dict, fmt: PrequantFormat):
             f"{name}.qzeros holds a zero-point of 16 (the nibble 15 of checkpoint_format 'gptq', "
             "which stores zero - 1: a zero of 0 written as -1 by an old packer); the int4 "
             "format's zero-points are 0..15")
-    return q, zeros.to(torch.uint8), scales.float().t()
+    q = q if perm is None else q[:, perm]  # each group's columns side by side
+    return q, zeros.to(torch.uint8), scales.float().t(), perm
 
 
 def unpack_awq(name: str, parts: dict, fmt: PrequantFormat):
-    """(q uint8 [N, K], zeros uint8 [N, G], scales float32 [N, G]) of AWQ (GEMM) ``parts``."""
+    """(q uint8 [N, K], zeros uint8 [N, G], scales float32 [N, G], None) of AWQ (GEMM)
+    ``parts``."""
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
     k, n = qweight.shape[0], qweight.shape[1] * 8
     groups = -(-k // fmt.group_size)
@@ -214,7 +169,7 @@ def unpack_awq(name: str, parts: dict, fmt: PrequantFormat):
     order = list(AWQ_REVERSE_ORDER)
     q = unpack_int32(qweight)[..., order].reshape(k, n).t()  # [N, K]
     zeros = unpack_int32(qzeros)[..., order].reshape(groups, n).t()
-    return q, zeros, scales.float().t()
+    return q, zeros, scales.float().t(), None
 
 
 def convert(name: str, parts: dict, fmt: PrequantFormat) -> Prequantized:
@@ -225,9 +180,9 @@ def convert(name: str, parts: dict, fmt: PrequantFormat) -> Prequantized:
         raise QuantizedCheckpointError(f"{name}.qweight is {parts['qweight'].dtype}; the "
                                        f"{fmt.method} format packs int32")
     unpack = unpack_gptq if fmt.method == "gptq" else unpack_awq
-    q, zeros, scales = unpack(name, parts, fmt)
+    q, zeros, scales, perm = unpack(name, parts, fmt)
     return Prequantized(pack_nibbles(q.contiguous()), scales.contiguous(), zeros.contiguous(),
-                        fmt.group_size, q.shape[1])
+                        fmt.group_size, q.shape[1], perm=perm)
 
 
 def prequantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
