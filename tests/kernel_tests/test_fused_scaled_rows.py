@@ -93,11 +93,16 @@ def test_one_8bit_row_by_default_matches_the_reference(device, randn, monkeypatc
     x, r = randn(1, k, dtype=dt), randn(1, n, dtype=dt)
     q, s = QUANTIZE[rows](randn(n, k) / 6)
     ss, b = _sum_sq_parts(x, 2), randn(n, dtype=dt)
-    tol = {key: 2 * v for key, v in TOLERANCES[dt].items()}
+    rtol = 2 * TOLERANCES[dt]["rtol"]
     for name, args in _calls(ss, r, sum_sq=False):
         got = getattr(FL, f"{name}_triton")(x, q, b, *args, scale=s)
         ref = getattr(FL, f"{name}_torch")(x, q, b, *args, scale=s)
-        torch.testing.assert_close(got, ref, **tol, msg=lambda e: f"{name}\n{e}")
+        # the fused GEMM normalises x in float32, the reference rounds it to x's dtype
+        # first (as the unfused path does): where a sum of K terms cancels (a small up
+        # beside a large silu(gate)) that rounding shows at the terms' size, not the sum's
+        atol = 2 * TOLERANCES[dt]["atol"] * max(1.0, float(ref.abs().max()))
+        torch.testing.assert_close(got, ref, atol=atol, rtol=rtol,
+                                   msg=lambda e: f"{name}\n{e}")
     assert loops == [rows == "int8" or fp8_words] * 3
 
 
