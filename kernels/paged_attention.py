@@ -90,7 +90,7 @@ if HAVE_TRITON:
         sem_ptr,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
-        stride_btb, stride_btc, stride_ob, stride_oh,
+        stride_btb, stride_ob, stride_oh,
         scale, window, BS, GROUP, D,
         QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -124,8 +124,7 @@ if HAVE_TRITON:
         for n0 in range(lo, hi, BLOCK_N):  # every tile holds >= 1 valid key: m stays finite
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < hi                                               # [N]
-            blk = tl.load(bt_ptr + b * stride_btb + (pos // BS) * stride_btc, mask=valid,
-                          other=0).to(tl.int64)
+            blk = tl.load(bt_ptr + b * stride_btb + pos // BS, mask=valid, other=0).to(tl.int64)
             off = (pos % BS).to(tl.int64)
             kv_mask = valid[:, None] & dmask[None, :]
             if K_T:  # 8-bit K read as [D, N]: widened with no transpose after it
@@ -234,7 +233,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    context_lens = context_lens.contiguous()  # tables: any strides (graph steps: columns)
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     ks, vs = (k_scale, v_scale) if quant else (k_cache, v_cache)  # unused when not QUANT
     sks = ks.stride() if quant else (0, 0, 0)
     svs = vs.stride() if quant else (0, 0, 0)
@@ -261,7 +260,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         out if sems is None else sems,  # counters unused when not FUSED
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
-        *block_tables.stride(), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale), int(window or 0), bs, group, d,
         QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1, FUSED=sems is not None,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,

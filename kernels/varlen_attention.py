@@ -82,7 +82,7 @@ if HAVE_TRITON:
         acc_ptr, m_ptr, l_ptr, sem_ptr,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
-        stride_btb, stride_btc, stride_ot, stride_oh,
+        stride_btb, stride_ot, stride_oh,
         scale, window, num_tokens, nseq, n_long, short_max, BS, D,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SHORT_Q: tl.constexpr, SHORT_M: tl.constexpr, SHORT_N: tl.constexpr,
@@ -107,8 +107,7 @@ if HAVE_TRITON:
                         q_ptr, kc, vc, ks, vs, bt_ptr + b.to(tl.int64) * stride_btb, out_ptr,
                         acc_ptr, m_ptr, l_ptr, sem_ptr, stride_qt, stride_qh, stride_kb,
                         stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb,
-                        stride_vss, stride_btc, stride_ot, stride_oh, scale, window, BS, D,
-                        hkv, tile, q0,
+                        stride_vss, stride_ot, stride_oh, scale, window, BS, D, hkv, tile, q0,
                         qlen, 0, tl.load(lens_ptr + b).to(tl.int32), GROUP, SHORT_Q,
                         SHORT_M, SHORT_N, BLOCK_D, BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED)
                 return
@@ -136,8 +135,8 @@ if HAVE_TRITON:
         _attend_tile(
             q_ptr, kc, vc, ks, vs, bt_ptr + b.to(tl.int64) * stride_btb, out_ptr, acc_ptr,
             m_ptr, l_ptr, sem_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_vb,
-            stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, stride_btc, stride_ot,
-            stride_oh, scale, window, BS, D, hkv, tile, q0, qlen, j, tl.load(lens_ptr + b).to(tl.int32),
+            stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, stride_ot, stride_oh,
+            scale, window, BS, D, hkv, tile, q0, qlen, j, tl.load(lens_ptr + b).to(tl.int32),
             GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED)
 
     @triton.jit
@@ -187,7 +186,7 @@ def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         return out
     if bsz == 0:  # no sequence: every row is padding
         return out.zero_()
-    context_lens = context_lens.contiguous()  # tables: any strides (graph steps: columns)
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     cu_seqlens_q = cu_seqlens_q.contiguous()
     ks, vs = (k_scale, v_scale) if quant else (k_cache, v_cache)  # unused when not QUANT
     sks = ks.stride() if quant else (0, 0, 0)
@@ -211,7 +210,7 @@ def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         out if sems is None else sems,  # counters unused when not FUSED
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
-        *block_tables.stride(), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale), int(window or 0), ntok, bsz, tiles - (bsz if short else 0),
         plan["short_q"], bs, d,
         GROUP=group, BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],

@@ -26,7 +26,7 @@ if HAVE_TRITON:
     def _attend_tile(
         q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, sem_ptr,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_vb, stride_vs,
-        stride_ksb, stride_kss, stride_vsb, stride_vss, stride_btc, stride_ot, stride_oh,
+        stride_ksb, stride_kss, stride_vsb, stride_vss, stride_ot, stride_oh,
         scale, window, BS, D, hkv, tile, q0, qlen, j, length,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -66,7 +66,7 @@ if HAVE_TRITON:
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < hi                                                # [N]
-            blk = tl.load(bt_ptr + (pos // BS) * stride_btc, mask=valid, other=0).to(tl.int64)
+            blk = tl.load(bt_ptr + pos // BS, mask=valid, other=0).to(tl.int64)
             off = (pos % BS).to(tl.int64)
             kv_mask = valid[:, None] & dmask[None, :]
             k = tl.load(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],

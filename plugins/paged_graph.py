@@ -5,11 +5,11 @@ buffers once per bucket and refill them in place before each replay: decode per
 batch-size bucket, any mixed step (prompt chunks and decode tokens) per token-count
 bucket.
 
-The block tables are as wide as ``max_seq_len`` allows, but a step copies and the kernels
-read only the columns its longest sequence uses: the tables lie column by column
-([width, B], strides (1, B) as the kernels see them), so those columns are one prefix of
-the flat buffer, and the columns past it keep stale ids nobody reads. A step's host work
-and copy then grow with its sequences' lengths, not with ``max_seq_len``.
+The block tables are as wide as ``max_seq_len`` allows, but a step gathers only the entries
+its longest sequence uses (columns past them keep stale ids nobody reads), so the host's
+work on them grows with the sequences' lengths, not with ``max_seq_len``. Each step copies
+one prefix of its flat buffer: the live rows (and a decode bucket's padding rows, which
+repeat the last one and must attend as it does).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class PagedMeta:
     positions: torch.Tensor  # [T] absolute positions
     slot_block: torch.Tensor  # [T] storage block of each new token (-1: padding, not written)
     slot_offset: torch.Tensor  # [T] offset inside it
-    # [B, max_blocks] int32, padded with 0; in the graph buffers column by column, ids
-    # past the step's longest sequence stale
+    # [B, max_blocks] int32, padded with 0; in the graph buffers, ids past the step's
+    # longest sequence are stale
     block_tables: torch.Tensor
     context_lens: torch.Tensor  # [B] int32, tokens after this step
     decode: bool  # every sequence adds exactly one token
@@ -48,13 +48,13 @@ class PagedGraphInputs:
         width = blocks_for(self.max_seq_len, self.block_size)
         pin = self.device.type == "cuda"
         # one flat int64 buffer holds every input, so each step copies it in one go
-        host = torch.zeros(_decode_slots(batch, width), dtype=torch.long)
+        host = torch.zeros(4 * batch + -(-batch * width // 2), dtype=torch.long)
         flat = host.to(self.device)
         self._graph_buffers = getattr(self, "_graph_buffers", {})
         self._graph_buffers[batch] = (PinnedStaging(host, pin), flat, width)
-        scalars, columns = _decode_views(flat, batch, width)
+        scalars, tables = _decode_views(flat, batch, width)
         positions, blocks, offsets, lens = scalars.unbind(0)  # views of one [4, B] tensor
-        return PagedMeta(positions, blocks, offsets, columns.t(), lens, True)
+        return PagedMeta(positions, blocks, offsets, tables, lens, True)
 
     def prepare_decode_into(self, meta: PagedMeta, seq_ids) -> None:
         """One more token for each sequence (blocks grow as in ``prepare``); rows past
@@ -63,16 +63,15 @@ class PagedGraphInputs:
         staging, flat, width = self._graph_buffers[batch]
         bs, n = self.block_size, len(seq_ids)
         pos = torch.tensor(self._advance(seq_ids, [1] * n))  # [n]
-        used = blocks_for(int(pos.max()) + 1, bs)  # columns the longest one reads
-        host = staging.next()  # what is copied below is rewritten in full
-        scalars, columns = _decode_views(host, batch, width)
-        tables = self._rows.gather(seq_ids, used)  # [n, used]
-        columns[:used, :n], columns[:used, n:] = tables.t(), tables[n - 1:].t()
+        used = blocks_for(int(pos.max()) + 1, bs)  # table entries the longest one reads
+        host = staging.next()  # rewritten below, but for the columns no sequence uses
+        scalars, tables = _decode_views(host, batch, width)
+        tables[:n, :used] = self._rows.gather(seq_ids, used)  # [n, used]
         scalars[0, :n], scalars[2, :n], scalars[3, :n] = pos, pos % bs, pos + 1
-        scalars[1, :n] = tables.gather(1, (pos // bs)[:, None])[:, 0]
+        scalars[1, :n] = tables[:n, :used].gather(1, (pos // bs)[:, None])[:, 0]
         scalars[:, n:] = scalars[:, n - 1:n]
-        slots = _decode_slots(batch, used)
-        flat[:slots].copy_(host[:slots], non_blocking=True)  # scalars and used columns at once
+        tables[n:, :used] = tables[n - 1, :used]
+        flat.copy_(host, non_blocking=True)  # positions, slots, lengths and tables at once
 
     # -- any step of up to T tokens over up to S sequences ----------------------------------
     def static_step_meta(self, tokens: int, seqs: int) -> PagedMeta:
@@ -86,9 +85,9 @@ class PagedGraphInputs:
         self._step_buffers = getattr(self, "_step_buffers", {})
         self._step_buffers[tokens, seqs] = (PinnedStaging(host, self.device.type == "cuda"),
                                             flat, width)
-        rows, cu, lens, columns = _step_views(flat, tokens, seqs, width)
+        rows, cu, lens, tables = _step_views(flat, tokens, seqs, width)
         positions, blocks, offsets = rows.unbind(0)
-        return PagedMeta(positions, blocks, offsets, columns.t(), lens, False, cu)
+        return PagedMeta(positions, blocks, offsets, tables, lens, False, cu)
 
     def prepare_step_into(self, meta: PagedMeta, seq_ids, counts) -> None:
         """Place ``counts[j]`` new tokens after each sequence (as ``prepare``) and write
@@ -100,46 +99,40 @@ class PagedGraphInputs:
             raise ValueError(f"a step of {n} sequences and {t} tokens does not fit graph "
                              f"buffers of {seqs} sequences and {tokens} tokens")
         starts, count_t = torch.tensor(self._advance(seq_ids, counts)), torch.tensor(counts)
-        used = blocks_for(int((starts + count_t).max()), bs)  # columns the longest reads
-        host = staging.next()  # what is copied below is rewritten in full
-        rows, cu, lens, columns = _step_views(host, tokens, seqs, width)
-        tables = self._rows.gather(seq_ids, used)  # [n, used]
-        columns[:used, :n], columns[:used, n:] = tables.t(), 0
+        used = blocks_for(int((starts + count_t).max()), bs)  # entries the longest reads
+        host = staging.next()  # rewritten below, but for the columns no sequence uses
+        rows, cu, lens, tables = _step_views(host, tokens, seqs, width)
+        tables[:n, :used] = self._rows.gather(seq_ids, used)  # [n, used]
         cu[0], cu[1:n + 1], cu[n + 1:] = 0, count_t.cumsum(0), t
         lens[:n], lens[n:] = starts + count_t, 0
         seq_of = torch.repeat_interleave(torch.arange(n), count_t)  # [t] row -> sequence
         pos = starts[seq_of] + torch.arange(t) - cu[:n].long()[seq_of]  # [t]
         rows[0, :t], rows[1, :t], rows[2, :t] = pos, tables[seq_of, pos // bs], pos % bs
         rows[0, t:], rows[1, t:], rows[2, t:] = 0, -1, 0
-        slots = _step_slots(tokens, seqs, used)
-        flat[:slots].copy_(host[:slots], non_blocking=True)  # rows, lengths, used columns
+        # the live sequences' rows (the padding ones, of length 0, attend to nothing)
+        slots = _step_slots(tokens, seqs, width, rows=n)
+        flat[:slots].copy_(host[:slots], non_blocking=True)
 
 
-def _step_slots(tokens: int, seqs: int, columns: int) -> int:
-    """int64 slots of a step's flat buffer up to its first ``columns`` table columns: 3
-    rows of ``tokens``, then int32 values packed two to a slot: cu [seqs + 1], lens
-    [seqs], the tables column by column [columns, seqs]."""
-    return 3 * tokens + -(-(2 * seqs + 1 + columns * seqs) // 2)
+def _step_slots(tokens: int, seqs: int, width: int, rows: int | None = None) -> int:
+    """int64 slots of a step's flat buffer (up to its first ``rows`` table rows): 3 rows of
+    ``tokens``, then int32 values packed two to a slot: cu [seqs + 1], lens [seqs], tables
+    [seqs, width]."""
+    rows = seqs if rows is None else rows
+    return 3 * tokens + -(-(2 * seqs + 1 + rows * width) // 2)
 
 
 def _step_views(flat: torch.Tensor, tokens: int, seqs: int, width: int):
-    """rows [3, T] int64 (positions, blocks, offsets), cu [S + 1], lens [S] and the tables
-    column by column [width, S] (int32) inside one flat int64 buffer."""
+    """rows [3, T] int64 (positions, blocks, offsets), cu [S + 1], lens [S] and tables
+    [S, width] (int32) inside one flat int64 buffer."""
     small = flat[3 * tokens:].view(torch.int32)
     cu, lens = small[:seqs + 1], small[seqs + 1:2 * seqs + 1]
-    columns = small[2 * seqs + 1:2 * seqs + 1 + width * seqs].view(width, seqs)
-    return flat[:3 * tokens].view(3, tokens), cu, lens, columns
-
-
-def _decode_slots(batch: int, columns: int) -> int:
-    """int64 slots of a decode step's flat buffer up to its first ``columns`` table columns:
-    4 rows of ``batch``, then the tables' int32 ids two to a slot."""
-    return 4 * batch + -(-batch * columns // 2)
+    tables = small[2 * seqs + 1:2 * seqs + 1 + seqs * width].view(seqs, width)
+    return flat[:3 * tokens].view(3, tokens), cu, lens, tables
 
 
 def _decode_views(flat: torch.Tensor, batch: int, width: int):
     """The decode inputs inside one flat int64 buffer: scalars [4, B] (positions, blocks,
-    offsets, lengths) and the block tables column by column [width, B] int32, packed two
-    to a slot after them."""
-    columns = flat[4 * batch:].view(torch.int32)[:width * batch].view(width, batch)
-    return flat[:4 * batch].view(4, batch), columns
+    offsets, lengths) and the block tables [B, width] int32 packed two to a slot after them."""
+    tables = flat[4 * batch:].view(torch.int32)[:batch * width].view(batch, width)
+    return flat[:4 * batch].view(4, batch), tables

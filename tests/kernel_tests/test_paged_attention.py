@@ -189,22 +189,6 @@ def test_short_contexts_in_a_wide_table(device, dtype, randn, gen, poisoned_empt
                  f"S={num_splits} window={window} kv={kv_quant}")
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@KV_QUANT
-def test_column_major_tables(device, dtype, randn, gen, poisoned_empty, num_splits, kv_quant):
-    """Tables laid out [columns, B] (strides (1, B)), as the decode graphs copy only the
-    columns a step uses; every entry past a sequence's blocks names a NaN block."""
-    lens, bs = [1, 5, 33, 70], 16
-    k, v, ks, vs, tables, _ = _paged(randn, gen, lens, 2, 16, bs, dtype, kv_quant, device, 12)
-    columns = tables.t().contiguous().t()
-    assert columns.stride() == (1, len(lens))
-    q = randn(len(lens), 4, 16, dtype=dtype)
-    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
-    out = paged_attention_triton(q, k, v, columns, ctx, 0.25, None, ks, vs, num_splits=num_splits)
-    assert_close(out, paged_attention_torch(q, k, v, tables, ctx, 0.25, None, ks, vs),
-                 f"S={num_splits} kv={kv_quant}")
-
-
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
 def test_splits_follow_the_actual_length(device, randn, gen, poisoned_empty, monkeypatch, window):
     # the two-kernel path's scratch m [B, Hq, S]: finite where a split had keys

@@ -112,18 +112,6 @@ def test_varlen_matches_reference(device, dtype, randn, gen, poisoned_empty, hq,
     _run(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window, kv_quant)
 
 
-@pytest.mark.parametrize("window,kv_quant", [(None, None), (6, torch.int8)], ids=["full", "window6-int8"])
-def test_column_major_tables(device, dtype, randn, gen, poisoned_empty, window, kv_quant):
-    """Tables laid out [columns, B] (strides (1, B)), as the step graphs copy only the
-    columns a step uses; every entry past a sequence's blocks names a NaN block."""
-    args, kv = _inputs(randn, gen, device, dtype, 8, 2, 32, 4, CASES[2][4], 2, window,
-                       kv_quant, width=24)
-    tables = args[3].t().contiguous().t()
-    assert tables.stride() == (1, tables.shape[0])
-    out = varlen_attention_triton(*args[:3], tables, *args[4:])
-    assert_close(out, varlen_attention_torch(*args), f"window={window} kv={kv_quant}")
-
-
 @pytest.mark.parametrize("block_m,block_n,window", [(16, 16, 4), (32, 64, None), (64, 32, 4)])
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (8, 2)], ids=["gqa3", "gqa4"])
 def test_query_tiles(device, dtype, randn, gen, poisoned_empty, hq, hkv, block_m, block_n,
