@@ -1,0 +1,100 @@
+"""GPTQ (Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative
+Pre-trained Transformers", 2022) for one linear layer: 4-bit codes in contiguous groups,
+asymmetric, no act-order.
+
+The layer's inputs X [n, K] give H = 2 X^T X / n (``Hessian``). Columns are quantised in
+order; the error of each is spread over the columns not yet quantised through the upper
+Cholesky factor U of H^-1 (row i of U scaled by 1 / U[i, i]), which minimises
+||X W^T - X Q^T|| column by column. Columns go in lazy blocks of 128: inside a block
+every update is applied at once to the block, the rest of the matrix gets the block's
+errors in one GEMM at its end. A group's grid (scale, zero-point: ``pack.int4_grid``) is
+taken from its columns' current weights, error updates included, when its first column
+comes; group sizes divide the block, so a group never straddles two blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from .pack import int4_grid, round_to_grid
+
+BLOCK = 128  # columns per lazy batch
+DAMP = 0.01  # dampening: this fraction of mean(diag(H)) added to the diagonal
+
+
+class Hessian:
+    """H = 2 X^T X / n of a layer's inputs, accumulated batch by batch (each batch's
+    product in float32, the sum in float64)."""
+
+    def __init__(self, columns: int):
+        self.sum = torch.zeros(columns, columns, dtype=torch.float64)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()  # [rows, K]
+        self.sum += (x.t() @ x).double()
+        self.rows += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        """float64 [K, K]."""
+        if not self.rows:
+            raise ValueError("no inputs were added to the Hessian")
+        return 2 * self.sum / self.rows
+
+
+def inverse_cholesky(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damp * mean(diag H) I)^-1, float64 [K, K]. ``h``
+    must have no zero diagonal (``gptq_quantize`` sets dead columns' to 1). Where the
+    dampened H is not positive definite (rounding, a rank-deficient H) the dampening grows
+    tenfold, up to twice."""
+    mean_diag = h.diagonal().mean()
+    for attempt in range(3):
+        damped = h.clone()
+        damped.diagonal().add_(damp * 10 ** attempt * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+    raise ValueError(f"the Hessian is not positive definite even dampened by "
+                     f"{damp * 100:g} % x 100 of its mean diagonal")
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
+                  min_zero: int = 0, damp: float = DAMP):
+    """weight [N, K], H [K, K] -> (q uint8 [N, K], zeros uint8 [N, G], scales float16
+    [N, G]) as ``pack.rtn_int4`` returns them, but with GPTQ's error compensation.
+    ``min_zero`` as in ``pack.int4_grid``."""
+    assert BLOCK % group_size == 0, f"group_size {group_size} must divide {BLOCK}"
+    w = weight.detach().float().clone()  # [N, K], updated as columns are quantised
+    n, k = w.shape
+    h = hessian.detach().double().clone()
+    assert h.shape == (k, k), f"H is {tuple(h.shape)}, the weight has {k} columns"
+    # 1) Dead columns (an input that is always 0): any weight gives the same output; 0
+    # keeps them out of their group's range.
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    u = inverse_cholesky(h, damp).float()  # [K, K] upper
+    groups = -(-k // group_size)
+    q = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, groups)
+    zeros = torch.empty(n, groups)
+    # 2) Lazy blocks of columns.
+    for b0 in range(0, k, BLOCK):
+        b1 = min(b0 + BLOCK, k)
+        block = w[:, b0:b1].clone()  # [N, B]
+        errors = torch.empty_like(block)
+        ub = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = b0 + i
+            if col % group_size == 0:
+                g = col // group_size
+                scale, zero = int4_grid(block[:, i:i + group_size], min_zero)  # [N] each
+                scales[:, g], zeros[:, g] = scale, zero
+            codes = round_to_grid(block[:, i], scale, zero)  # [N]
+            q[:, col] = codes.to(torch.uint8)
+            err = (block[:, i] - (codes - zero) * scale) / ub[i, i]
+            # the block's later columns (and this one, which is done) take the error
+            block[:, i:].addr_(err, ub[i, i:], alpha=-1)
+            errors[:, i] = err
+        # 3) The rest of the matrix takes the block's errors at once.
+        w[:, b1:].addmm_(errors, u[b0:b1, b1:], alpha=-1)
+    return q, zeros.to(torch.uint8), scales.half()
