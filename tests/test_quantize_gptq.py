@@ -38,9 +38,10 @@ def _correlated(rows, k, seed=0):
     return x
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("n,k", [(96, 256), (40, 200)])  # 200: a partial last group
-def test_gptq_output_error_is_below_rtn(group_size, n, k):
+def test_gptq_output_error_is_below_rtn(group_size, n, k, act_order):
     x = _correlated(1024, k)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
     h = Hessian(k)
@@ -48,7 +49,7 @@ def test_gptq_output_error_is_below_rtn(group_size, n, k):
         h.add(part)
     want = 2 * x.double().t() @ x.double() / len(x)  # each batch's product is float32
     torch.testing.assert_close(h.value(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
-    q, zeros, scales = gptq_quantize(w, h.value(), group_size, min_zero=1)
+    q, zeros, scales = gptq_quantize(w, h.value(), group_size, min_zero=1, act_order=act_order)
     groups = -(-k // group_size)
     assert q.shape == (n, k) and zeros.shape == scales.shape == (n, groups)
     assert q.dtype == zeros.dtype == torch.uint8 and scales.dtype == torch.float16
@@ -57,14 +58,21 @@ def test_gptq_output_error_is_below_rtn(group_size, n, k):
     def error(codes):
         return float((x @ w.t() - x @ dequantize(*codes, group_size).t()).norm())
 
-    ours, rtn = error((q, zeros, scales)), error(rtn_int4(w, group_size, min_zero=1))
+    rtn_codes = rtn_int4(w, group_size, min_zero=1)
+    ours, rtn = error((q, zeros, scales)), error(rtn_codes)
     assert torch.isfinite(torch.tensor(ours)) and ours < 0.85 * rtn, (ours, rtn)
+    if act_order:  # static groups: each grid is the one of the weights before any update
+        w0 = w.clone()
+        w0[:, 5] = 0  # the dead input's weights are zeroed first
+        _, rtn_zeros, rtn_scales = rtn_int4(w0, group_size, min_zero=1)
+        assert torch.equal(zeros, rtn_zeros) and torch.equal(scales, rtn_scales)
 
 
-def test_gptq_with_uncorrelated_inputs_stays_near_rtn():
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_with_uncorrelated_inputs_stays_near_rtn(act_order):
     # H = I: no column can correct another, so GPTQ rounds as RTN does, bar the dampening
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
-    q, zeros, scales = gptq_quantize(w, torch.eye(64), 32)
+    q, zeros, scales = gptq_quantize(w, torch.eye(64), 32, act_order=act_order)
     rq, rzeros, rscales = rtn_int4(w, 32)
     assert torch.equal(zeros, rzeros) and torch.equal(scales, rscales)
     assert (q != rq).float().mean() < 0.01
@@ -139,21 +147,22 @@ def _reference(hf, out):
     return ref, tensors
 
 
-@pytest.mark.parametrize("make,method,group_size", [
-    (tiny_llama_config, "gptq", 32), (tiny_llama_config, "rtn", 64),
-    (tiny_mistral_config, "gptq", 128)])
-def test_the_written_checkpoint_builds_and_matches_hf(tmp_path, make, method, group_size):
+@pytest.mark.parametrize("make,method,group_size,act_order", [
+    (tiny_llama_config, "gptq", 32, False), (tiny_llama_config, "rtn", 64, False),
+    (tiny_mistral_config, "gptq", 128, False), (tiny_llama_config, "gptq", 64, True)])
+def test_the_written_checkpoint_builds_and_matches_hf(tmp_path, make, method, group_size,
+                                                      act_order):
     hf, src = _tiny_dir(tmp_path, make)
     out = tmp_path / "out"
     done = quantize_model(src, out, method=method, group_size=group_size,
-                          calibration_tokens=1024)
+                          calibration_tokens=1024, act_order=act_order)
     assert done.projections == 7 * hf.config.num_hidden_layers
     assert done.calibration_tokens == (1024 if method == "gptq" else 0)
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
     assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym",
                                "checkpoint_format")} == \
-        {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
+        {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
          "sym": False, "checkpoint_format": "gptq"}
     assert qc["meta"]["method"] == method
     assert (out / "tokenizer.json").exists()
@@ -163,10 +172,12 @@ def test_the_written_checkpoint_builds_and_matches_hf(tmp_path, make, method, gr
     for key, t in source.items():
         if key.endswith("_proj.weight"):
             assert key not in tensors and key.replace(".weight", ".qweight") in tensors
+            g_idx = tensors[key.replace(".weight", ".g_idx")]  # contiguous groups, always
+            assert torch.equal(g_idx, (torch.arange(t.shape[1]) // group_size).int())
         else:
             assert torch.equal(tensors[key], t), key
     # quantised, not copied: the weights moved, but not far
-    w, wq = hf.model.layers[0].mlp.down_proj.weight, ref.model.layers[0].mlp.down_proj.weight
+    w, wq = (m.model.layers[0].mlp.down_proj.weight.detach() for m in (hf, ref))
     assert 0 < float((w - wq).abs().max()) < 0.2 * float(w.abs().max())
     engine = core.build(str(out), plugins=["int4"], **KW)
     assert engine.plan.quantizers == ("int4",)
@@ -235,8 +246,37 @@ def test_the_cli_refuses_a_missing_model_another_architecture_and_a_full_out(tmp
     assert [p.name for p in full.iterdir()] == ["keep.txt"]
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty directory is taken
-    assert main(["quantize", str(src), "--out", str(empty), "--method", "rtn"]) == 2 - 2
+    assert main(["quantize", str(src), "--out", str(empty), "--method", "rtn"]) == 0
     with pytest.raises(QuantizeError, match="already quantised"):
         quantize_model(empty, tmp_path / "o3", method="rtn")
     with pytest.raises(ModelSourceError):
         quantize_model(tmp_path / "nowhere", tmp_path / "o4")
+
+
+@pytest.mark.slow
+def test_demo_model_quantised_by_gptq(tmp_path):
+    """SmolLM2-135M, GPTQ in groups of 128 on the default calibration, against the float32
+    engine over tests/demo_support's 2,048 tokens; RTN beside it for the record."""
+    import time
+
+    from demo_support import demo_answer, demo_engine, perplexity, text_ids
+
+    start = time.perf_counter()
+    quantize_model("smollm2-135m", tmp_path / "gptq", group_size=128)
+    seconds = time.perf_counter() - start
+    quantize_model("smollm2-135m", tmp_path / "rtn", method="rtn", group_size=128)
+    dense = demo_engine(["paged"])
+    ids = text_ids(dense)
+    base = perplexity(dense, ids)
+    del dense
+    ratios = {}
+    for method in ("rtn", "gptq"):
+        engine = demo_engine(["paged", "int4"], model=tmp_path / method)
+        assert engine.plan.quantizers == ("int4",)
+        ratios[method] = perplexity(engine, ids) / base
+    print(f"\nfloat32 perplexity {base:.3f}; int4-g128 ratio: GPTQ {ratios['gptq']:.3f} "
+          f"(quantised in {seconds:.0f} s), RTN {ratios['rtn']:.3f}")
+    answer = demo_answer(engine)  # the GPTQ engine
+    assert "Paris" in answer, answer
+    assert ratios["gptq"] < ratios["rtn"] - 0.15, ratios
+    assert ratios["gptq"] <= GPTQ_G128_RATIO, ratios

@@ -10,6 +10,13 @@ every update is applied at once to the block, the rest of the matrix gets the bl
 errors in one GEMM at its end. A group's grid (scale, zero-point: ``pack.int4_grid``) is
 taken from its columns' current weights, error updates included, when its first column
 comes; group sizes divide the block, so a group never straddles two blocks.
+
+``act_order=True`` (GPTQ's "act-order" with AutoGPTQ's "static groups"): every group's grid
+is taken first, from the weights before any update, then the columns go in descending
+order of H's diagonal (the inputs with the most energy first, while the most columns are
+left to take their error), each on its own group's grid. Groups stay the contiguous ranges
+of input columns they were (``g_idx`` = arange(K) // group_size), so the checkpoint loads
+as any other; only the order of the work changes.
 """
 from __future__ import annotations
 
@@ -58,10 +65,11 @@ def inverse_cholesky(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
-                  min_zero: int = 0, damp: float = DAMP):
+                  min_zero: int = 0, damp: float = DAMP, act_order: bool = False):
     """weight [N, K], H [K, K] -> (q uint8 [N, K], zeros uint8 [N, G], scales float16
     [N, G]) as ``pack.rtn_int4`` returns them, but with GPTQ's error compensation.
-    ``min_zero`` as in ``pack.int4_grid``."""
+    ``min_zero`` as in ``pack.int4_grid``; ``act_order``: static groups, columns by
+    descending diag(H) (the module's docstring)."""
     assert BLOCK % group_size == 0, f"group_size {group_size} must divide {BLOCK}"
     w = weight.detach().float().clone()  # [N, K], updated as columns are quantised
     n, k = w.shape
@@ -72,12 +80,21 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     dead = h.diagonal() == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    u = inverse_cholesky(h, damp).float()  # [K, K] upper
     groups = -(-k // group_size)
-    q = torch.empty(n, k, dtype=torch.uint8)
     scales = torch.empty(n, groups)
     zeros = torch.empty(n, groups)
-    # 2) Lazy blocks of columns.
+    order = torch.arange(k)  # the column quantised i-th
+    if act_order:
+        # 2) Static groups: every grid from the weights as they are (a partial last group
+        # padded with zeros, which its grid holds anyway); then the columns reordered.
+        padded = torch.nn.functional.pad(w, (0, groups * group_size - k))
+        scales[:], zeros[:] = int4_grid(padded.reshape(n, groups, group_size), min_zero)
+        order = torch.argsort(h.diagonal(), descending=True, stable=True)
+        w, h = w[:, order], h[order][:, order]
+    group_of = (order // group_size).tolist()
+    u = inverse_cholesky(h, damp).float()  # [K, K] upper
+    q = torch.empty(n, k, dtype=torch.uint8)
+    # 3) Lazy blocks of columns.
     for b0 in range(0, k, BLOCK):
         b1 = min(b0 + BLOCK, k)
         block = w[:, b0:b1].clone()  # [N, B]
@@ -85,16 +102,18 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
         ub = u[b0:b1, b0:b1]
         for i in range(b1 - b0):
             col = b0 + i
-            if col % group_size == 0:
-                g = col // group_size
-                scale, zero = int4_grid(block[:, i:i + group_size], min_zero)  # [N] each
-                scales[:, g], zeros[:, g] = scale, zero
+            g = group_of[col]
+            if not act_order and col % group_size == 0:
+                scales[:, g], zeros[:, g] = int4_grid(block[:, i:i + group_size], min_zero)
+            scale, zero = scales[:, g], zeros[:, g]  # [N] each
             codes = round_to_grid(block[:, i], scale, zero)  # [N]
             q[:, col] = codes.to(torch.uint8)
             err = (block[:, i] - (codes - zero) * scale) / ub[i, i]
             # the block's later columns (and this one, which is done) take the error
             block[:, i:].addr_(err, ub[i, i:], alpha=-1)
             errors[:, i] = err
-        # 3) The rest of the matrix takes the block's errors at once.
+        # 4) The rest of the matrix takes the block's errors at once.
         w[:, b1:].addmm_(errors, u[b0:b1, b1:], alpha=-1)
+    if act_order:
+        q = q[:, torch.argsort(order)]  # back to the input columns' order
     return q, zeros.to(torch.uint8), scales.half()

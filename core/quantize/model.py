@@ -124,9 +124,24 @@ def calibration_batch(source, tokens: int, seed: int, calibration) -> torch.Tens
         raise QuantizeError(str(e)) from None
 
 
+def written_config(method: str, group_size: int, tokens: int, seed: int, act_order: bool,
+                   own_text: bool) -> dict:
+    """config.json's ``quantization_config``; ``meta`` records how it was made."""
+    qc = quantization_config("gptq", group_size, sym=False, v1=True)
+    meta = {"quantizer": ["infergraft"], "method": method}
+    if method == "gptq":
+        # act-order with static groups: g_idx stays arange(K) // group_size
+        qc.update(desc_act=act_order, static_groups=act_order, damp_percent=DAMP,
+                  true_sequential=True)
+        meta.update(calibration_tokens=tokens, seed=seed if own_text else None,
+                    calibration=SOURCE if own_text else "token ids given")
+    return {**qc, "meta": meta}
+
+
 def quantize_model(model, out, *, method: str = "gptq", bits: int = 4, group_size: int = 128,
                    calibration_tokens: int = DEFAULT_TOKENS, seed: int = 0, calibration=None,
-                   tokenizer=None, progress: bool = False) -> QuantizeResult:
+                   act_order: bool = False, tokenizer=None,
+                   progress: bool = False) -> QuantizeResult:
     """Quantise every decoder projection (q, k, v, o, gate, up, down) of ``model`` to 4
     bits in groups of ``group_size`` input columns and write an HF GPTQ checkpoint to the
     directory ``out`` (which must not exist or be empty); ``core.build(out)`` loads it.
@@ -135,13 +150,18 @@ def quantize_model(model, out, *, method: str = "gptq", bits: int = 4, group_siz
     transformers model in memory (with ``tokenizer=`` for calibration and to save one).
     ``method``: "gptq" (calibrated: ``calibration_tokens`` tokens of Python's own docs,
     windows of 256 drawn with ``seed``, or ``calibration``: int64 ids [n, S] of your own)
-    or "rtn" (round to nearest, no calibration). Embeddings, norms and the LM head are
+    or "rtn" (round to nearest, no calibration). ``act_order`` (GPTQ): the columns in
+    descending order of their inputs' energy, each group's grid fixed before any column is
+    (static groups: the groups stay contiguous, config.json says desc_act and
+    static_groups). Embeddings, norms and the LM head are
     written unchanged. Raises QuantizeError (ModelSourceError for a model that cannot be
     read) before anything is written."""
     start = time.perf_counter()
     from ..loading.source import resolve_source
 
     check_settings(method, bits, group_size, calibration_tokens)
+    if act_order and method != "gptq":
+        raise QuantizeError("act_order is a GPTQ setting; method 'rtn' has no column order")
     out = check_out(out)
     source = resolve_source(model, tokenizer)
     if source.prequantized is not None:
@@ -158,7 +178,8 @@ def quantize_model(model, out, *, method: str = "gptq", bits: int = 4, group_siz
 
         ids = calibration_batch(source, calibration_tokens, seed, calibration)
         tokens = ids.numel()
-        codes = gptq_model(hf_model(source), ids, group_size, MIN_ZERO, progress=progress)
+        codes = gptq_model(hf_model(source), ids, group_size, MIN_ZERO, act_order,
+                           progress=progress)
 
         def codes_of(module, weight):
             return codes[module]
@@ -171,12 +192,7 @@ def quantize_model(model, out, *, method: str = "gptq", bits: int = 4, group_siz
     where = source_dir(model)
     config = json.loads((where / "config.json").read_text()) if where is not None else \
         source.config.to_dict()
-    meta = {"quantizer": ["infergraft"], "method": method}
-    if method == "gptq":
-        meta.update(damp_percent=DAMP, true_sequential=True, calibration_tokens=tokens,
-                    seed=None if calibration is not None else seed,
-                    calibration=SOURCE if calibration is None else "token ids given")
-    config["quantization_config"] = {**quantization_config("gptq", group_size, sym=False,
-                                                           v1=True), "meta": meta}
+    config["quantization_config"] = written_config(method, group_size, tokens, seed,
+                                                   act_order, calibration is None)
     write_checkpoint(out, tensors, config, where, source.tokenizer if where is None else None)
     return QuantizeResult(out, method, group_size, packed, tokens, time.perf_counter() - start)

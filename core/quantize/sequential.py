@@ -86,9 +86,11 @@ def run_layer(layer, batches: list[tuple], quantize: Callable) -> list[tuple]:
 
 
 def gptq_model(hf, ids: torch.Tensor, group_size: int, min_zero: int = 0,
-               batch_size: int = 8, progress: bool = False) -> dict[str, tuple]:
+               act_order: bool = False, batch_size: int = 8,
+               progress: bool = False) -> dict[str, tuple]:
     """Quantise every decoder projection of ``hf`` (its weights replaced by their
-    dequantised codes as it goes) on calibration ``ids`` [n, S]. Returns
+    dequantised codes as it goes) on calibration ``ids`` [n, S] (``act_order``: as
+    ``gptq.gptq_quantize`` takes it). Returns
     {"model.layers.i.self_attn.q_proj": (q, zeros, scales), ...} (``pack.rtn_int4``'s
     shapes)."""
     from tqdm.auto import tqdm
@@ -105,7 +107,8 @@ def gptq_model(hf, ids: torch.Tensor, group_size: int, min_zero: int = 0,
                     hessian.add(x)
                 mods = [layer.get_submodule(n) for n in names]
                 w = torch.cat([m.weight for m in mods])  # [sum N, K]
-                q, zeros, scales = gptq_quantize(w, hessian.value(), group_size, min_zero)
+                q, zeros, scales = gptq_quantize(w, hessian.value(), group_size, min_zero,
+                                                 act_order=act_order)
                 deq = dequantize(q, zeros, scales, group_size)
                 row = 0
                 for name, m in zip(names, mods):
