@@ -255,28 +255,33 @@ def test_the_cli_refuses_a_missing_model_another_architecture_and_a_full_out(tmp
 
 @pytest.mark.slow
 def test_demo_model_quantised_by_gptq(tmp_path):
-    """SmolLM2-135M, GPTQ in groups of 128 on the default calibration, against the float32
-    engine over tests/demo_support's 2,048 tokens; RTN beside it for the record."""
+    """SmolLM2-135M in groups of 128 (default calibration: 8,192 tokens), against the float32
+    engine over tests/demo_support's 2,048 tokens; issue 28's target is a ratio <= 1.10.
+    Measured: RTN 1.398, GPTQ 1.180 (calibration seed 1: 1.183), GPTQ with act-order 1.085
+    (seeds 1, 2: 1.070, 1.079). Only act-order meets the target, so only it is held to it;
+    plain GPTQ is held to beating RTN, act-order to beating plain GPTQ."""
     import time
 
     from demo_support import demo_answer, demo_engine, perplexity, text_ids
 
-    start = time.perf_counter()
-    quantize_model("smollm2-135m", tmp_path / "gptq", group_size=128)
-    seconds = time.perf_counter() - start
-    quantize_model("smollm2-135m", tmp_path / "rtn", method="rtn", group_size=128)
+    seconds = {}
+    for name, kw in (("rtn", dict(method="rtn")), ("gptq", {}),
+                     ("gptq-act-order", dict(act_order=True))):
+        start = time.perf_counter()
+        quantize_model("smollm2-135m", tmp_path / name, group_size=128, **kw)
+        seconds[name] = time.perf_counter() - start
     dense = demo_engine(["paged"])
     ids = text_ids(dense)
     base = perplexity(dense, ids)
     del dense
-    ratios = {}
-    for method in ("rtn", "gptq"):
-        engine = demo_engine(["paged", "int4"], model=tmp_path / method)
+    ratios, answers = {}, {}
+    for name in seconds:
+        engine = demo_engine(["paged", "int4"], model=tmp_path / name)
         assert engine.plan.quantizers == ("int4",)
-        ratios[method] = perplexity(engine, ids) / base
-    print(f"\nfloat32 perplexity {base:.3f}; int4-g128 ratio: GPTQ {ratios['gptq']:.3f} "
-          f"(quantised in {seconds:.0f} s), RTN {ratios['rtn']:.3f}")
-    answer = demo_answer(engine)  # the GPTQ engine
-    assert "Paris" in answer, answer
-    assert ratios["gptq"] < ratios["rtn"] - 0.15, ratios
-    assert ratios["gptq"] <= GPTQ_G128_RATIO, ratios
+        ratios[name] = perplexity(engine, ids) / base
+        answers[name] = demo_answer(engine)
+    print(f"\nfloat32 perplexity {base:.3f}; int4-g128 ratios " + ", ".join(
+        f"{n} {r:.3f} ({seconds[n]:.0f} s)" for n, r in ratios.items()))
+    assert "Paris" in answers["gptq"] and "Paris" in answers["gptq-act-order"], answers
+    assert ratios["gptq-act-order"] < ratios["gptq"] < ratios["rtn"], ratios
+    assert ratios["gptq-act-order"] <= 1.10, ratios

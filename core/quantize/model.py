@@ -17,6 +17,8 @@ from typing import Optional
 import attrs
 import torch
 
+from infergraft.kernels.int4_linear import GROUP_SIZES  # the int4 kernels' groups
+
 from ..errors import QuantizeError
 from .calibration import SOURCE, calibration_ids
 from .checkpoint import check_out, quantized_tensors, write_checkpoint
@@ -25,7 +27,6 @@ from .pack import PROJECTIONS, quantization_config, rtn_int4
 
 METHODS = ("gptq", "rtn")
 BITS = (4,)
-GROUP_SIZES = (32, 64, 128)  # the int4 kernels' (kernels/int4_linear.py)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MODEL_TYPES = ("llama", "mistral")  # a config without architectures: its model_type
 DEFAULT_TOKENS = 8192  # 32 sequences of SEQ_LEN
@@ -56,7 +57,9 @@ def check_settings(method: str, bits: int, group_size: int, calibration_tokens: 
     if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
         raise QuantizeError(f"group_size={group_size!r} is not accepted; choose one of "
                             f"{', '.join(map(str, GROUP_SIZES))} (the int4 kernels' groups)")
-    if not isinstance(calibration_tokens, int) or calibration_tokens < SEQ_LEN:
+    if method == "gptq" and (isinstance(calibration_tokens, bool) or
+                             not isinstance(calibration_tokens, int) or
+                             calibration_tokens < SEQ_LEN):
         raise QuantizeError(f"calibration_tokens={calibration_tokens!r} is not accepted: "
                             f"give at least one sequence of {SEQ_LEN} tokens")
 
@@ -153,9 +156,9 @@ def quantize_model(model, out, *, method: str = "gptq", bits: int = 4, group_siz
     or "rtn" (round to nearest, no calibration). ``act_order`` (GPTQ): the columns in
     descending order of their inputs' energy, each group's grid fixed before any column is
     (static groups: the groups stay contiguous, config.json says desc_act and
-    static_groups). Embeddings, norms and the LM head are
-    written unchanged. Raises QuantizeError (ModelSourceError for a model that cannot be
-    read) before anything is written."""
+    static_groups). Embeddings, norms and the LM head are written unchanged. Settings, the
+    model and ``out`` are checked first: QuantizeError (ModelSourceError for a model that
+    cannot be read)."""
     start = time.perf_counter()
     from ..loading.source import resolve_source
 
