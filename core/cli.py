@@ -1,8 +1,8 @@
-"""The ``infergraft`` command: generate, chat, plugins (and plan, bench).
+"""The ``infergraft`` command: generate, chat, plugins (and plan, bench, quantize, serve).
 
 This module parses the arguments and dispatches; ``generate`` and ``plugins`` live here,
-``chat``, ``plan`` and ``bench`` in ``core/tools``. Bad input exits 2 with what was wrong,
-Ctrl-C exits 130 without a traceback."""
+``chat``, ``plan``, ``bench``, ``quantize`` and ``serve`` in ``core/tools``. Bad input exits
+2 with what was wrong, Ctrl-C exits 130 without a traceback."""
 from __future__ import annotations
 
 import argparse
@@ -182,6 +182,11 @@ def make_parser() -> argparse.ArgumentParser:
     from .tools.plan_cli import add_arguments as plan_arguments, run as run_plan
     plan_arguments(m)
     m.set_defaults(func=run_plan)
+    q = sub.add_parser("quantize", help="write a 4-bit GPTQ checkpoint of a model (GPTQ or "
+                                        "round to nearest)")
+    from .tools.quantize_cli import add_arguments as quantize_arguments, run as run_quantize
+    quantize_arguments(q)
+    q.set_defaults(func=run_quantize)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     from .tools.serve_cli import add_arguments as serve_arguments, run as run_serve
     serve_arguments(s)

@@ -63,6 +63,11 @@ class QuantizedCheckpointError(WeightLoadError):
     packed formats cannot hold; the message names the key, its value and what is accepted."""
 
 
+class QuantizeError(InfergraftError, ValueError):
+    """``infergraft quantize`` (``core.quantize``) was asked for something it cannot do: a
+    setting, a model or an output directory; the message says what is accepted."""
+
+
 class PerformanceWarning(UserWarning):
     """What was asked for runs here on a slow path (fp8 weights on the CPU or on a GPU
     without fp8: the reference, dequantise then the float GEMM); results are unaffected."""

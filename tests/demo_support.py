@@ -10,9 +10,10 @@ QUESTION = "What is the capital of France?"
 TEXT = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
 
 
-def demo_engine(plugins, **overrides):
+def demo_engine(plugins, model="smollm2-135m", **overrides):
+    """``model``: the demo alias, or a directory made from it (a quantised checkpoint)."""
     kw = dict(max_seq_len=2048, max_batch_size=1, dtype="float32", device="cpu", **overrides)
-    return core.build("smollm2-135m", plugins=plugins, **kw)
+    return core.build(str(model), plugins=plugins, **kw)
 
 
 def text_ids(engine, n: int = 2048) -> list[int]:

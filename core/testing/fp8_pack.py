@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .gptq_pack import PROJECTIONS
+from ..quantize.pack import PROJECTIONS
 
 #: ``scales=`` of ``write_fp8`` -> the shape of each weight_scale (n: the output rows)
 SCALE_SHAPES = {"tensor": (), "tensor1": (1,), "channel": ("n",), "channel2d": ("n", 1)}

@@ -81,3 +81,17 @@ def tiny_qwen2_config(**overrides):
     cfg = Qwen2Config(**kw)
     cfg.architectures = ["Qwen2ForCausalLM"]
     return cfg
+
+
+def byte_tokenizer(vocab_size: int = 256):
+    """A byte-level tokenizer of 256 tokens (one a byte, no merges) for the tiny models,
+    built offline: what a tiny model's directory needs where a tool reads text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert vocab_size >= len(alphabet), vocab_size
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
