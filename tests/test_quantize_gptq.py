@@ -102,6 +102,16 @@ def test_calibration_text_is_disjoint_from_the_evaluation_text():
     assert torch.equal(a, calibration_ids(tok, 1024, 256, seed=0)) and not torch.equal(a, b)
     with pytest.raises(ValueError, match="holds"):
         calibration_ids(tok, 10 ** 8, 256)
+    # an instruct model's tokenizer: half the windows behind the chat template's prefix
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    prefix = tok.encode("<user>Tell me about Python.\n<assistant>", add_special_tokens=False)
+    chat = calibration_ids(tok, 1024, 256, seed=0)
+    assert chat.shape == a.shape
+    for row, plain in zip(chat[:2], a[:2]):
+        assert row[:len(prefix)].tolist() == prefix
+        assert torch.equal(row[len(prefix):], plain[:256 - len(prefix)])
+    assert torch.equal(chat[2:], a[2:])
 
 
 @pytest.mark.parametrize("make", [tiny_llama_config, tiny_mistral_config])
@@ -255,11 +265,13 @@ def test_the_cli_refuses_a_missing_model_another_architecture_and_a_full_out(tmp
 
 @pytest.mark.slow
 def test_demo_model_quantised_by_gptq(tmp_path):
-    """SmolLM2-135M in groups of 128 (default calibration: 8,192 tokens), against the float32
-    engine over tests/demo_support's 2,048 tokens; issue 28's target is a ratio <= 1.10.
-    Measured: RTN 1.398, GPTQ 1.180 (calibration seed 1: 1.183), GPTQ with act-order 1.085
-    (seeds 1, 2: 1.070, 1.079). Only act-order meets the target, so only it is held to it;
-    plain GPTQ is held to beating RTN, act-order to beating plain GPTQ."""
+    """SmolLM2-135M in groups of 128 (default calibration: 8,192 tokens, half of them behind
+    the chat prefix), against the float32 engine over tests/demo_support's 2,048 tokens;
+    issue 28's target is a ratio <= 1.10. Measured (through HF on the same weights, seeds
+    0 / 1 / 2 / 3): GPTQ with act-order 1.076 / 1.083 / 1.093 / 1.099, each answering
+    "Paris"; plain GPTQ 1.193 (seed 0); RTN 1.398. Only act-order meets the target, so only
+    it is held to it; plain GPTQ to beating RTN. The answer's first token is a near-tie in
+    the float model ("The" 0.15, "L" 0.14), so the Paris check can flip on small changes."""
     import time
 
     from demo_support import demo_answer, demo_engine, perplexity, text_ids
