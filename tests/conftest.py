@@ -13,12 +13,28 @@ if not torch.cuda.is_available():
 
 from hypothesis import settings  # noqa: E402
 
+# xdist's workers share the cores: each takes its share of torch's threads, and so do the
+# Pythons it starts (torch's default, a thread per core in every worker, has the threads
+# of two workers spin against each other on a two-core machine).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
 # Property tests draw the same examples on every run by default (CI runs a fresh clone,
 # with no example database): a pass here is a pass there, and a failure reproduces.
 # INFERGRAFT_HYPOTHESIS=explore draws new examples each run, to hunt for new failures.
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("INFERGRAFT_HYPOTHESIS", "repeatable"))
+
+
+def pytest_collection_modifyitems(items):
+    """The ``slow`` tests first (each takes a minute or more): xdist's workers start on
+    them together and the short tests fill in around them, instead of one worker running
+    a late long test alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

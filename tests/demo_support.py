@@ -1,6 +1,8 @@
 """Helpers of the quality tests on the real demo model (SmolLM2-135M-Instruct, ``slow``):
 the engine as those tests build it, its perplexity over 2,048 tokens of English that ships
 with Python (pydoc's topics), and its answer to the demo question."""
+import functools
+
 import pydoc_data.topics
 import torch
 
@@ -26,6 +28,16 @@ def perplexity(engine, ids) -> float:
     """exp(mean next-token cross-entropy) of ``ids`` under the engine, one prefill."""
     logits = engine.logits(ids)
     return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
+
+
+@functools.cache
+def float_reference() -> tuple[list[int], float, int]:
+    """(the text's 2,048 token ids, their perplexity, the weight bytes) under the float32
+    engine on the paged cache: the baseline each quality test compares with, computed once
+    a test process."""
+    engine = demo_engine(["paged"])
+    ids = text_ids(engine)
+    return ids, perplexity(engine, ids), engine.plan.weight_bytes
 
 
 def demo_answer(engine, max_new_tokens: int = 32) -> str:

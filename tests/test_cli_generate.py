@@ -14,7 +14,8 @@ METRICS = re.compile(r"\[(\d+) tokens, finish=(\w+), TTFT [\d.]+ ms, TPOT [\d.]+
                      r"[\d.]+ tok/s\]$", re.M)
 # a subcommand -> the shortest argv that parses (a new subcommand must be added here)
 ARGV = {"generate": ["generate", PROMPT], "chat": ["chat"], "plugins": ["plugins"],
-        "plan": ["plan"], "bench": ["bench"], "serve": ["serve"]}
+        "plan": ["plan"], "bench": ["bench"], "serve": ["serve"],
+        "quantize": ["quantize", "smollm2-135m", "--out", "unused"]}
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_folding_moves_the_norm_weights_into_qkv_and_gate_up():
 # a fused prefill too (5, 24 rows) / only the decode steps (40: more than FUSE_MAX_ROWS)
 @pytest.mark.parametrize("prompt_len", [5, 24, 40])
 def test_fused_decode_layer_matches_the_reference(prompt_len):
-    config = tiny_llama_config(hidden_size=256, intermediate_size=512)
+    config = tiny_llama_config(hidden_size=128, intermediate_size=256)
     hf = with_random_norm_weights(random_model(config, seed=4, scale=2.0))
     ref = core.build(hf, kernels="torch", **KW)
     engine = core.build(hf, kernels="triton", **KW)

@@ -13,7 +13,7 @@ from infergraft.core.testing.cache_machine import cache_factory
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             tiny_mistral_config)
 
-from demo_support import demo_engine, perplexity, text_ids
+from demo_support import demo_engine, float_reference, perplexity
 
 LENGTHS = (3, 17, 40, 9, 26)  # a batch of mixed lengths, some crossing block edges
 CONFIGS = {
@@ -237,11 +237,8 @@ def test_bad_pool_options_are_refused(options, match):
 
 @pytest.mark.slow
 def test_demo_model_perplexity_with_int8_kv_within_one_percent():
-    f32 = demo_engine(["paged"])
-    ids = text_ids(f32)
+    ids, p_float, _ = float_reference()
     assert len(ids) >= 2000
-    p_float = perplexity(f32, ids)
-    del f32
     assert 1.0 < p_float < 100.0  # the model reads this text sensibly
     for backend in ("paged", "contiguous"):
         int8 = demo_engine([backend, "kv-int8"])

@@ -13,7 +13,7 @@ from infergraft.core.cli import main
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             tiny_mistral_config)
 
-from demo_support import demo_answer, demo_engine, perplexity, text_ids
+from demo_support import demo_answer, demo_engine, float_reference, perplexity
 
 FP8 = torch.float8_e4m3fn
 # e4m3 has 3 mantissa bits (a relative step of up to 2^-3) where int8 rounds a uniform
@@ -159,10 +159,7 @@ def test_gpu_kernels_match_the_reference_ops(backend):
 def test_demo_model_perplexity_with_fp8_kv_within_two_percent():
     """Real weights (SmolLM2-135M), 2048 tokens of pydoc's topics: kv-fp8's perplexity
     over float K/V's <= 1.02, on the paged and the contiguous cache."""
-    f32 = demo_engine(["paged"])
-    ids = text_ids(f32)
-    p_float = perplexity(f32, ids)
-    del f32
+    ids, p_float, _ = float_reference()
     assert 1.0 < p_float < 100.0
     for backend in ("paged", "contiguous"):
         p_fp8 = perplexity(demo_engine([backend, "kv-fp8"]), ids)

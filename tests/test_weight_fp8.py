@@ -26,7 +26,7 @@ from infergraft.plugins import weight_fp8
 from infergraft.plugins.weight_fp8 import WeightFp8
 from infergraft.plugins.weight_int8 import WeightInt8
 
-from demo_support import demo_answer, demo_engine, perplexity, text_ids
+from demo_support import demo_answer, demo_engine, float_reference, perplexity
 
 KW = dict(max_seq_len=64, max_batch_size=2)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -219,13 +219,9 @@ def test_plan_counts_the_packed_bytes(tmp_path, capsys):
 def test_demo_model_perplexity_with_fp8_weights_within_two_percent():
     """Real weights (SmolLM2-135M) on English text, 2048 tokens of pydoc's topics: the
     ratio of fp8's perplexity to float's <= 1.02, in < 45% of the float32 weight bytes."""
-    ppl, plans = [], []
-    for plugins in (["paged"], ["paged", "fp8"]):
-        engine = demo_engine(plugins)
-        ids = text_ids(engine)
-        ppl.append(perplexity(engine, ids))
-        plans.append(engine.plan.weight_bytes)
-        del engine
+    ids, p_float, float_bytes = float_reference()
+    engine = demo_engine(["paged", "fp8"])
+    ppl, plans = [p_float, perplexity(engine, ids)], [float_bytes, engine.plan.weight_bytes]
     print(f"perplexity over {len(ids)} tokens: float {ppl[0]:.4f}, fp8 weights {ppl[1]:.4f} "
           f"(ratio {ppl[1] / ppl[0]:.4f}); weight bytes {plans[1]} vs {plans[0]}")
     assert 1.0 < ppl[0] < 100.0 and ppl[1] != ppl[0]

@@ -140,18 +140,11 @@ def test_one_weight_quantizer_at_most():
 def test_demo_model_perplexity_with_int8_weights_within_one_percent():
     """Real weights (SmolLM2-135M): int8 projections cost < 1% perplexity on English text
     (measured 11.560 -> 11.587) and hold < 45% of the float32 weight bytes."""
-    import pydoc_data.topics
+    from demo_support import demo_engine, float_reference, perplexity
 
-    text = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
-    kw = dict(max_seq_len=2048, max_batch_size=1, dtype="float32", device="cpu")
-    ppl, plans = [], []
-    for plugins in (["paged"], ["paged", "int8"]):
-        engine = core.build("smollm2-135m", plugins=plugins, **kw)
-        ids = engine.tokenizer.encode(text)[:2048]
-        logits = engine.logits(ids)
-        ppl.append(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item())
-        plans.append(engine.plan.weight_bytes)
-        del engine
+    ids, p_float, float_bytes = float_reference()
+    engine = demo_engine(["paged", "int8"])
+    ppl, plans = [p_float, perplexity(engine, ids)], [float_bytes, engine.plan.weight_bytes]
     print(f"perplexity over {len(ids)} tokens: float {ppl[0]:.4f}, int8 weights {ppl[1]:.4f}")
     assert 1.0 < ppl[0] < 100.0 and ppl[1] != ppl[0]
     assert abs(ppl[1] - ppl[0]) / ppl[0] < 0.01
