@@ -6,9 +6,12 @@ This module parses the arguments and dispatches; ``generate`` and ``plugins`` li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 
 from .build import build
 from .errors import InfergraftError, InvalidRequestError
@@ -196,15 +199,43 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    with _noting_interrupts() as interrupted:
+        try:
+            return args.func(args)
+        except InfergraftError as e:
+            if not interrupted:
+                print(f"infergraft: error: {e}", file=sys.stderr)
+                return 2
+        # Ctrl-C in any command: the shell's convention (128 + SIGINT), not a traceback
+        except KeyboardInterrupt:
+            pass
+        # the KeyboardInterrupt raised inside an extension (safetensors reading a
+        # tensor) can come out as that extension's own error
+        except Exception:
+            if not interrupted:
+                raise
+    print("infergraft: interrupted", file=sys.stderr)
+    return 130
+
+
+@contextlib.contextmanager
+def _noting_interrupts():
+    """Yields a list that SIGINT appends to (then raising KeyboardInterrupt as Python's own
+    handler does); outside the main thread, where signals cannot be handled, an empty one."""
+    interrupted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+
+    def on_sigint(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        return args.func(args)
-    except InfergraftError as e:
-        print(f"infergraft: error: {e}", file=sys.stderr)
-        return 2
-    # Ctrl-C in any command: the shell's convention (128 + SIGINT), not a traceback
-    except KeyboardInterrupt:
-        print("infergraft: interrupted", file=sys.stderr)
-        return 130
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,15 +15,15 @@ import httpx
 import openai
 import pytest
 from cli_support import tiny_chat_model, wait_or_kill
+
+from infergraft.core.testing import distributed
 from prometheus_client.parser import text_string_to_metric_families
 
 HOST = "127.0.0.1"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return distributed.free_port(HOST)
 
 
 def tiny_model(tmp_path_factory) -> Path:

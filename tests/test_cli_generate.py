@@ -93,6 +93,45 @@ def test_ctrl_c_in_any_subcommand_exits_130_without_a_traceback(capsys, monkeypa
         assert capsys.readouterr().err == "infergraft: interrupted\n"
 
 
+def test_ctrl_c_turned_into_an_extensions_error_still_exits_130(capsys, monkeypatch):
+    """safetensors, interrupted while it reads a tensor, raises a ValueError of its own in
+    place of the KeyboardInterrupt: after a real SIGINT that is an interrupt too; the same
+    error without one is raised as it is."""
+    import signal
+
+    def reading_a_tensor(args):
+        if args.interrupt:
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                pass
+        raise ValueError("could not determine the shape of object type 'UntypedStorage'")
+
+    real = cli.make_parser
+
+    def parser(interrupt):
+        def make():
+            p = real()
+            parse = p.parse_args
+
+            def parse_args(argv):
+                args = parse(argv)
+                args.func, args.interrupt = reading_a_tensor, interrupt
+                return args
+
+            p.parse_args = parse_args
+            return p
+        return make
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(cli, "make_parser", parser(True))
+    assert cli.main(["plugins"]) == 130
+    assert capsys.readouterr().err == "infergraft: interrupted\n"
+    monkeypatch.setattr(cli, "make_parser", parser(False))
+    with pytest.raises(ValueError, match="UntypedStorage"):
+        cli.main(["plugins"])
+    assert signal.getsignal(signal.SIGINT) is before  # put back
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_ctrl_c_while_generating_exits_130_quietly(model_dir, stream):
     run = Cli("generate", PROMPT, "--model", model_dir, "--max-seq-len", "4096",

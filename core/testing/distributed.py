@@ -10,8 +10,10 @@ and return JSON-able data. A rank that fails fails the call with its traceback (
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import socket
 import tempfile
 import time
@@ -20,10 +22,23 @@ from pathlib import Path
 import torch
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free when checked, drawn below the kernel's ephemeral range: bind(0) and every
+    outgoing connection (a gloo rank's, a client's) take theirs from that range, so a port
+    from it could be taken by another test's connection before our server binds it."""
+    low = 32768  # Linux's default start of ip_local_port_range
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    draw = random.SystemRandom()  # not the tests' seeded generator: workers draw apart
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} on {host} in 200 draws")
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
