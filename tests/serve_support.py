@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 from cli_support import tiny_chat_model, wait_or_kill
+from prometheus_client.parser import text_string_to_metric_families
 
 from infergraft.core.testing import distributed
-from prometheus_client.parser import text_string_to_metric_families
 
 HOST = "127.0.0.1"
 

@@ -132,6 +132,7 @@ def test_ctrl_c_turned_into_an_extensions_error_still_exits_130(capsys, monkeypa
         cli.main(["plugins"])
     assert signal.getsignal(signal.SIGINT) is before  # put back
 
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_ctrl_c_while_generating_exits_130_quietly(model_dir, stream):
     run = Cli("generate", PROMPT, "--model", model_dir, "--max-seq-len", "4096",

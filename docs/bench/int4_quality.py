@@ -12,33 +12,21 @@ import tempfile
 import time
 from pathlib import Path
 
-import pydoc_data.topics
 import torch
 
-from infergraft import core
 from infergraft.core.quantize.model import quantize_model
 
-QUESTION = "What is the capital of France?"
-TEXT = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
-TOKENS = 2048
-
-
-def engine_of(model, plugins):
-    return core.build(str(model), plugins=plugins, max_seq_len=2048, max_batch_size=1,
-                      dtype="float32", device="cpu")
-
-
-def perplexity(engine, ids) -> float:
-    logits = engine.logits(ids)  # [T, vocab]
-    return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
+# the quality tests' own engine, text, perplexity and question: the figures here are what
+# their thresholds are held against
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from demo_support import QUESTION, demo_engine, perplexity, text_ids  # noqa: E402
 
 
 def answer(engine) -> tuple[str, float]:
     """The greedy answer and its first token's margin (top-1 minus top-2 probability)."""
     chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
                                                 add_generation_prompt=True, tokenize=False)
-    ids = engine.tokenizer.encode(chat)
-    top2 = engine.logits(ids)[-1].softmax(-1).topk(2).values
+    top2 = engine.logits(engine.tokenizer.encode(chat))[-1].softmax(-1).topk(2).values
     text = engine.generate(chat, max_new_tokens=32)[0].text
     return text, float(top2[0] - top2[1])
 
@@ -55,8 +43,8 @@ def main(argv):
     plain = "--plain-gptq" in argv
     args = [a for a in argv if not a.startswith("--")]
     seeds = [int(s) for s in (args[0] if args else "0,1,2,3").split(",")]
-    dense = engine_of("smollm2-135m", ["paged"])
-    ids = dense.tokenizer.encode(TEXT)[:TOKENS]
+    dense = demo_engine(["paged"])
+    ids = text_ids(dense)
     base = perplexity(dense, ids)
     print(f"float32 perplexity {base:.3f} over {len(ids)} tokens; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads\n")
@@ -64,8 +52,7 @@ def main(argv):
           "quantise s |\n|---|---|---|---|---|---|")
     row("float32 (no quantisation)", dense, ids, base, 0)
     del dense
-    row("round to nearest (load time)", engine_of("smollm2-135m", ["paged", "int4"]), ids,
-        base, 0)
+    row("round to nearest (load time)", demo_engine(["paged", "int4"]), ids, base, 0)
     runs = [("GPTQ, seed 0", dict(seed=0))] if plain else []
     runs += [(f"GPTQ act-order, seed {s}", dict(seed=s, act_order=True)) for s in seeds]
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +60,7 @@ def main(argv):
             out = Path(tmp) / str(i)
             start = time.perf_counter()
             quantize_model("smollm2-135m", out, group_size=128, **kw)
-            row(name, engine_of(out, ["paged", "int4"]), ids, base,
+            row(name, demo_engine(["paged", "int4"], model=out), ids, base,
                 time.perf_counter() - start)
 
 
