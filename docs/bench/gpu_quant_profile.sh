@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 43's first step, profile before changing kernels (one GPU call):
 #   bash docs/bench/gpu_quant_profile.sh OUT_DIR [int4] [profile] [ncu]
-# int4: docs/bench/int4_mma_sweep.py, the tensor-core int4 kernel beside the shipped paths;
+# int4: docs/bench/quant_mma_sweep.py, the tensor-core int4 and fp8 kernels beside the shipped paths;
 # profile: docs/bench/quant_profile.py, the per-kernel GPU time of a decode step of the
 # LLaMA-2-7B shape at batches 1 and 32 for bf16, int8, int4 and fp8 weights (one process);
 # ncu: Nsight Compute on the first layers' kernels of one batch-1 decode step of each build
@@ -16,8 +16,8 @@ export PYTHONUNBUFFERED=1
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader
 if has int4; then
-  timeout "${INT4_TIMEOUT:-240}" python3 docs/bench/int4_mma_sweep.py > "$OUT/int4_mma.txt" 2>&1
-  echo "int4_mma_sweep rc $?"; grep -vE "^    " "$OUT/int4_mma.txt" | tail -40
+  timeout "${INT4_TIMEOUT:-240}" python3 docs/bench/quant_mma_sweep.py > "$OUT/quant_mma.txt" 2>&1
+  echo "quant_mma_sweep rc $?"; grep -vE "^    " "$OUT/quant_mma.txt" | tail -60
 fi
 if has profile; then
   timeout "${PROFILE_TIMEOUT:-330}" python3 docs/bench/quant_profile.py --batches 1,32 \

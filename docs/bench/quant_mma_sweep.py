@@ -1,0 +1,160 @@
+"""Quantised decode GEMMs on the tensor cores (``kernels/int4_mma.py``, ``fp8_mma.py``)
+beside the shipped paths, on CUDA:
+
+    python3 docs/bench/quant_mma_sweep.py [--formats int4,fp8] [--rows 1,16,32] [--quick]
+
+For each format, LLaMA-2-7B decoder GEMM and row count: the time inside a CUDA graph
+(weight copies rotated past L2) of bf16 cuBLAS, the shipped path (``int4_linear_triton`` /
+``fp8_linear_triton``), and the new kernel with its widening by inline assembly over a
+few tiles at 1 and 32 rows (and once by Triton's shifts and converts: what the assembly
+saves); each against the format's bytes' copy roofline (int4: packed weight + scales +
+zero-points; fp8: bytes + row scales); the relative error of each new arm against the
+format's torch reference. Last, one layer's four GEMMs summed, x 32 layers.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from infergraft.core.tools.bench import copy_bandwidth
+from infergraft.kernels.bench.gemms import LLAMA7B_GEMMS, graph_time
+from infergraft.kernels.fp8_linear import fp8_linear_torch, fp8_linear_triton, quantize_fp8
+from infergraft.kernels.fp8_mma import fp8_mma, fp8_mma_config
+from infergraft.kernels.int4_linear import int4_linear_torch, int4_linear_triton, quantize_int4
+from infergraft.kernels.int4_mma import int4_mma, mma_config
+
+SHAPES = {name: LLAMA7B_GEMMS[name] for name in ("qkv", "o", "gate_up", "down")}
+ROTATE_BYTES = 192 << 20  # past the H100's / H200's 50 MB L2
+SWEEP_ROWS = (1, 32)  # row counts whose tiles are swept
+
+
+class Int4:
+    name = "int4"
+    config = staticmethod(mma_config)
+
+    @staticmethod
+    def pack(w):
+        p = quantize_int4(w, 128)
+        return (p.qweight, p.scales, p.zeros)
+
+    @staticmethod
+    def ref(x, t, k):
+        return int4_linear_torch(x, *t, 128, k)
+
+    @staticmethod
+    def shipped(x, t, k):
+        return int4_linear_triton(x, *t, 128, k)
+
+    @staticmethod
+    def new(x, t, k, cfg, asm):
+        return int4_mma(x, *t, 128, k, config=cfg, asm=asm)
+
+
+class Fp8:
+    name = "fp8"
+    config = staticmethod(fp8_mma_config)
+
+    @staticmethod
+    def pack(w):
+        return quantize_fp8(w)
+
+    @staticmethod
+    def ref(x, t, k):
+        return fp8_linear_torch(x, *t)
+
+    @staticmethod
+    def shipped(x, t, k):
+        return fp8_linear_triton(x, *t)
+
+    @staticmethod
+    def new(x, t, k, cfg, asm):
+        return fp8_mma(x, *t, config=cfg, asm=asm)
+
+
+FORMATS = {"int4": Int4, "fp8": Fp8}
+
+
+def arms(fmt, m: int, n: int, k: int, quick: bool):
+    base = fmt.config(m, n, k)
+    yield "mma", dict(base), True
+    if quick or m not in SWEEP_ROWS:
+        return
+    yield "mma-noasm", dict(base), False
+    for bn, warps, stages, f in itertools.product((64, 128), (4,), (3, 4), (1, 2)):
+        split = max(1, base["SPLIT"] * f)
+        cfg = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT=split)
+        if cfg != base:
+            yield f"mma {bn}x{warps}w{stages}s S{split}", cfg, True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default="int4,fp8")
+    p.add_argument("--rows", default="1,16,32")
+    p.add_argument("--quick", action="store_true", help="the default tiles only")
+    args = p.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    bw = copy_bandwidth("cuda")
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
+    for fmt in (FORMATS[f] for f in args.formats.split(",")):
+        layer = {}  # (m, arm) -> seconds summed over the four GEMMs
+        for name, (n, k) in SHAPES.items():
+            run_shape(fmt, name, n, k, rows, bw, args.quick, layer)
+        print(f"{fmt.name}: one layer's four GEMMs x 32 layers, ms:")
+        for m in rows:
+            cells = [f"{key} {layer[(m, key)] * 32e3:6.3f}" for key in
+                     ("bf16", "shipped", "mma", "mma-noasm", "best") if (m, key) in layer]
+            print(f"  M={m:3d}  " + "  ".join(cells), flush=True)
+    return 0
+
+
+def run_shape(fmt, name, n, k, rows, bw, quick, layer) -> None:
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    packed = fmt.pack(w16)
+    nbytes = sum(t.numel() * t.element_size() for t in packed)
+    ps = [packed] + [fmt.pack(torch.randn_like(w16) / k ** 0.5)
+                     for _ in range(max(1, ROTATE_BYTES // nbytes))]
+    ws = [w16] + [torch.randn_like(w16) for _ in range(max(1, ROTATE_BYTES // w16.nbytes))]
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = fmt.ref(x, packed, k).float()
+        roof = nbytes / bw
+        it = itertools.cycle(ws)
+        t16 = graph_time(lambda: F.linear(x, next(it)))
+        it = itertools.cycle(ps)
+        tdef = graph_time(lambda: fmt.shipped(x, next(it), k))
+        line = [f"{fmt.name} {name:8s} M={m:3d} roof {roof * 1e6:6.1f} us  bf16 "
+                f"{t16 * 1e6:6.1f}  shipped {tdef * 1e6:6.1f} ({roof / tdef:4.0%})"]
+        for key, t in (("bf16", t16), ("shipped", tdef)):
+            layer[(m, key)] = layer.get((m, key), 0.0) + t
+        best = None
+        for label, cfg, asm in arms(fmt, m, n, k, quick):
+            try:
+                out = fmt.new(x, packed, k, cfg, asm)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                it = itertools.cycle(ps)
+                t = graph_time(lambda: fmt.new(x, next(it), k, cfg, asm))
+            except Exception as e:  # out of resources, a compile error
+                print(f"    {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            if label in ("mma", "mma-noasm"):
+                line.append(f"{label} {t * 1e6:6.1f} ({roof / t:4.0%}, err {err:.1e})")
+                layer[(m, label)] = layer.get((m, label), 0.0) + t
+            if asm and (best is None or t < best[0]):
+                best = (t, label, err)
+        if best:
+            line.append(f"best {best[1]} {best[0] * 1e6:6.1f} ({roof / best[0]:4.0%}, "
+                        f"err {best[2]:.1e})")
+            layer[(m, "best")] = layer.get((m, "best"), 0.0) + best[0]
+        print("  ".join(line), flush=True)
+    del ps, ws
+    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
