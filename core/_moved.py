@@ -36,7 +36,12 @@ MOVED = {
 MOVED_NAMES = {
     "infergraft.core.quant": {"SlotPacker": "infergraft.core.loading.packing"},
     "infergraft.core.memory": {"spec_of": "infergraft.core.loading.source"},
+    "infergraft.kernels": {name: "infergraft.kernels.dispatch"
+                           for name in ("OPS", "get_op", "get_ops", "resolve_backend")},
 }
+# namespace packages among them: no __init__.py of their own to hold a ``__getattr__``,
+# install() hangs one on them (so their old names resolve once infergraft.core is imported)
+NAMESPACES = ("infergraft.kernels",)
 
 
 def _warn(old: str, new: str) -> None:
@@ -66,6 +71,15 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
 def install() -> None:
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         sys.meta_path.append(_AliasFinder())
+    for name in NAMESPACES:
+        try:
+            namespace = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            # setuptools' editable finder lists the namespace packages it saw at install
+            raise ImportError(
+                f"{name} is not found: this editable install was made while its folder "
+                "had an __init__.py; run `pip install -e .` again in the checkout") from e
+        namespace.__getattr__ = moved_names(name)
 
 
 def moved_names(module_name: str):

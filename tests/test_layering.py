@@ -131,14 +131,15 @@ def test_the_benchmarks_page_stays_a_results_page():
 
 def test_every_sub_package_is_listed_for_a_non_editable_install():
     """setuptools installs only the packages pyproject.toml lists: a folder of modules left
-    out imports in the editable checkout and is missing from the wheel."""
+    out imports in the editable checkout and is missing from the wheel (a namespace
+    package, with no __init__.py, as much as a regular one)."""
     import tomllib
 
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(tool["packages"])
     found = set()
     for package, folder in tool["package-dir"].items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            parts = init.parent.relative_to(ROOT / folder).parts
+        for module in (ROOT / folder).rglob("*.py"):
+            parts = module.parent.relative_to(ROOT / folder).parts
             found.add(".".join((package, *parts)))
     assert found - listed == set(), f"add to pyproject.toml's packages: {sorted(found - listed)}"

@@ -57,3 +57,14 @@ def test_every_path_the_plugin_guide_names_imports():
                 continue
         for attr in parts[cut:]:
             obj = getattr(obj, attr)  # AttributeError names what the guide got wrong
+
+
+def test_an_editable_install_older_than_a_namespace_package_says_to_reinstall(monkeypatch):
+    from infergraft.core import _moved
+
+    def not_found(name, *args):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(_moved.importlib, "import_module", not_found)
+    with pytest.raises(ImportError, match=r"infergraft.kernels is not found.*pip install -e \."):
+        _moved.install()
