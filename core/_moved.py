@@ -30,6 +30,8 @@ MOVED = {
     "infergraft.core.bench": "infergraft.core.tools.bench",
     "infergraft.core.bench_cli": "infergraft.core.tools.bench_cli",
     "infergraft.core.bench_profile": "infergraft.core.tools.bench_profile",
+    **{f"infergraft.kernels.bench.{name}": f"infergraft.core.tools.kernel_bench.{name}"
+       for name in ("attention", "gemms", "int4", "read", "varlen")},
 }
 
 # names that left a module which stays: module -> {name: the module now holding it}
@@ -44,9 +46,9 @@ MOVED_NAMES = {
 NAMESPACES = ("infergraft.kernels",)
 
 
-def _warn(old: str, new: str) -> None:
+def _warn(old: str, new: str, category=DeprecationWarning) -> None:
     warnings.warn(f"{old} moved to {new}; the old path goes in the next release",
-                  DeprecationWarning, stacklevel=3)
+                  category, stacklevel=3)
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -59,6 +61,14 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module):
         # the import system stamped the alias's spec on the module: give it back its own
         module.__spec__ = self._own_spec
+
+    def get_code(self, fullname):
+        # `python -m OLD`, where runpy asks for the code to run as __main__: code that runs
+        # the new module so, under its own name (its relative imports start from its own
+        # package). A command's user is told, not only its importers: a FutureWarning shows
+        _warn(fullname, MOVED[fullname], FutureWarning)
+        run = f"runpy.run_module({MOVED[fullname]!r}, run_name='__main__', alter_sys=True)"
+        return compile(f"import runpy\n{run}\n", f"<{fullname}, moved>", "exec")
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):

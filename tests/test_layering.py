@@ -113,6 +113,16 @@ def test_a_contract_imports_no_implementation(contract):
     assert bad == [], f"{contract} imports implementations {bad}"
 
 
+def test_the_kernels_import_nothing_of_the_core_but_its_contracts():
+    """Nothing runs upward: a kernel raises the core's errors and reads its spec, no more.
+    Their micro-benchmarks, which time them the engine's way, are tools (core/tools/)."""
+    bridge = "infergraft.kernels.bench"  # the old path of core/tools/kernel_bench/, one release
+    above = {name: sorted(m for m in deps if m.startswith("infergraft.core") and m not in CONTRACTS)
+             for name, deps in GRAPH.items()
+             if name.startswith("infergraft.kernels.") and name != bridge}
+    assert {name: deps for name, deps in above.items() if deps} == {}
+
+
 def test_our_code_imports_no_moved_path():
     bad = {name: sorted(deps & set(MOVED)) for name, deps in GRAPH.items() if deps & set(MOVED)}
     assert bad == {}
