@@ -1,6 +1,8 @@
-"""Old import paths of modules that moved into core's sub-packages, kept working for one
-release: importing one warns (DeprecationWarning) and gives the module at its new path,
-the very same module object, so attributes set on either are seen by both.
+"""Old import paths of modules that moved (into core's sub-packages; the kernels'
+micro-benchmarks into core/tools/kernel_bench/), and of names that left a module, kept
+working for one release: importing one warns (DeprecationWarning) and gives the module at
+its new path, the very same module object, so attributes set on either are seen by both.
+``python -m`` at an old path runs the new module, with a FutureWarning.
 
 A third party's plugin written against ``infergraft.core.cuda_graph`` or
 ``infergraft.core.plugins`` keeps loading; our own code imports the new paths (the
