@@ -128,7 +128,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     preempt = policy_for(preemption, run_spec, device, dtype, parallel.world_size)
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     step_tokens = step_token_budget(max_num_batched_tokens)
-    from infergraft.kernels import get_ops, switches  # here, not at import: it imports triton
+    from infergraft.kernels import switches  # here, not at import: it imports triton
+    from infergraft.kernels.dispatch import get_ops
 
     ops = get_ops(device, kernels)
     plan = Plan(

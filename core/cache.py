@@ -48,8 +48,8 @@ class CacheBackend:
 class KVCache:
     """Runtime cache. ``seq_id`` is any hashable the engine chooses.
 
-    Optional, for CUDA graphs (core/cuda_graph.py, core/prefill_graph.py): a cache with
-    ``supports_cuda_graphs = True`` provides ``static_decode_meta(batch)`` and
+    Optional, for CUDA graphs (core/runner/cuda_graph.py, core/runner/prefill_graph.py): a
+    cache with ``supports_cuda_graphs = True`` provides ``static_decode_meta(batch)`` and
     ``prepare_decode_into(meta, seq_ids)``; one whose ``supports_prefill_graphs`` is
     true provides ``static_prefill_meta(length)`` and ``prepare_prefill_into(meta,
     seq_id, n)`` (a fresh prompt of ``n <= length`` tokens; the padding rows' K/V must

@@ -75,7 +75,7 @@ def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size:
     step's token budget: decode tokens and prompt chunks together) holds at its peak: an
     estimate from the shapes, not a measurement.
 
-    Counted, in ``dtype``: the tensors ``core.model.DecoderLayer.forward`` keeps alive
+    Counted, in ``dtype``: the tensors ``core.runner.model.DecoderLayer.forward`` keeps alive
     together (the formula below) for T = step_tokens rows, plus
     the LM head's logits and their float32 copy for max_batch_size rows (a step samples
     one row per sequence). Not counted: scratch inside kernels (attention workspace; the

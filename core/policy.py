@@ -41,7 +41,7 @@ class Policy:
     """Base class for injection policies; subclasses set the class attributes and
     implement :meth:`describe` and :meth:`weight_map`.
 
-    The engine's own fused decoder (``core.model.DecoderModel``) is built from the
+    The engine's own fused decoder (``core.runner.model.DecoderModel``) is built from the
     ``ModelSpec``, so a new family usually needs no modelling code at all.
     """
 

@@ -131,7 +131,7 @@ class ModelSpec:
 
 def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int):
     """Views of a fused projection's rows: qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D],
-    k [T, Hkv, D], v [T, Hkv, D] (the fused slot's order, core.model.slot_layout)."""
+    k [T, Hkv, D], v [T, Hkv, D] (the fused slot's order, core.slots.slot_layout)."""
     t, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
     return (qkv[:, :q_size].view(t, num_heads, head_dim),
             qkv[:, q_size:q_size + kv_size].view(t, num_kv_heads, head_dim),

@@ -124,7 +124,7 @@ def split_for(programs: int, tiles: int, max_split: int = 4, min_tiles: int = 4,
 
 def gemv_config(m: int, n: int, k: int, group_size: int) -> dict:
     """Meta-parameters of ``_int4_gemv_kernel`` for an M x N x K GEMM (M <= MAX_ROWS): the
-    best of the H200 sweep (``python -m infergraft.kernels.bench.int4 --sweep``, the
+    best of the H200 sweep (``python -m infergraft.core.tools.kernel_bench.int4 --sweep``, the
     LLaMA-2-7B decode GEMMs, docs/kernels.md) at one and two rows. Narrow outputs (o,
     down) take 32 rows of W a program on 2 warps and split K 8 / 4 ways; wide ones (qkv,
     gate_up) 128 x 256 tiles split 4 ways at one row, 128-column tiles at two."""

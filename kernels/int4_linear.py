@@ -213,7 +213,7 @@ if HAVE_TRITON:
 
 def int4_config(m: int, n: int, k: int, group_size: int) -> dict:
     """The path and meta-parameters of an M x N x K int4 GEMM (untuned: ``python -m
-    infergraft.kernels.bench.int4 --sweep`` decides the tiles and both thresholds).
+    infergraft.core.tools.kernel_bench.int4 --sweep`` decides the tiles and both thresholds).
     "gemv", up to ``GEMV_MAX_ROWS`` rows: ``int4_gemv``'s CUDA-core loop, whose FMAs grow
     with the rows while the tensor cores' come free. "tiles": the tensor-core kernel,
     BLOCK_K dividing group_size, 128 columns a tile; up to 64 rows one row tile (17-32

@@ -88,7 +88,7 @@ def int8_config(m: int, n: int, k: int) -> dict:
     the MMA's register operand (SWAP: no trip through shared memory); from 1024 rows,
     where the swap no longer pays, unswapped 128 x 128 tiles; from
     ``DEQUANT_MIN_ROWS`` cuBLAS on the widened weight (``int8_linear_triton``). Tiles
-    from ``python -m infergraft.kernels.bench.gemms --int8`` (``--prefill-paths``);
+    from ``python -m infergraft.core.tools.kernel_bench.gemms --int8`` (``--prefill-paths``);
     docs/kernels.md has the figures."""
     if m <= 64:
         wide, narrow = n >= 16384, n < 8192 and m <= 16  # gate_up, lm_head | o, down

@@ -160,7 +160,7 @@ if HAVE_TRITON:
 
 def skinny_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
     """Tiles for [M, K] x [N, K]^T, from a sweep over the LLaMA-7B decode GEMMs (``python
-    -m infergraft.kernels.bench.gemms``): wide N likes wide tiles, narrow N long K tiles.
+    -m infergraft.core.tools.kernel_bench.gemms``): wide N likes wide tiles, narrow N long K tiles.
     ``gemv`` (16-bit weights, one split): one row takes kernels/gemv.py's register loop,
     2-32 rows the SWAP tiles (W the MMA's 64-row operand) where faster (docs/kernels.md)."""
     if takes_gemv(m, gemv):
@@ -271,7 +271,7 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
 
 def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
     """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast (the
-    module docstring says why). Tiles from ``python -m infergraft.kernels.bench.gemms
+    module docstring says why). Tiles from ``python -m infergraft.core.tools.kernel_bench.gemms
     --split 1,32,64``; docs/kernels.md has the figures."""
     if n > 8192:  # wide outputs already fill the GPU with column tiles
         return None

@@ -147,10 +147,10 @@ def counters_for(counters: CounterPool | None, device: torch.device, n: int):
 
 def tile_config(nsplit: int, num_warps: int | None, num_stages: int | None) -> dict:
     """Warps and pipeline depth, from a sweep (bf16, D=128, 544-token context,
-    ``python -m infergraft.kernels.bench.attention --wide``): with 32-key tiles, many short
-    programs (split sequences, small batch) like 4 warps and 2 stages; one long program
-    per (sequence, head) (S = 1, large batch) likes 2 warps and 4 stages, which keep more
-    loads in flight along its keys (docs/kernels.md)."""
+    ``python -m infergraft.core.tools.kernel_bench.attention --wide``): with 32-key tiles,
+    many short programs (split sequences, small batch) like 4 warps and 2 stages; one long
+    program per (sequence, head) (S = 1, large batch) likes 2 warps and 4 stages, which keep
+    more loads in flight along its keys (docs/kernels.md)."""
     warps, stages = (4, 2) if nsplit > 1 else (2, 4)
     return dict(num_warps=num_warps or warps, num_stages=num_stages or stages)
 

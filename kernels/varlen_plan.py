@@ -40,7 +40,7 @@ def varlen_plan(num_tokens: int, num_seqs: int, hkv: int, group: int, max_tokens
     ``group`` query heads of one kv head), ``block_n`` keys per tile, ``short_m`` /
     ``short_q`` / ``short_n`` the short sequences' tiles (0: none), ``nsplit`` splits of
     each tile's keys, and the launch ``tune`` (warps, stages). Measured on one H200 by
-    ``python -m infergraft.kernels.bench.varlen --sweep`` (docs/kernels.md).
+    ``python -m infergraft.core.tools.kernel_bench.varlen --sweep`` (docs/kernels.md).
 
     - Decode-heavy, T <= ``DECODE_TOKENS_PER_SEQ`` x B: one tile for all, 16 rows (one
       token's query heads, as the decode kernel's), and S, keys, warps, stages from

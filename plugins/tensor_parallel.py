@@ -1,5 +1,5 @@
 """The ``tp`` planner: Megatron-style tensor parallelism over every process of the
-torch.distributed world, one pipeline stage (``core/parallel.py`` runs the plan).
+torch.distributed world, one pipeline stage (``core/distributed/ranks.py`` runs the plan).
 
     torchrun --nproc-per-node 2 my_script.py     # each rank: core.build(model, plugins=["tp"])
 

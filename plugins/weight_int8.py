@@ -5,7 +5,7 @@ one float32 scale per output row (symmetric, ``kernels.int8_linear.quantize_int8
 packed as the checkpoint streams in and multiplied by ``ops.int8_linear``, which widens
 the int8 tiles in registers: decode reads about half the bytes of bf16. Embeddings, the
 lm_head and norms stay in the model dtype. Where the fused decode layer runs (Triton,
-16-bit), ``core.quant.SlotPacker`` folds each RMSNorm weight into its projection before
+16-bit), ``core.loading.packing.SlotPacker`` folds each RMSNorm weight into its projection before
 packing, and the fused GEMMs read the int8 rows and scales (``scaled_rows``). On the CPU
 the rows are widened to float32 a cache-sized chunk at a time (``cpu_linear``): float32's
 speed with half its weight bytes; the format is for GPU decode, where the weight bytes

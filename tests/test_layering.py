@@ -113,6 +113,16 @@ def test_a_contract_imports_no_implementation(contract):
     assert bad == [], f"{contract} imports implementations {bad}"
 
 
+def test_the_kernels_import_nothing_of_the_core_but_its_contracts():
+    """Nothing runs upward: a kernel raises the core's errors and reads its spec, no more.
+    Their micro-benchmarks, which time them the engine's way, are tools (core/tools/)."""
+    bridge = "infergraft.kernels.bench"  # the old path of core/tools/kernel_bench/, one release
+    above = {name: sorted(m for m in deps if m.startswith("infergraft.core") and m not in CONTRACTS)
+             for name, deps in GRAPH.items()
+             if name.startswith("infergraft.kernels.") and name != bridge}
+    assert {name: deps for name, deps in above.items() if deps} == {}
+
+
 def test_our_code_imports_no_moved_path():
     bad = {name: sorted(deps & set(MOVED)) for name, deps in GRAPH.items() if deps & set(MOVED)}
     assert bad == {}
@@ -131,14 +141,15 @@ def test_the_benchmarks_page_stays_a_results_page():
 
 def test_every_sub_package_is_listed_for_a_non_editable_install():
     """setuptools installs only the packages pyproject.toml lists: a folder of modules left
-    out imports in the editable checkout and is missing from the wheel."""
+    out imports in the editable checkout and is missing from the wheel (a namespace
+    package, with no __init__.py, as much as a regular one)."""
     import tomllib
 
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(tool["packages"])
     found = set()
     for package, folder in tool["package-dir"].items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            parts = init.parent.relative_to(ROOT / folder).parts
+        for module in (ROOT / folder).rglob("*.py"):
+            parts = module.parent.relative_to(ROOT / folder).parts
             found.add(".".join((package, *parts)))
     assert found - listed == set(), f"add to pyproject.toml's packages: {sorted(found - listed)}"

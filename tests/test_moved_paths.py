@@ -3,6 +3,7 @@
 the very module at its new home; every dotted path the plugin guide names imports."""
 import importlib
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -41,6 +42,17 @@ def test_the_old_from_import_form_works():
     assert runtime_style is new
 
 
+def test_an_old_path_still_runs_as_a_command():
+    # the kernels' micro-benchmarks moved to core/tools/kernel_bench/; `python -m` at the old
+    # path runs the new module, as __main__, and says where it went
+    out = subprocess.run([sys.executable, "-m", "infergraft.kernels.bench.int4", "--help"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: int4.py") and "--sweep" in out.stdout
+    assert ("FutureWarning: infergraft.kernels.bench.int4 moved to "
+            "infergraft.core.tools.kernel_bench.int4") in out.stderr
+
+
 def test_every_path_the_plugin_guide_names_imports():
     named = set(re.findall(r"`(?:infergraft\.)?(core(?:\.\w+)+)", DOCS.read_text()))
     assert len(named) > 10
@@ -57,3 +69,14 @@ def test_every_path_the_plugin_guide_names_imports():
                 continue
         for attr in parts[cut:]:
             obj = getattr(obj, attr)  # AttributeError names what the guide got wrong
+
+
+def test_an_editable_install_older_than_a_namespace_package_says_to_reinstall(monkeypatch):
+    from infergraft.core import _moved
+
+    def not_found(name, *args):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(_moved.importlib, "import_module", not_found)
+    with pytest.raises(ImportError, match=r"infergraft.kernels is not found.*pip install -e \."):
+        _moved.install()

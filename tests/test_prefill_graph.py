@@ -1,4 +1,4 @@
-"""A fresh prompt's prefill through the captured-graph path (core/prefill_graph.py), the
+"""A fresh prompt's prefill through the captured-graph path (core/runner/prefill_graph.py), the
 contiguous cache's (the paged cache captures whole mixed steps instead: test_step_graph.py).
 
 Run eagerly on the CPU through the runner's static, padded buffers (``use_graphs=False``):

@@ -50,7 +50,7 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
                  place: Optional[Callable] = None, device_of: Optional[Callable] = None) -> None:
     """``spec`` is the whole model's; ``place(slot, tensor)``, when given, maps each whole
     slot to (this rank's slot, its piece), or None where the rank holds none
-    (core/parallel.py). ``device_of(slot)``, when given, is the device a slot loads to
+    (core/distributed/ranks.py). ``device_of(slot)``, when given, is the device a slot loads to
     instead of ``device`` where it returns one (the host, for layers streamed to the
     device step by step: plugins/offload_weights.py)."""
     rules = check_weight_map(policy_name, spec, wmap)

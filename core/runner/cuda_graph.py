@@ -6,7 +6,7 @@ bucket (positions, write slots, block tables, context lengths: the graph's input
 fills them in place before each replay; rows past the live batch are padding that the
 cache fills by repeating the last live row (identical writes to the same slot).
 
-``launch`` is the asynchronous form used by greedy batches (core/pipeline.py): each graph
+``launch`` is the asynchronous form used by greedy batches (core/runner/lookahead.py): each graph
 also writes the argmax of its logits over its own input tokens (one kernel with the
 float32 logits) and copies it to pinned host memory behind an event; the next replay
 takes its input straight from that buffer (no copy), so the host need not wait for a

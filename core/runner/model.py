@@ -1,7 +1,7 @@
 """Our own small module tree of fused layers, built from a ModelSpec.
 
 Slot names (``layers.3.qkv.weight``) are what policies' weight maps point at; weights
-arrive later through ``core.weights.load_weights``. Hot path shapes: T = tokens in the
+arrive later through ``core.loading.weights.load_weights``. Hot path shapes: T = tokens in the
 step (all sequences concatenated), H = hidden, D = head_dim.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         """RMSNorm + SwiGLU, every projection our own Linear or 8-bit rows (other quantised
         forms have their own forward), and norms the fused layer can drop: a Linear
         takes them at ``fold_norm_weights``, packed weights only before packing
-        (``core.quant.SlotPacker``). The shape ``forward_fused`` knows."""
+        (``core.loading.packing.SlotPacker``). The shape ``forward_fused`` knows."""
         s = self.spec
         return s.norm == "rms" and s.gated_mlp and all(
             gemm_operands(m) is not None for m in (self.qkv, self.o, self.gate_up, self.down)) \
@@ -50,7 +50,8 @@ class DecoderLayer(nn.Module):
                     for n, p in self.NORM_FEEDS)
 
     NORM_FEEDS = (("attn_norm", "qkv"), ("mlp_norm", "gate_up"))
-    tp = None  # core.parallel.TensorParallelGroup: o and down outputs summed over ranks
+    # core.distributed.collectives.TensorParallelGroup: o and down outputs summed over ranks
+    tp = None
     folded_norms = frozenset()  # norms whose weights already live in their projection
 
     @torch.no_grad()
@@ -137,8 +138,9 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, ops, device, max_position: int | None = None,
                  tp=None, stage=None):
         """``spec``: what this process runs: one rank's share under ``tp`` (a
-        ``core.parallel.TensorParallelGroup``), one stage's layers under ``stage`` (a
-        ``core.stages.PipelineStage``: the stream comes from and goes to its neighbours)."""
+        ``core.distributed.collectives.TensorParallelGroup``), one stage's layers under
+        ``stage`` (a ``core.distributed.stages.PipelineStage``: the stream comes from and goes
+        to its neighbours)."""
         super().__init__()
         self.spec, self.ops, self.tp, self.stage = spec, ops, tp, stage
         # tp: the embeddings and head hold this rank's rows of the vocab (spec: the whole's)

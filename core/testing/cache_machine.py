@@ -43,7 +43,7 @@ def cache_factory(backend, spec: Optional[ModelSpec] = None, *, max_seq_len: int
                   **options) -> Callable:
     """A zero-argument callable making a fresh CPU cache from a registered backend (name
     or object), the way ``core.build`` would; ``.spec`` / ``.max_seq_len`` ride along."""
-    from infergraft.kernels import get_ops
+    from infergraft.kernels.dispatch import get_ops
 
     from ..plan import ParallelPlan, Plan
     from ..plugin_manager import get_plugin_manager

@@ -8,30 +8,10 @@ conftest could set environment variables such as TRITON_INTERPRET.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
 import random
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
-
-
-def _leave_the_checkout_root_off_sys_path() -> None:
-    """In a checkout (an editable install), ``python -m pytest`` run at its root puts the
-    root on sys.path, where our kernels/ folder hides the installed ``kernels`` package
-    (Hugging Face's) that transformers imports. Take that root off, here and, through
-    PYTHONSAFEPATH, in every Python the tests start. An installed infergraft's parent
-    folder is ``.../infergraft``, never on sys.path: nothing changes there."""
-    root = Path(importlib.util.find_spec("infergraft.kernels").origin).resolve().parents[1]
-    kept = [p for p in sys.path if Path(p or ".").resolve() != root]
-    if len(kept) < len(sys.path):
-        sys.path[:] = kept
-        os.environ["PYTHONSAFEPATH"] = "1"
-
-
-_leave_the_checkout_root_off_sys_path()
 
 
 @contextlib.contextmanager

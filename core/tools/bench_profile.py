@@ -23,7 +23,7 @@ from ..request import SamplingParams
 
 
 def replay_ms(runner, bs: int, repeats: int = 30) -> float:
-    from infergraft.kernels.bench.gemms import replay_times
+    from infergraft.core.tools.kernel_bench.gemms import replay_times
 
     return statistics.median(replay_times(runner.graphs[bs], repeats)) * 1e3
 

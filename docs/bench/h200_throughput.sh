@@ -19,7 +19,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   tail -3 "$OUT/gpu_tests.txt"
 fi
 if [ -n "${KERNEL_TESTS:-}" ]; then
-  python3 -m infergraft.kernels.bench.varlen > "$OUT/varlen_bench.txt" 2>&1
+  python3 -m infergraft.core.tools.kernel_bench.varlen > "$OUT/varlen_bench.txt" 2>&1
   tail -12 "$OUT/varlen_bench.txt"
 fi
 # RUNS: docs/bench/throughput_runs.py's dataset:prompt:output:prompts:budgets[:hf[:eager]];

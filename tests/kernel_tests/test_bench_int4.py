@@ -1,4 +1,4 @@
-"""The int4 micro-benchmark (kernels/bench/int4.py) runs end to end (``--smoke``: tiny
+"""The int4 micro-benchmark (core/tools/kernel_bench/int4.py) runs end to end (``--smoke``: tiny
 shapes, the CPU interpreter without a GPU): every path timed, a layer's totals, the
 JSON written, and a sweep that skips a config failing to launch; its copy of the
 replaced kernel still computes the product."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infergraft.kernels._triton import interpreting
-from infergraft.kernels.bench import int4 as B
+from infergraft.core.tools.kernel_bench import int4 as B
 from infergraft.kernels.int4_linear import int4_linear_torch, quantize_int4
 
 from .tolerances import TOLERANCES

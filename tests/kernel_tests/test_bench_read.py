@@ -1,8 +1,8 @@
-"""The read-ceiling benchmark's kernel (kernels/bench/read.py) reads every element it is
+"""The read-ceiling benchmark's kernel (core/tools/kernel_bench/read.py) reads every element it is
 timed on: its per-program sums equal torch's on fresh random inputs."""
 import torch
 
-from infergraft.kernels.bench.read import _read_kernel
+from infergraft.core.tools.kernel_bench.read import _read_kernel
 
 
 def test_read_kernel_sums_every_block_it_streams(device, randn):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import infergraft.kernels as K
+import infergraft.kernels.dispatch as K
 from infergraft.core.errors import KernelUnavailableError
 from infergraft.kernels._triton import HAVE_TRITON
 

@@ -1,4 +1,4 @@
-"""int4 weight-only GEMMs (W4A16) on CUDA: ``python -m infergraft.kernels.bench.int4``.
+"""int4 weight-only GEMMs (W4A16) on CUDA: ``python -m infergraft.core.tools.kernel_bench.int4``.
 
 For each LLaMA-2-7B decoder GEMM (``gemms.LLAMA7B_GEMMS`` less the lm_head, which stays
 bf16) and row count (``--rows``): the time inside a CUDA graph (``gemms.graph_time``,
@@ -25,9 +25,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .. import int4_gemv as IG
-from .. import int4_linear as IL
-from .._triton import interpreting, next_pow2, tl, triton
+from infergraft.kernels import int4_gemv as IG
+from infergraft.kernels import int4_linear as IL
+from infergraft.kernels._triton import interpreting, next_pow2, tl, triton
 from .gemms import LLAMA7B_GEMMS, graph_time
 
 SHAPES = {name: LLAMA7B_GEMMS[name] for name in ("qkv", "o", "gate_up", "down")}

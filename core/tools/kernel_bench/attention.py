@@ -1,4 +1,4 @@
-"""Paged decode attention on CUDA: ``python -m infergraft.kernels.bench.attention``.
+"""Paged decode attention on CUDA: ``python -m infergraft.core.tools.kernel_bench.attention``.
 
 LLaMA-2-7B-shaped decode (bf16, D=128, block size 16, 32 query heads with 32 kv heads
 and with 8), context 544 tokens in a block table wide enough for 576: achieved K/V
@@ -53,8 +53,9 @@ def make_inputs(bsz, hq, hkv, context, device, dtype=torch.bfloat16, table_token
 
 def bench_shape(timer, bsz, hq, hkv, context, device, dtype, splits, sweep, layout="token",
                 table_tokens=TABLE_TOKENS, fused=True):
-    from ..paged_attention import (_sm_count, launch_plan, paged_attention_torch,
-                                  paged_attention_triton, split_len)
+    from infergraft.kernels.paged_attention import (_sm_count, launch_plan,
+                                                    paged_attention_torch,
+                                                    paged_attention_triton, split_len)
 
     q, k, v, tables, lens, kv_bytes = make_inputs(bsz, hq, hkv, context, device, dtype,
                                                   table_tokens=table_tokens, layout=layout)
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry", action="store_true", help="CPU interpreter, one call per config, no timing")
     a = p.parse_args(argv)
     if a.dry:
-        from .._triton import interpreting
+        from infergraft.kernels._triton import interpreting
 
         if not interpreting():  # must be set before triton is first imported
             raise SystemExit("--dry needs TRITON_INTERPRET=1 in the environment")
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         bw = None
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("kernels.bench.attention needs CUDA (or --dry)")
+            raise SystemExit("kernel_bench.attention needs CUDA (or --dry)")
         from infergraft.core.tools.bench import copy_bandwidth
 
         from .gemms import graph_time
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
 
 def grid(timer, a, splits, device, dtype) -> int:
     """us per call of the shipped plan and of each (S, tile) of the grid, best four first."""
-    from ..paged_attention import paged_attention_triton
+    from infergraft.kernels.paged_attention import paged_attention_triton
 
     for heads, bsz in itertools.product(a.heads.split(","), (int(b) for b in a.batches.split(","))):
         hq, hkv = (int(x) for x in heads.split("/"))

@@ -1,4 +1,4 @@
-"""Kernel micro-benchmarks on CUDA: ``python -m infergraft.kernels.bench.gemms``.
+"""Kernel micro-benchmarks on CUDA: ``python -m infergraft.core.tools.kernel_bench.gemms``.
 
 Reports achieved bandwidth against a measured device copy, for the decode GEMMs of a
 LLaMA-2-7B-shaped layer (cuBLAS vs the skinny Triton GEMM over a config sweep), and the
@@ -16,7 +16,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from .._triton import next_pow2
+from infergraft.kernels._triton import next_pow2
 
 LLAMA7B_GEMMS = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
                  "down": (4096, 11008), "lm_head": (32000, 4096)}
@@ -50,7 +50,7 @@ def replay_times(graph, replays: int) -> list[float]:
 def sweep_linear(ms, dtype=torch.bfloat16, sweep=True):
     from infergraft.core.tools.bench import copy_bandwidth
 
-    from ..linear import linear_triton, skinny_config
+    from infergraft.kernels.linear import linear_triton, skinny_config
 
     bw = copy_bandwidth("cuda")  # the same roofline as `infergraft bench`
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -96,7 +96,7 @@ def kernel_gap() -> None:
 def sweep_split(ms, dtype=torch.bfloat16) -> None:
     """Split-K partials (``linear_partials``) for the projections an add+RMSNorm follows,
     against cuBLAS and the unsplit skinny kernel: the best (S, tiles) per (GEMM, M)."""
-    from ..linear import linear_partials_triton, skinny_gemm, split_config
+    from infergraft.kernels.linear import linear_partials_triton, skinny_gemm, split_config
 
     for name in ("o", "down", "qkv", "gate_up"):  # the last two: unsplit only (no norm follows)
         n, k = LLAMA7B_GEMMS[name]
@@ -146,11 +146,11 @@ def sweep_fused(m: int = 1, dtype=torch.bfloat16, int8: bool = False) -> None:
     plain layer they replace (TB/s of weights; the chains' time counts all their kernels),
     with a small tile sweep. ``int8``: int8 weights with row scales on both sides (the
     plain chain's GEMM is then ``int8_linear``)."""
-    from .. import fused_linear as FL
-    from ..int8_linear import int8_linear_triton, quantize_int8
-    from ..linear import linear_triton
-    from ..rms_norm import add_rms_norm_triton, rms_norm_triton
-    from ..silu_mul import silu_mul_triton
+    from infergraft.kernels import fused_linear as FL
+    from infergraft.kernels.int8_linear import int8_linear_triton, quantize_int8
+    from infergraft.kernels.linear import linear_triton
+    from infergraft.kernels.rms_norm import add_rms_norm_triton, rms_norm_triton
+    from infergraft.kernels.silu_mul import silu_mul_triton
 
     dev = "cuda"
     x, xi = (torch.randn(m, k, device=dev, dtype=dtype) for k in (4096, 11008))
@@ -203,8 +203,8 @@ def _tile_name(seconds: float, cfg: dict) -> str:
 def sweep_int8(ms) -> None:
     """The int8 weight-only GEMM (kernels/int8_linear.py) against the bf16 skinny GEMM on
     the same shapes: TB/s of the bytes each reads, with a tile sweep."""
-    from ..int8_linear import int8_linear_triton, quantize_int8
-    from ..linear import linear_triton
+    from infergraft.kernels.int8_linear import int8_linear_triton, quantize_int8
+    from infergraft.kernels.linear import linear_triton
 
     def tiles(m):
         if m > 64:  # prefill: unswapped square tiles, and W as the MMA's register operand
@@ -237,7 +237,7 @@ def int8_prefill_paths(ms) -> None:
     """The three int8 prefill paths against bf16 cuBLAS per LLaMA-7B GEMM: the kernel with
     W as the MMA's register operand (SWAP), unswapped, and cuBLAS on the widened weight
     (``int8_linear.DEQUANT_MIN_ROWS`` picks the last)."""
-    from .. import int8_linear as IL
+    from infergraft.kernels import int8_linear as IL
 
     unswapped = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
     for name, (n, k) in LLAMA7B_GEMMS.items():

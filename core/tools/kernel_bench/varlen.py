@@ -1,4 +1,4 @@
-"""Varlen paged attention on CUDA: ``python -m infergraft.kernels.bench.varlen``.
+"""Varlen paged attention on CUDA: ``python -m infergraft.core.tools.kernel_bench.varlen``.
 
 One mixed step of LLaMA-3-8B attention (32 query heads, 8 kv heads, D=128, bf16, block
 size 16) in three settings: (a) 256 decode tokens at contexts 640-760 plus one
@@ -53,7 +53,7 @@ def per_sequence(q, k, v, tables, cu, ctx, scale, seqs):
     the step), then SDPA per prompt or chunk; returns [T, Hq, D]."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from ..paged_attention import paged_attention_triton
+    from infergraft.kernels.paged_attention import paged_attention_triton
 
     ndec = sum(1 for p, n in seqs if n == 1)
     width = max((-(-(p + n) // BLOCK_SIZE) for p, n in seqs[:ndec]), default=0)  # their table
@@ -90,9 +90,9 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=20)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("kernels.bench.varlen needs CUDA")
-    from ..varlen_attention import varlen_attention_torch, varlen_attention_triton
-    from ..varlen_plan import varlen_plan
+        raise SystemExit("kernel_bench.varlen needs CUDA")
+    from infergraft.kernels.varlen_attention import varlen_attention_torch, varlen_attention_triton
+    from infergraft.kernels.varlen_plan import varlen_plan
     from .gemms import graph_time
 
     scale = D ** -0.5
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
 
 
 def sweep(q, k, v, tables, cu, ctx, scale, replays):
-    from ..varlen_attention import varlen_attention_triton
+    from infergraft.kernels.varlen_attention import varlen_attention_triton
     from .gemms import graph_time
 
     times = []

@@ -1,5 +1,5 @@
 """What a plain read reaches, against the copy roofline and our one-row GEMVs (CUDA):
-``python -m infergraft.kernels.bench.read``.
+``python -m infergraft.core.tools.kernel_bench.read``.
 
 A Triton kernel that only reads (each program sums ITERS blocks of BLOCK contiguous
 elements) streams a 2 GiB buffer, then buffers the size of each LLaMA-7B decode GEMM's
@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from .._triton import tl, triton
+from infergraft.kernels._triton import tl, triton
 from .gemms import LLAMA7B_GEMMS, graph_time
 
 READ_TILES = ((8192, 8, 8), (8192, 2, 8), (4096, 16, 4), (4096, 4, 4))  # BLOCK, ITERS, warps
@@ -50,7 +50,7 @@ def read_bandwidth(nbytes: int, copies: int = 4) -> list[tuple[float, tuple]]:
 def main() -> int:
     from infergraft.core.tools.bench import copy_bandwidth
 
-    from ..linear import skinny_config, skinny_gemm
+    from infergraft.kernels.linear import skinny_config, skinny_gemm
 
     print(f"copy (read + written) {copy_bandwidth('cuda') / 1e12:.3f} TB/s", flush=True)
     best = max(read_bandwidth(2 ** 31, copies=1))
