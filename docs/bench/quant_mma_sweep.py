@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from infergraft.core.tools.bench import copy_bandwidth
-from infergraft.kernels.bench.gemms import LLAMA7B_GEMMS, graph_time
+from infergraft.core.tools.kernel_bench.gemms import LLAMA7B_GEMMS, graph_time
 from infergraft.kernels.fp8_linear import fp8_linear_torch, fp8_linear_triton, quantize_fp8
 from infergraft.kernels.fp8_mma import fp8_mma, fp8_mma_config
 from infergraft.kernels.int4_linear import int4_linear_torch, int4_linear_triton, quantize_int4
