@@ -133,6 +133,16 @@ def test_plan_prints_the_seeds_kv_cache_figures(capsys):
     assert "819.20 kB (819200 B)" in capsys.readouterr().out
 
 
+def test_a_config_s_max_seq_len_and_max_batch_size_size_the_cache(capsys, tmp_path):
+    # seed 004, 4.2.2: "KV Cache预分配：设置max_seq_len和max_batch_size"
+    path = tmp_path / "sizes.json"
+    path.write_text(json.dumps({"fp16": {"enabled": True}, "max_seq_len": 2048,
+                                "max_batch_size": 32}))
+    got = _plan_json(capsys, "llama2-13b", "--config", str(path))
+    assert (got["max_seq_len"], got["max_batch_size"], got["dtype"]) == (2048, 32, "float16")
+    assert got["kv_bytes_total"] == 819_200 * 2048 * 32
+
+
 def test_tp2_plus_mp2_with_four_micro_batches(capsys, tmp_path):
     # seed 004, 4.3.4: TP=2 + MP=2 (pipeline stages), micro-batch=4, by the key names of
     # 4.2.2 ("tensor_parallel_size和model_parallel_size")
