@@ -122,7 +122,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     kv_quant = _kv_quantizer(backend, quantizers)
     weight_quant = _weight_quantizer(quantizers)
 
-    parallel = planner.plan(spec, world_size_for(planner, device), **opts[1])
+    parallel = planner.plan(spec, world_size_for(planner, device, opts[1]), **opts[1])
     rank = rank_setup(planner, spec, parallel)  # what this process runs of the plan
     device, run_spec = rank_device(device, parallel), rank.spec
     preempt = policy_for(preemption, run_spec, device, dtype, parallel.world_size)

@@ -20,8 +20,8 @@ import torch
 from ._moved import moved_names
 from .errors import PlanError
 from .scheduler import DEFAULT_BATCHED_TOKENS
-from .units import (KVSizes, activations_label, element_bytes, fmt_bytes,  # noqa: F401
-                    kv_bytes_per_token, parse_bytes, rows_table)
+from .units import (KVSizes, activations_label, both_units, element_bytes,  # noqa: F401
+                    fmt_bytes, kv_bytes_per_token, parse_bytes, rows_table)
 from .budget import (as_bytes, check_utilization, device_budget, host_memory,  # noqa: F401
                      pool_blocks)
 
@@ -175,9 +175,11 @@ class MemoryPlan(KVSizes):
             ("dtype / K/V dtype", f"{self.dtype} / {self.kv_dtype}"),
             ("weights", fmt_bytes(self.weight_bytes)),
             *(self.weight_placement.rows(self.weight_bytes) if self.weight_placement else ()),
-            ("KV per token", f"{fmt_bytes(self.kv_bytes_per_token)} ({self.kv_bytes_per_token} B)"),
-            (f"KV per sequence ({self.max_seq_len} tokens)", fmt_bytes(self.kv_bytes_per_sequence)),
-            (f"KV total (batch {self.max_batch_size})", fmt_bytes(self.kv_bytes_total)),
+            ("KV per token", f"{both_units(self.kv_bytes_per_token)} "
+                             f"({self.kv_bytes_per_token} B)"),
+            (f"KV per sequence ({self.max_seq_len} tokens)",
+             both_units(self.kv_bytes_per_sequence)),
+            (f"KV total (batch {self.max_batch_size})", both_units(self.kv_bytes_total)),
             (self.activation_label, fmt_bytes(self.activation_bytes)),
             ("weights + KV + activations", fmt_bytes(self.total_bytes)),
         ]

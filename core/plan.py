@@ -91,7 +91,9 @@ class Planner:
     """Registered through ``infergraft_register_planners``. Optional:
     ``place_weights(plan, spec, budget, kv_device_bytes, weight_quantizer=None, **options)
     -> WeightPlacement``, which ``core.build`` calls before the memory check (layers kept
-    in host memory and streamed: ``plugins/offload_weights.py``)."""
+    in host memory and streamed: ``plugins/offload_weights.py``); ``processes(**options)
+    -> int | None``, the processes its options ask for, which the error for a run started
+    without torchrun names (``tp``: its ``tp_size``)."""
 
     name: str = ""
     options: dict[str, Any] = {}

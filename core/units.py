@@ -20,6 +20,21 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def fmt_decimal_bytes(n: float) -> str:
+    """``n`` bytes in powers of 1000 (kB, MB, GB), as sizes are often quoted: 2^30 bytes
+    is "1.07 GB" where ``fmt_bytes`` says 1.00 GiB."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def both_units(n: float) -> str:
+    """"1.00 GiB = 1.07 GB": a size in both conventions, for figures quoted either way."""
+    return f"{fmt_bytes(n)} = {fmt_decimal_bytes(n)}"
+
+
 def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:

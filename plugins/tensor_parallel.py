@@ -48,6 +48,10 @@ class TensorParallelPlanner(Planner):
     # world; None: the world's size
     options = {"tp_size": None}
 
+    def processes(self, tp_size=None, **options):
+        """The processes these options ask for (None: any number)."""
+        return tp_size
+
     def plan(self, spec, world_size=1, tp_size=None, **options):
         if world_size < 1:
             raise PlanError(f"planner 'tp': world_size must be >= 1, got {world_size}")

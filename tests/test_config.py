@@ -198,6 +198,15 @@ def test_tp_size_other_than_the_world_says_how_to_launch(hf, world_of_one, no_we
 
 def test_nothing_is_built_for_a_refused_config(hf, monkeypatch):
     monkeypatch.setattr(B, "select_plugins", lambda *a: pytest.fail("build began"))
-    for bad in ({"moe": True}, {"checkpoint": "model.bin"}, {"quantization": {"bits": 4}}):
+    for bad in ({"moe": True}, {"checkpoint": "model.bin"}, {"quantization": {"bits": 3}}):
         with pytest.raises(ConfigError):
             core.build(hf, config=bad, device="cpu")
+
+
+def test_four_bits_build_the_int4_quantizer_in_the_groups_asked(hf):
+    config = {"quantization": {"enabled": True, "bits": 4, "group_size": 32}}
+    engine = core.build(hf, config=config, device="cpu", max_seq_len=64)
+    same = core.build(hf, plugins=["int4"], group_size=32, device="cpu", max_seq_len=64)
+    assert engine.plan == same.plan and engine.plan.quantizers == ("int4",)
+    assert dict(engine.plan.options)["group_size"] == 32
+    assert torch.equal(engine.logits(PROMPT), same.logits(PROMPT))

@@ -72,8 +72,18 @@ def test_weights_only_and_no_config_says_where_the_config_comes_from(saved, tmp_
     _, weights, _, _ = saved
     (tmp_path / "c.json").write_text(json.dumps({"checkpoints": [str(weights / "model.safetensors")]}))
     with pytest.raises(core.InfergraftError, match="the model's config comes from the model "
-                                                   "argument"):
+                                                   "argument.*got None, and the checkpoint's "
+                                                   "directory has no config.json"):
         core.build(config={"checkpoint": str(tmp_path / "c.json")}, **KW)
+
+
+def test_a_model_that_is_no_directory_beside_a_checkpoint_with_a_config(saved):
+    # not "the checkpoint has no config.json": it has one, and leaving the model out uses it
+    _, weights, _, _ = saved
+    with pytest.raises(core.InfergraftError, match=r"got 'smollm2-135m', not a model "
+                                                   r"directory; leave it out \(None\): the "
+                                                   r"checkpoint's .*weights/config.json serves"):
+        core.build("smollm2-135m", config={"checkpoint": str(weights)}, **KW)
 
 
 @pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth", ".ckpt"])

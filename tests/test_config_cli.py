@@ -44,6 +44,17 @@ def test_generate_from_a_config_prints_what_the_same_flags_print(tmp_path, capsy
     assert capsys.readouterr().out == flags
 
 
+def test_a_config_s_checkpoint_is_the_model_when_none_is_named(tmp_path, capsys, model_dir):
+    argv = ["generate", "hello there", "--max-new-tokens", "8"]
+    assert cli.main(argv + ["--model", model_dir, "--max-seq-len", "96"]) == 0
+    named = capsys.readouterr().out
+    config = _write(tmp_path, {"checkpoint": model_dir, "max_seq_len": 96})
+    assert cli.main(argv + ["--config", config]) == 0
+    assert capsys.readouterr().out == named
+    assert cli.main(["plan", "--config", config, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == model_dir  # not the demo model
+
+
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
 def test_flags_win_over_the_config_and_the_plugins_add_up(tmp_path, monkeypatch, command):
     _spy(monkeypatch, cli, "build")
@@ -108,6 +119,23 @@ def test_plan_prints_the_seed_configs_per_rank_plan(tmp_path, capsys):
     # the demo model's 3 kv heads do not split over 2 ranks: refused as build refuses it
     assert cli.main(["plan", "smollm2-135m", "--config", SEED_CONFIG]) == 2
     assert "2 ranks do not divide num_heads=9" in capsys.readouterr().err
+
+
+def test_plan_takes_four_bits_and_their_group_size_from_the_config(tmp_path, capsys):
+    from infergraft.core.testing.models import tiny_llama_config
+
+    tiny_llama_config(hidden_size=128, torch_dtype="float32").save_pretrained(tmp_path)
+
+    def weight_bytes(*argv):
+        assert cli.main(["plan", str(tmp_path), "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)["weight_bytes"]
+
+    config = _write(tmp_path, {"quantization": {"bits": 4, "group_size": 32}})
+    g32 = weight_bytes("--config", config)
+    assert g32 == weight_bytes("--weights", "int4", "--group-size", "32")
+    assert g32 > weight_bytes("--weights", "int4")  # 128 columns a group: fewer scales
+    assert cli.main(["plan", str(tmp_path), "--group-size", "64"]) == 2
+    assert "--group-size 64 sizes int4's groups: give --weights int4" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["plan"], ["bench"],

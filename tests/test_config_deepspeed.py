@@ -38,6 +38,7 @@ def test_every_inference_field_is_in_the_table_and_handled():
     unhandled = sorted(k for k in tops if k not in MAPPERS and k not in TRAINING_KEYS
                        and k not in OWN_KEYS)
     assert unhandled == []
+    assert sorted(set(MAPPERS) - tops) == []  # every key read is in the table (and docs)
 
 
 @pytest.mark.parametrize("spelling, dtype", [
@@ -129,21 +130,48 @@ def test_an_unknown_policy_lists_the_known_ones():
     ({"enabled": True, "bits": 8}, ["int8"]), ({"weight": {"num_bits": 8}}, ["int8"]),
     ({"enabled": True}, ["int8"]), ({"kv_cache_quant": True}, ["kv-int8"]),
     ({"kv_cache_quant": "int8"}, ["kv-int8"]), ({"kv_cache_quant": 8}, ["kv-int8"]),
-    ({"enabled": True, "kv_cache_quant": True}, ["int8", "kv-int8"]),
+    # enabled switches the section on: beside kv_cache_quant alone, the K/V (the seed's
+    # {"enabled": true, "kv_cache_quant": true} with fp16 weights); with bits, both
+    ({"enabled": True, "kv_cache_quant": True}, ["kv-int8"]),
+    ({"enabled": True, "bits": 8, "kv_cache_quant": True}, ["int8", "kv-int8"]),
+    ({"enabled": True, "kv_cache_quant": False}, ["int8"]),
+    ({"bits": 4}, ["int4"]), ({"enabled": True, "bits": 4, "kv_cache_quant": True},
+                              ["int4", "kv-int8"]),
+    ({"weight": {"num_bits": 4, "q_type": "asymmetric"}}, ["int4"]),
     ({"enabled": False, "bits": 8, "kv_cache_quant": False}, [])])
 def test_quantization(quant, plugins):
     assert quiet({"quantization": quant}) == {"plugins": plugins}
     assert quiet({"quant": quant}) == {"plugins": plugins}
 
 
+def test_four_bits_take_deepspeed_s_group_size_else_ours():
+    assert quiet({"quantization": {"bits": 4, "group_size": 64}}) == \
+        {"group_size": 64, "plugins": ["int4"]}
+    assert quiet({"quant": {"weight": {"num_bits": 4, "group_size": 32}}}) == \
+        {"group_size": 32, "plugins": ["int4"]}
+    assert quiet({"quantization": {"bits": 4}}) == {"plugins": ["int4"]}  # int4's 128
+    with pytest.raises(ConfigError, match=r"quantization.group_size=100 is not valid; "
+                                          r"accepted: 32, 64, 128 \(.*default 128\)"):
+        resolve_config({"quantization": {"bits": 4, "group_size": 100}})
+    with pytest.raises(ConfigError, match="ask for different group_size"):
+        resolve_config({"quantization": {"bits": 4, "group_size": 64,
+                                         "weight": {"group_size": 32}}})
+    with pytest.warns(ConfigWarning, match="int4 keeps a zero-point per group"):
+        resolve_config({"quantization": {"bits": 4, "weight": {"q_type": "symmetric"}}})
+    with pytest.warns(ConfigWarning, match="group_size=64 .int8 keeps one scale per output row"):
+        resolve_config({"quantization": {"bits": 8, "group_size": 64}})
+
+
 def test_quantization_refusals():
-    with pytest.raises(ConfigError, match="quantization.bits=4 .* 4-bit weights are not built "
-                                          "yet; accepted: 8"):
-        resolve_config({"quantization": {"enabled": True, "bits": 4}})
-    with pytest.raises(ConfigError, match="quant.weight.num_bits=4 .* accepted: 8"):
-        resolve_config({"quant": {"weight": {"num_bits": 4}}})
+    with pytest.raises(ConfigError, match=r"quantization.bits=3 is not valid; accepted: 8 "
+                                          r"\(int8 weights, W8A16\) or 4 \(int4 weights"):
+        resolve_config({"quantization": {"enabled": True, "bits": 3}})
+    with pytest.raises(ConfigError, match="quant.weight.num_bits=2 .* accepted: 8"):
+        resolve_config({"quant": {"weight": {"num_bits": 2}}})
     with pytest.raises(ConfigError, match='q_type="asymmetric" is not valid'):
         resolve_config({"quantization": {"enabled": True, "weight": {"q_type": "asymmetric"}}})
+    with pytest.raises(ConfigError, match='ask for different weights \\("int8" and "int4"\\)'):
+        resolve_config({"dtype": "int8", "quantization": {"bits": 4}})
     with pytest.raises(ConfigError, match="kv_cache_quant=4 is not valid"):
         resolve_config({"quantization": {"kv_cache_quant": 4}})
 

@@ -1,7 +1,9 @@
-"""The seed's DeepSpeed config (docs/examples/ds_config.json: fp16, injection_policy
-llama, tensor_parallel tp_size 2, kernel_inject, quantization.kv_cache_quant) as written,
-under ``torchrun --nproc-per-node 2`` on a random LLaMA, against HF's forward and greedy
-generate on the same weights in float16 (its K/V as int8 rows where the config asks)."""
+"""The seed's DeepSpeed config (tests/data/seed_ds_config.json, seed 004's verbatim:
+train_batch_size, fp16, injection_policy {"transformer": {"policy": "llama", ...}},
+tensor_parallel tp_size 2, kernel_inject, quantization with kv_cache_quant) as written,
+under ``torchrun --nproc-per-node 2`` on gloo on a random LLaMA, against HF's forward and
+greedy generate on the same weights in float16 (its K/V as int8 rows where the config
+asks); and its two ranks as two pipeline stages with 4 micro-batches (the seed's MP=2)."""
 import json
 import os
 import subprocess
@@ -15,7 +17,7 @@ from infergraft.core.testing.models import random_model, tiny_llama_config
 from infergraft.core.testing.parity import hf_greedy, hf_logits, relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED_CONFIG = ROOT / "docs" / "examples" / "ds_config.json"
+SEED_CONFIG = ROOT / "tests" / "data" / "seed_ds_config.json"
 PROMPTS = [[1, 5, 9, 33, 7, 80, 12], [1, 200, 3]]
 
 
@@ -40,16 +42,21 @@ def test_seed_config_builds_what_it_says(ranks):
     assert (got["dtype"], got["kv_dtype"], got["policy"]) == ("float16", "int8", "llama")
     assert (got["planner"], got["tensor_parallel"], got["world_size"]) == ("tp", 2, 2)
     assert ranks[0]["alone"]["planner"] == "single"
+    staged = ranks[0]["stages"]
+    assert (staged["planner"], staged["stages"], staged["micro_batches"]) == ("pp", 2, 4)
+    assert (staged["dtype"], staged["kv_dtype"]) == ("float16", "int8")
 
 
 def test_seed_config_matches_hf(ranks):
     results, half = ranks
     ref_logits = [hf_logits(half, ids) for ids in PROMPTS]
-    for name, tolerance in (("seed", 3e-2), ("float_kv", 5e-3), ("alone", 3e-2)):
+    for name, tolerance in (("seed", 3e-2), ("float_kv", 5e-3), ("alone", 3e-2),
+                            ("stages", 3e-2)):
         errors = [relative_error(torch.tensor(ours), ref)
                   for ours, ref in zip(results[name]["logits"], ref_logits)]
         assert max(errors) < tolerance, (name, errors)
     # the config as written: HF's greedy tokens with its K/V stored as int8 rows the same
     # way; without kv_cache_quant: HF's plain greedy tokens
-    assert results["seed"]["tokens"] == [hf_greedy(half, ids, 10, kv_int8=True) for ids in PROMPTS]
+    kv_int8 = [hf_greedy(half, ids, 10, kv_int8=True) for ids in PROMPTS]
+    assert results["seed"]["tokens"] == results["stages"]["tokens"] == kv_int8
     assert results["float_kv"]["tokens"] == [hf_greedy(half, ids, 10) for ids in PROMPTS]

@@ -20,6 +20,7 @@ from ..loading.checkpoint import describe_checkpoint
 from ..plugin_manager import get_plugin_manager
 from .deepspeed import MAPPERS
 from .own import OWN_HANDLERS, OWN_KEYS, PASSED
+from .parallel import decide_parallel
 from .table import DEEPSPEED_KEYS, TRAINING_KEYS
 from .values import Resolution, show
 from .weights import offload_hint
@@ -119,13 +120,8 @@ def _decide(r: Resolution, options) -> dict:
     plugins = list(r.plugins)
     if r.has("policy"):
         plugins.append(r.value("policy"))
-    tp = r.value("tp_size")
-    if tp is not None and "tp" in r.flags and tp > 1:
-        plugins.append("tp")
-        out["tp_size"] = tp
-    elif tp is not None and any(k == "tp_size" for k, _, _ in r.claims["tp_size"]):
-        out["tp_size"] = tp  # given as the tp planner's option itself
-    plugins += ["int8"] if r.value("weights") is not None else []
+    plugins += decide_parallel(r, out)
+    plugins += [r.value("weights")] if r.value("weights") is not None else []  # int8, int4
     plugins += [f"kv-{r.value('kv')}"] if r.value("kv") is not None else []  # kv-int8, kv-fp8
     if r.has("checkpoint"):
         out["checkpoint"] = describe_checkpoint(r.value("checkpoint"), r.value("base_dir"),

@@ -7,11 +7,22 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from .table import PRECISION_TRAINING
-from .values import (boolean, dtype_name, find_policy, positive_int, section, show, subkeys,
-                     wrong)
+from .parallel import PARALLEL_MAPPERS
+from .values import (boolean, dtype_name, find_policy, no_object, positive_int, section, show,
+                     subkeys, wrong)
 from .weights import base_dir, checkpoint, checkpoint_config, quantization, save_path, zero
 
 MOE = "mixture-of-experts models are not supported (no policy builds expert layers)"
+INJECTION_FORMS = ("a policy name (\"llama\"), an HF architecture (\"LlamaForCausalLM\"), a "
+                   "layer class name (\"LlamaDecoderLayer\"), DeepSpeed's {LayerClass: "
+                   "(linear names)}, or {\"transformer\": {\"policy\": \"llama\", \"type\": "
+                   "\"layers\"}}")
+# what an injection_policy entry's "type" may say it replaces: our policies replace each
+# decoder layer whole (attention, MLP, norms and residual adds, fused), nothing smaller
+INJECTION_TYPES = ("layers", "layer")
+TYPE_MEANS = ("\"type\" says what the policy replaces: \"layers\", each decoder layer whole "
+              "(attention, MLP, norms and residual adds become our fused layer), the only unit "
+              "our policies replace; a part alone (attention or MLP) is not built")
 
 
 def dtype(r, key, value):
@@ -46,28 +57,6 @@ def use_triton(r, key, value):
         r.claim("kernels", "triton", key, True)
 
 
-def tensor_parallel(r, key, value):
-    if isinstance(value, int) and not isinstance(value, bool) and key == "tensor_parallel":
-        r.claim("tensor_parallel", value, key)  # the "pp" planner's option of that name
-        return
-    value = section(key, value, '{"tp_size": 2}')
-    subkeys(r, key, value, ("enabled", "tp_size", "tp_grain_size", "mpu", "tp_group"))
-    for obj in ("mpu", "tp_group"):
-        _no_object(f"{key}.{obj}", value.get(obj))
-    if "tp_grain_size" in value:
-        r.ignored(f"{key}.tp_grain_size", value["tp_grain_size"], 64,
-                  "tp splits heads and MLP rows evenly")
-    if boolean(f"{key}.enabled", value.get("enabled", True)) and "tp_size" in value:
-        size = positive_int(f"{key}.tp_size", value["tp_size"])
-        r.claim("tp_size", size, f"{key}.tp_size")
-        r.flags["tp"] = f"{key}.tp_size"
-
-
-def mp_size(r, key, value):
-    r.claim("tp_size", positive_int(key, value), key)
-    r.flags["tp"] = key
-
-
 def injection_policy(r, key, value):
     if value is None:
         return
@@ -76,15 +65,37 @@ def injection_policy(r, key, value):
         r.claim("policy", find_policy(r.pm, key, name), key, name)
         return
     if not isinstance(value, dict) or not value:
-        raise wrong(key, value, "a policy name (\"llama\"), an HF architecture "
-                    "(\"LlamaForCausalLM\"), a layer class name (\"LlamaDecoderLayer\"), or "
-                    "DeepSpeed's {LayerClass: (linear names)}")
+        raise wrong(key, value, INJECTION_FORMS)
     for cls, linears in value.items():
         name = cls.__name__ if isinstance(cls, type) else cls
         if not isinstance(name, str):
             raise wrong(key, value, "an object whose keys are layer classes or their names")
+        if isinstance(linears, dict):
+            _policy_entry(r, f"{key}.{name}", name, linears)
+            continue
         r.claim("policy", find_policy(r.pm, key, name), key, name)
         _explain_linears(r, key, name, linears)
+
+
+def _policy_entry(r, key, label, entry):
+    """The form {"transformer": {"policy": "llama", "type": "layers"}}: ``policy`` names
+    the policy, ``type`` what it replaces; the outer key is a label, or a layer class or
+    architecture that must then agree with ``policy``."""
+    subkeys(r, key, entry, ("policy", "type"))
+    name = entry.get("policy")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"config key {key}.policy={show(name)} is not valid; accepted: a "
+                          f"policy name such as \"llama\" (or an HF architecture or layer "
+                          f"class), as in {{{show(label)}: {{\"policy\": \"llama\", "
+                          f"\"type\": \"layers\"}}}}")
+    kind = entry.get("type", "layers")
+    if kind not in INJECTION_TYPES:
+        raise ConfigError(f"config key {key}.type={show(kind)} is not valid; accepted: "
+                          f"{' or '.join(map(show, INJECTION_TYPES))}. {TYPE_MEANS}")
+    r.claim("policy", find_policy(r.pm, f"{key}.policy", name), f"{key}.policy", name)
+    named = find_policy(r.pm, key, label, quiet=True)  # "transformer" names none: a label
+    if named is not None:
+        r.claim("policy", named, key, label)
 
 
 def injection_policy_tuple(r, key, value):
@@ -154,14 +165,7 @@ def _more_than_one(v) -> bool:
 
 
 def objects(r, key, value):
-    _no_object(key, value)
-
-
-def _no_object(key, value):
-    if value is not None:
-        raise ConfigError(f"config key {key}={show(value)} is refused: it is a Python object "
-                          "(a file cannot hold one) and the process group is torchrun's "
-                          "world; remove it")
+    no_object(key, value)
 
 
 def triangular_masking(r, key, value):
@@ -184,8 +188,8 @@ def _ignore(default, why):
 MAPPERS = {
     "dtype": dtype, "fp16": precision, "bf16": precision, "bfloat16": precision,
     "replace_with_kernel_inject": kernel_inject, "kernel_inject": kernel_inject,
-    "use_triton": use_triton, "tensor_parallel": tensor_parallel, "tp": tensor_parallel,
-    "mp_size": mp_size, "mpu": objects, "injection_policy": injection_policy,
+    "use_triton": use_triton, **PARALLEL_MAPPERS, "mpu": objects,
+    "injection_policy": injection_policy,
     "injection_dict": injection_policy, "injection_policy_tuple": injection_policy_tuple,
     "enable_cuda_graph": cuda_graphs, "max_out_tokens": max_tokens, "max_tokens": max_tokens,
     "min_out_tokens": min_tokens, "min_tokens": min_tokens, "quantization": quantization,

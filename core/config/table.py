@@ -28,7 +28,16 @@ INFERENCE_KEYS = {
     "tensor_parallel.mpu": _OBJECT,
     "tensor_parallel.tp_group": _OBJECT,
     "tp": "alias of tensor_parallel",
-    "mp_size": "the older tensor_parallel.tp_size (same mapping)",
+    "mp_size": "the older tensor_parallel.tp_size (same mapping; DeepSpeed's model parallel "
+               "is tensor parallel, unlike model_parallel_size below)",
+    "tensor_parallel_size": "not DeepSpeed's (the seed text's and vLLM's name): as "
+                            "tensor_parallel.tp_size; with model_parallel_size N > 1, the "
+                            "ranks of each stage (pp's option tensor_parallel)",
+    "model_parallel_size": "not DeepSpeed's (the seed text's name, its model parallelism being "
+                           "layers split into stages): N > 1 -> plugin \"pp\" + its option "
+                           "stages=N (the run must have N x tensor_parallel_size processes); "
+                           "1 -> nothing",
+    "pipeline_parallel_size": "alias of model_parallel_size (vLLM's name)",
     "mpu": _OBJECT,
     "enable_cuda_graph": "cuda_graphs (decode under CUDA graphs; our default: on CUDA)",
     "use_triton": "true -> kernels=\"triton\" (an error where Triton cannot run); false -> "
@@ -53,22 +62,31 @@ INFERENCE_KEYS = {
     "keep_module_on_host": "ignored, warned if true: weights stream to the device one "
                            "tensor at a time, nothing is kept whole on the host",
     "quant": "alias of quantization",
-    "quantization.enabled": "true -> plugin \"int8\" (int8 weights, W8A16) with bits 8",
-    "quantization.bits": "8 -> plugin \"int8\"; 4 refused (int4 weights are not built yet); "
-                         "accepted: 8",
+    "quantization.enabled": "true switches the section on: with kv_cache_quant and nothing "
+                            "about weights (no bits, no weight), the K/V alone; else the "
+                            "weights, plugin \"int8\" (W8A16) unless bits says 4",
+    "quantization.bits": "8 -> plugin \"int8\" (a scale per output row); 4 -> plugin "
+                         "\"int4\" (W4A16, a scale and zero-point per group of group_size "
+                         "columns); accepted: 8 or 4",
+    "quantization.group_size": "with 4 bits: int4's group_size, 32, 64 or 128 (default "
+                               "128); with 8 bits ignored, warned",
     "quantization.kv_cache_quant": "true / \"int8\" / 8 -> plugin \"kv-int8\" (int8 K/V); "
                                    "\"fp8\" -> plugin \"kv-fp8\" (e4m3 K/V, our spelling); the "
                                    "contiguous, paged and offload caches store both",
     "quantization.weight.enabled": "true -> plugin \"int8\"; false -> no weight quantiser",
     "quantization.weight.num_bits": "as quantization.bits",
-    "quantization.weight.q_type": "\"symmetric\" accepted (ours is); \"asymmetric\" refused",
-    "quantization.weight.q_groups": "ignored, warned unless 1: one scale per output row",
+    "quantization.weight.group_size": "as quantization.group_size",
+    "quantization.weight.q_type": "8 bits: \"symmetric\" accepted (int8 is), \"asymmetric\" "
+                                  "refused; 4 bits: \"asymmetric\" accepted (int4 is), "
+                                  "\"symmetric\" warned (int4's zero-points hold it)",
+    "quantization.weight.q_groups": "ignored, warned unless 1: int8 keeps one scale per "
+                                    "output row, int4's groups come from group_size",
     "quantization.weight.quantized_initialization": "ignored, warned unless empty: weights "
                                                     "are quantised as they load",
     "quantization.weight.post_init_quant": "ignored, warned unless empty: weights are "
                                            "quantised as they load",
     "quantization.activation.enabled": "ignored, warned if true: activations stay in dtype "
-                                       "(W8A16)",
+                                       "(W8A16, W4A16)",
     "quantization.activation.num_bits": "ignored with activation",
     "quantization.activation.q_type": "ignored with activation",
     "quantization.activation.q_groups": "ignored with activation",
@@ -106,7 +124,17 @@ INFERENCE_KEYS = {
     "injection_policy": "a policy name (\"llama\"), an HF architecture (\"LlamaForCausalLM\") "
                         "or a layer class or its name (\"LlamaDecoderLayer\") -> that policy "
                         "in plugins; DeepSpeed's {LayerClass: (linear names)} form: the class "
-                        "chooses the policy, a ConfigWarning says why the names are not needed",
+                        "chooses the policy, a ConfigWarning says why the names are not needed; "
+                        "the seed text's {\"transformer\": {\"policy\": \"llama\", \"type\": "
+                        "\"layers\"}} form: below",
+    "injection_policy.NAME.policy": "the policy (a name, an architecture or a layer class); "
+                                    "NAME is a label (\"transformer\"), or a layer class or "
+                                    "architecture that must then name the same policy",
+    "injection_policy.NAME.type": "what the policy replaces: \"layers\" (or \"layer\", the "
+                                  "default): each decoder layer whole (attention, MLP, norms "
+                                  "and residual adds) becomes our fused layer, the only unit "
+                                  "our policies replace; anything else (\"attention\", "
+                                  "\"mlp\") refused",
     "injection_dict": "alias of injection_policy",
     "injection_policy_tuple": "a tuple of a layer class and / or linear names: the class "
                               "chooses the policy (as injection_policy), the names are warned",

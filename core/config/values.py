@@ -57,6 +57,14 @@ def boolean(key: str, value, none: bool = False):
     return value
 
 
+def no_object(key: str, value) -> None:
+    """A key only a Python object can fill (a process group): refused unless null."""
+    if value is not None:
+        raise ConfigError(f"config key {key}={show(value)} is refused: it is a Python object "
+                          "(a file cannot hold one) and the process group is torchrun's "
+                          "world; remove it")
+
+
 def section(key: str, value, shape: str) -> dict:
     """A nested object of the config (``fp16``, ``tensor_parallel``, ...)."""
     if not isinstance(value, dict):
@@ -85,23 +93,29 @@ def find_policy(pm, key: str, name: str, quiet: bool = False):
     """The registered policy ``name`` stands for: a policy name ("llama"), an architecture
     ("LlamaForCausalLM") or a class of the model ("LlamaDecoderLayer"). None if ``quiet``
     and nothing matches, else ConfigError listing the policies."""
-    registry = pm.policies()
-    if name in registry:
-        return name
-    for policy in registry:
-        if name in policy.architectures:
-            return policy.name
+    policies = list(pm.policies())
+    for found in ([p for p in policies if name == p.name],
+                  [p for p in policies if name in p.architectures]):
+        if found:
+            return found[0].name
     family = _CLASS_SUFFIX.sub("", name).lower()
-    for policy in registry:
+    for policy in policies:
         stems = {_CLASS_SUFFIX.sub("", a).lower() for a in policy.architectures}
         if family and family in stems | {t.lower() for t in policy.model_types} | {policy.name}:
             return policy.name
     if quiet:
         return None
-    known = "; ".join(f"{p.name} ({', '.join(p.architectures)})" for p in registry)
     raise ConfigError(f"config key {key}={show(name)} names no registered policy (by name, "
                       f"architecture or layer class such as LlamaDecoderLayer); known "
-                      f"policies: {known}")
+                      f"policies: {known_policies(policies)}")
+
+
+def known_policies(policies) -> str:
+    """"llama (LlamaForCausalLM); ..." for an error, or why there is none."""
+    if not policies:
+        return ("none: no policy plugin is loaded (`infergraft plugins` lists what is; "
+                "INFERGRAFT_DISABLE_PLUGINS may block them)")
+    return "; ".join(f"{p.name} ({', '.join(p.architectures)})" for p in policies)
 
 
 def subkeys(r, key: str, value: dict, known) -> None:

@@ -41,9 +41,11 @@ def runtime_style(slot: str) -> str:
     return "column" if slot.endswith(COLUMN) else "row" if slot.endswith(ROW) else "replicated"
 
 
-def world_size_for(planner, device: torch.device) -> int:
+def world_size_for(planner, device: torch.device, options: dict | None = None) -> int:
     """1 for planners that stay in one process; else the torch.distributed world size,
-    initialising the default group from torchrun's environment if nobody has."""
+    initialising the default group from torchrun's environment if nobody has. Without
+    one, the error names the processes the planner's ``options`` ask for (its optional
+    ``processes(**options)``)."""
     if not getattr(planner, "spans_processes", False):
         return 1
     dist = torch.distributed
@@ -52,10 +54,13 @@ def world_size_for(planner, device: torch.device) -> int:
                         "torch build lacks")
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
+            wanted = getattr(planner, "processes", lambda **o: None)(**(options or {}))
+            asked = f", {wanted} as its options ask" if wanted else ""
             raise PlanError(
-                f"planner {planner.name!r} runs one process per rank: launch with `torchrun "
-                f"--nproc-per-node N script.py` (or call torch.distributed."
-                f"init_process_group first); no process group and no WORLD_SIZE found")
+                f"planner {planner.name!r} runs one process per rank{asked}: launch with "
+                f"`torchrun --nproc-per-node {wanted or 'N'} script.py` (or call torch."
+                f"distributed.init_process_group first); this process is alone (no process "
+                f"group, no WORLD_SIZE)")
         # every collective waits failure.collective_timeout() at most (torch's: 30 min)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=collective_timeout())

@@ -235,10 +235,14 @@ def _from_checkpoint(model, ckpt, tokenizer=None) -> ModelSource:
     elif model is None and where is not None and (where / "config.json").is_file():
         config, name = read_config(where), ckpt.origin
     else:
+        own = where is not None and (where / "config.json").is_file()
         raise ModelSourceError(
             f"checkpoint {ckpt.origin!r} gives the weights; the model's config comes from the "
             f"model argument (an HF model, e.g. built on the meta device, a config, or a "
-            f"directory with config.json), got {model!r}, and the checkpoint has no config.json")
+            f"directory with config.json), got {model!r}, "
+            + (f"not a model directory; leave it out (None): the checkpoint's "
+               f"{where / 'config.json'} serves" if own
+               else "and the checkpoint's directory has no config.json"))
     if tokenizer is None and where is not None and any(
             (where / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer

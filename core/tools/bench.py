@@ -25,6 +25,10 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                       max_position_embeddings=4096),
+    # 40 layers of 40 heads: the 40-layer example of the seed text's K/V arithmetic
+    "llama2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+                       max_position_embeddings=4096),
     # GQA (8 kv heads for 32 query heads): the large-batch attention plans differ from MHA's
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,

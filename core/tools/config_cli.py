@@ -33,8 +33,19 @@ def build_options(config, model, default_model: str, **flags) -> tuple[object, d
     from ..config import resolve_config
 
     options = resolve_config(config, overrides)
-    from_config = options.pop("model", None)
+    from_config = options.pop("model", None) or checkpoint_model(options)
     return model or from_config or default_model, options
+
+
+def checkpoint_model(options: dict) -> str | None:
+    """The directory of the config's checkpoint where it holds a config.json: the model
+    when none is named (as DeepSpeed's checkpoint is), so that ``{"checkpoint": DIR}``
+    alone is a model. None without one (the build then says what is missing)."""
+    ckpt = options.get("checkpoint")
+    directory = getattr(ckpt, "directory", None)
+    if directory is not None and (directory / "config.json").is_file():
+        return str(directory)
+    return None
 
 
 def bench_config(args) -> dict | None:
@@ -54,28 +65,35 @@ def bench_config(args) -> dict | None:
 
 
 PLAN_DEFAULTS = dict(model="smollm2-135m", max_batch_size=8, tensor_parallel=1,
-                     pipeline_parallel=1, kv_dtype="auto", weights="auto", ring_size=2,
-                     cache="contiguous")
+                     pipeline_parallel=1, micro_batches=1, kv_dtype="auto", weights="auto",
+                     ring_size=2, cache="contiguous")
 
 
 def plan_config(args) -> None:
     """``infergraft plan``'s flags with a ``--config`` under them (the flags given win),
-    then plan's defaults: the config's dtype, K/V and weight quantisers, sizes, budget,
-    tensor-parallel size (one rank's plan) and offload-weights planner."""
+    then plan's defaults: the config's model (or its checkpoint's directory), dtype, K/V
+    and weight quantisers (int4's group size), sizes, budget, tensor-parallel size and
+    pipeline stages (one rank's plan) and offload-weights planner."""
     if args.config is not None:
         from ..config import resolve_config
 
         options = resolve_config(args.config)
         plugins = options.pop("plugins", [])
-        tp = options.get("tp_size") or (int(os.environ.get("WORLD_SIZE", 1))
-                                        if "tp" in plugins else None)
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if "pp" in plugins:  # pp's options; its stages: the world's, as the planner's
+            tp = options.get("tensor_parallel", 1)
+            stages = options.get("stages") or world // tp
+        else:
+            tp, stages = options.get("tp_size") or (world if "tp" in plugins else None), None
         from_config = dict(
-            model=options.get("model"), dtype=options.get("dtype"),
+            model=options.get("model") or checkpoint_model(options), dtype=options.get("dtype"),
             kv_dtype=next((q for q in ("int8", "fp8") if f"kv-{q}" in plugins), None),
             weights=next((q for q in ("int8", "int4", "fp8") if q in plugins), None),
+            group_size=options.get("group_size"),
             max_seq_len=options.get("max_seq_len"), max_batch_size=options.get("max_batch_size"),
             max_num_batched_tokens=options.get("max_num_batched_tokens"),
             device_memory=options.get("device_memory"), tensor_parallel=tp,
+            pipeline_parallel=stages, micro_batches=options.get("micro_batches"),
             offload_weights=True if "offload-weights" in plugins else None,
             cache="paged" if "paged" in plugins else None,
             resident_layers=options.get("resident_layers"), ring_size=options.get("ring_size"),

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import attrs
 import torch
 
-from ..selection import DTYPES, resolve_dtype
+from ..selection import DTYPES, choose_policy, resolve_dtype
 from ..errors import PlanError
-from ..loading.source import spec_of, stored_dtype
+from ..loading.source import ModelSourceError, spec_of, stored_dtype
 from ..budget import blocks_for, check_utilization, default_blocks, held_blocks, pool_blocks
 from ..memory import (as_bytes, device_budget, element_bytes, host_memory, plan_memory,
                       positive_int)
@@ -28,6 +29,7 @@ from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
 from ..units import fmt_bytes, rows_table
 from . import plan_offload
+from .bench import SHAPES, shape_config
 from .config_cli import add_config_argument, plan_config
 
 KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
@@ -42,8 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # the epilog's lines are a table: keep its line breaks
     p.epilog, p.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
     p.add_argument("model", nargs="?", default=None,
-                   help="local HF model directory (config.json is enough) or alias (default: "
-                        "the --config's model, else smollm2-135m)")
+                   help="local HF model directory (config.json is enough), alias, or a "
+                        f"random shape's name ({', '.join(SHAPES)}; no file needed) "
+                        "(default: the --config's model or checkpoint, else smollm2-135m)")
     p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
                                                  "(default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=KVDTYPES,
@@ -51,7 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "kv-fp8 quantizer)")
     p.add_argument("--weights", default=None, choices=("auto", "int8", "int4", "fp8"),
                    help="weight storage (auto: the weights dtype; int8 / int4 / fp8: the int8 "
-                        "(W8A16) / int4 (W4A16, groups of 128) / fp8 (e4m3) quantizer)")
+                        "(W8A16) / int4 (W4A16, groups of --group-size) / fp8 (e4m3) "
+                        "quantizer)")
+    p.add_argument("--group-size", type=int, default=None, metavar="G",
+                   help="with --weights int4: the columns sharing a scale and zero-point "
+                        "(32, 64 or 128; default 128)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -66,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stages of the pp planner (plugins=['pp'] under torchrun): the plan "
                         "is the largest stage's (the first: most layers and the embeddings); "
                         "with --tensor-parallel T, one of its T ranks (pp's tensor_parallel=T)")
-    p.add_argument("--micro-batches", type=int, default=1, metavar="M",
+    p.add_argument("--micro-batches", type=int, default=None, metavar="M",
                    help="with --pipeline-parallel: pp's micro_batches, a step's tokens cut "
                         "into up to M groups in flight across the stages at once (default 1)")
     p.add_argument("--cache", default=None, choices=("contiguous", "paged"),
@@ -105,12 +112,18 @@ def weight_quantizer_for(name: str):
                                  f"weight quantizer named {name!r}")
 
 
-def _weight_quantizer(weights: str, config):
+def _weight_quantizer(weights: str, config, group_size: int | None = None):
     """The quantiser ``--weights`` names; a pre-quantised checkpoint's own (GPTQ / AWQ: int4
     in its groups; fp8) where its config says so (``--weights`` may say that or auto)."""
     from ..loading.gptq import prequant_format
 
     fmt = prequant_format(config)
+    if fmt is None and weights == "int4" and group_size is not None:
+        return weight_quantizer_for(weights).configured(group_size=group_size)
+    if group_size is not None:
+        raise PlanError(f"--group-size {group_size} sizes int4's groups: give --weights int4 "
+                        "too" if fmt is None else f"--group-size {group_size}: the checkpoint "
+                        f"is {fmt.label}, its groups are its own; leave it out")
     if fmt is None:
         return None if weights == "auto" else weight_quantizer_for(weights)
     if weights not in ("auto", fmt.quantizer):
@@ -141,9 +154,23 @@ def one_rank(name: str, spec, stages: int, tp: int, micro_batches: int = 1):
     return (label, *rank_spec(spec, stage, tp))
 
 
+def model_spec(model: str):
+    """(name, ModelSpec, HF config) of ``model``: a shape of bench's SHAPES (its LlamaConfig
+    alone), else a directory or alias (``spec_of``: its config.json)."""
+    if model in SHAPES:
+        config = shape_config(model)
+        return model, choose_policy(get_plugin_manager(), config, None).describe(config), config
+    try:
+        return spec_of(model)
+    except ModelSourceError as e:
+        if Path(model).expanduser().is_dir():
+            raise
+        raise ModelSourceError(f"{e}, or a random shape: {', '.join(SHAPES)}") from None
+
+
 def run(args) -> int:
     plan_config(args)  # --config under the flags given, then plan's defaults
-    name, spec, config = spec_of(args.model)
+    name, spec, config = model_spec(args.model)
     not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.micro_batches != 1 and args.pipeline_parallel == 1:
         raise PlanError(f"--micro-batches {args.micro_batches} pipelines the stages of "
@@ -164,7 +191,7 @@ def run(args) -> int:
         budget, source = device_budget("cuda" if torch.cuda.is_available() else "cpu")
         if budget is None:
             budget, source = host_memory(), "host RAM"
-    weight_quant = _weight_quantizer(args.weights, config)
+    weight_quant = _weight_quantizer(args.weights, config, args.group_size)
     mem = plan_memory(spec, model=name, dtype=dtype, kv_quantizer=kv_quant,
                       weight_quantizer=weight_quant,
                       max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
