@@ -4,7 +4,7 @@ Decode is memory-bound: a step reads every weight and the live K/V once, so the 
 for TPOT is (weight bytes + K/V bytes) / copy bandwidth, the bandwidth measured here in
 the same run. Times are medians after warm-up runs of identical shapes. ``matmul_rate``
 is the compute roofline of ``infergraft bench throughput``, measured the same way.
-``SHAPES``: the random-weight LLaMA shapes a run may take instead of a checkpoint.
+``SHAPES`` (``shapes.py``): the random LLaMA shapes a run may take instead of a checkpoint.
 """
 from __future__ import annotations
 
@@ -21,34 +21,7 @@ from ..errors import PlanError
 from ..metrics import percentiles
 from ..request import SamplingParams
 
-SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                      max_position_embeddings=4096),
-    # 40 layers of 40 heads: the 40-layer example of the seed text's K/V arithmetic
-    "llama2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                       num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
-                       max_position_embeddings=4096),
-    # GQA (8 kv heads for 32 query heads): the large-batch attention plans differ from MHA's
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192, rope_theta=500000.0),
-    # GQA, 80 layers: 138 GB of bf16 weights, more than one H200 holds (bench_parallel)
-    "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
-                       max_position_embeddings=4096),
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
-                 max_position_embeddings=2048),
-}
-
-
-def shape_config(name: str):
-    """The LlamaConfig of the random shape ``name``."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, tie_word_embeddings=False,
-                       architectures=["LlamaForCausalLM"])
+from .shapes import SHAPES, shape_config  # noqa: F401  (imported from here too)
 
 
 def describe_device(device) -> str:
