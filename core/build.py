@@ -164,7 +164,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     tensors = source.tensors()
     if progress:
         from tqdm import tqdm
-        tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
+        tensors = tqdm(tensors, desc="loading weights", unit=" tensors", leave=False)
     pack = None if weight_quant is None else SlotPacker(weight_quant, ops, net,
                                                         net.will_fuse(dtype), device)
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,

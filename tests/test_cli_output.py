@@ -1,6 +1,6 @@
 """What the ``infergraft`` command prints about itself, and how it ends when nobody reads
-it: ``--help`` written for a user, ``--version``, and a reader gone (``| head -1``) ending
-every command with 141 and no traceback."""
+it: ``--help`` written for a user, ``--version``, the weight-loading bar, and a reader gone
+(``| head -1``) ending every command with 141 and no traceback."""
 import importlib.metadata
 import os
 import subprocess
@@ -85,3 +85,12 @@ def test_a_reader_gone_while_generate_streams_ends_it_quietly(model_dir):
     rc = wait_or_kill(proc, 120)  # 4000 tokens would take minutes: it stops at once
     err = proc.stderr.read().decode()
     assert rc == 141 and no_trace(err), err
+
+
+def test_the_loading_bar_counts_tensors_in_words(capsys, model_dir):
+    argv = ["generate", "hi", "--model", model_dir, "--max-seq-len", "64",
+            "--max-new-tokens", "1"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "loading weights: 0 tensors [" in err and "tensors/s" in err, err
+    assert "0tensor" not in err
