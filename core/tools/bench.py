@@ -56,6 +56,9 @@ def describe_device(device) -> str:
 
 SYSTEMS = ("infergraft", "hf-eager", "hf-static")
 WARMUP_STEPS = 2  # decode steps left out of a run's TPOT: the first run slow (allocation, compile)
+# Repeated runs of one measurement further apart than this (the slowest run's TPOT over the
+# fastest's, less one): something else had the host, and a speed-up is not to be trusted.
+UNSTEADY = 0.10
 
 
 @attrs.define
@@ -67,6 +70,12 @@ class Result:
     roofline_ms: float  # TPOT floor for this batch: bytes read per step / bandwidth
     tpot_p90_ms: Optional[float] = None  # the step times' spread (tpot_ms is their median)
     tpot_p99_ms: Optional[float] = None
+    tpot_runs_ms: list[float] = attrs.field(factory=list)  # each repeated run's median
+
+    @property
+    def runs_disagree(self) -> float:
+        """How far the repeated runs are apart (``disagreement``); above UNSTEADY: busy."""
+        return disagreement(self.tpot_runs_ms)
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,6 +84,24 @@ class Result:
     @property
     def roofline_fraction(self) -> float:
         return self.roofline_ms / self.tpot_ms
+
+
+def disagreement(values) -> float:
+    """The largest of ``values`` over the smallest, less one (0.25: 25% apart); 0.0 for
+    fewer than two."""
+    return max(values) / min(values) - 1 if len(values) > 1 else 0.0
+
+
+def unsteady_warning(results) -> Optional[str]:
+    """A warning naming each result whose repeated runs disagree by more than UNSTEADY (the
+    host was busy: the speed-ups beside them are unreliable); None when all agree."""
+    busy = [r for r in results if r.runs_disagree > UNSTEADY]
+    if not busy:
+        return None
+    rows = "; ".join(f"{r.system} batch {r.batch}: {r.runs_disagree:.0%}" for r in busy)
+    return (f"warning: repeated runs of the same measurement disagree by more than "
+            f"{UNSTEADY:.0%} ({rows}): the host was busy, so the speed-ups are unreliable; "
+            f"rerun on an idle machine")
 
 
 def sync(device) -> None:
@@ -148,13 +175,13 @@ def rank_floors(per_rank, batch: int, context: int, bw: float) -> tuple[float, f
 
 
 def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
-               repeats: int = 3) -> tuple[float, float, dict]:
-    """(median TTFT, median TPOT, percentiles of the step times) in seconds over
-    ``repeats`` runs after ``warmup``. Each run rotates the prompts by its index: the
-    prefix cache would otherwise hand every run after the first its prompts' K/V, and
-    TTFT would time one token's prefill."""
+               repeats: int = 3) -> tuple[float, float, dict, list[float]]:
+    """(median TTFT, median TPOT, percentiles of the step times, each run's median TPOT)
+    in seconds over ``repeats`` runs after ``warmup``. Each run rotates the prompts by its
+    index: the prefix cache would otherwise hand every run after the first its prompts'
+    K/V, and TTFT would time one token's prefill."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    ttfts, itls = [], []
+    ttfts, itls, runs = [], [], []
     for run in range(warmup + repeats):
         seqs = [engine.add_request(p[run:] + p[:run], params) for p in prompts]
         while engine.has_unfinished():
@@ -169,7 +196,8 @@ def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
                     f"(--new-tokens) or more prompt tokens a step (--max-num-batched-tokens, "
                     f"build's max_num_batched_tokens)")
             itls += itl[min(WARMUP_STEPS, len(itl) - 1):]
-    return statistics.median(ttfts), statistics.median(itls), percentiles(itls)
+            runs.append(statistics.median(itl[min(WARMUP_STEPS, len(itl) - 1):]))
+    return statistics.median(ttfts), statistics.median(itls), percentiles(itls), runs
 
 
 def full_batch_steps(metrics) -> list[float]:
@@ -207,7 +235,7 @@ def bench_hf(model, prompts, new_tokens: int, static: bool = False,
               attention_mask=torch.ones_like(ids), pad_token_id=0)
     if static:  # transformers compiles the static-cache forward (CUDA graphs) itself
         kw.update(cache_implementation="static")
-    ttfts, itls = [], []
+    ttfts, itls, runs = [], [], []
     for run in range(warmup + repeats):
         clock = _StepClock(device)
         sync(device)
@@ -217,8 +245,10 @@ def bench_hf(model, prompts, new_tokens: int, static: bool = False,
         if run >= warmup:
             t = clock.times
             ttfts.append(t[0] - start)
-            itls += [b - a for a, b in zip(t[WARMUP_STEPS:], t[WARMUP_STEPS + 1:])]
-    return statistics.median(ttfts), statistics.median(itls), percentiles(itls)
+            steps = [b - a for a, b in zip(t[WARMUP_STEPS:], t[WARMUP_STEPS + 1:])]
+            itls += steps
+            runs.append(statistics.median(steps))
+    return statistics.median(ttfts), statistics.median(itls), percentiles(itls), runs
 
 
 def min_new_tokens(system: str) -> int:
@@ -265,12 +295,12 @@ def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
                            prompt_len + new_tokens // 2) / bw
         for system in systems:
             if system == "infergraft":
-                ttft, tpot, spread = bench_ours(engine, prompts, new_tokens)
+                ttft, tpot, spread, runs = bench_ours(engine, prompts, new_tokens)
             else:
-                ttft, tpot, spread = bench_hf(hf_model, prompts, new_tokens,
-                                              static=system == "hf-static")
+                ttft, tpot, spread, runs = bench_hf(hf_model, prompts, new_tokens,
+                                                    static=system == "hf-static")
             r = Result(system, b, ttft * 1e3, tpot * 1e3, floor * 1e3,
-                       spread["p90"] * 1e3, spread["p99"] * 1e3)
+                       spread["p90"] * 1e3, spread["p99"] * 1e3, [t * 1e3 for t in runs])
             log(f"  batch {b:3d} {system:11s} TTFT {r.ttft_ms:8.2f} ms  TPOT {r.tpot_ms:8.3f} ms"
                 f"  {r.tokens_per_s:9.1f} tok/s  roofline {r.roofline_fraction:5.1%}")
             results.append(r)

@@ -16,7 +16,7 @@ from ..loading.source import ALIASES
 from ..selection import resolve_device, resolve_dtype
 from . import bench_parallel as parallel
 from .bench import (SHAPES, SYSTEMS, check_systems, describe_device, min_new_tokens, plot,
-                    run_benchmark, shape_config)
+                    run_benchmark, shape_config, unsteady_warning)
 from .bench_variants import (add_variants_argument, check_variants, engine_plugins,
                              run_variants, variants_table)
 from .config_cli import add_config_argument, bench_config
@@ -231,17 +231,22 @@ def measure(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results, bw)
+    warning = unsteady_warning(results)  # a busy host: said under the table and in the JSON
     (out / "results.json").write_text(json.dumps({
         "model": args.model, "dtype": str(dtype), "device": device_name,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "copy_bandwidth_Bps": bw,
         "plugins": args.plugins, "config": args.config, "torch": torch.__version__,
         "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(),
         "results": [dict(attrs.asdict(r), tokens_per_s=r.tokens_per_s,
-                         roofline_fraction=r.roofline_fraction) for r in results],
+                         roofline_fraction=r.roofline_fraction,
+                         runs_disagree=r.runs_disagree) for r in results],
+        "warnings": [warning] if warning else [],
     }, indent=2))
     plotted = plot(results, out / "tpot.png", title)
     if args.compare_plugins:
         table += "\n\n" + variants_table(results)
+    if warning:
+        table += "\n\n" + warning
     print(f"## {title}, prompt {prompt_len}, {new_tokens} new tokens\n\n{table}")
     print(f"\nwrote {out / 'results.json'}" + (f" and {out / 'tpot.png'}" if plotted else
           " (no tpot.png: matplotlib is not installed; pip install 'infergraft[bench]')"))
