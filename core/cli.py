@@ -20,7 +20,7 @@ from .errors import InfergraftError, InvalidRequestError
 from .plugin_manager import get_plugin_manager
 from .request import SamplingParams
 from .tools import chat
-from .tools.config_cli import add_config_argument, build_options
+from .tools.config_cli import REVISION_HELP, add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"
 # A write to a pipe whose reader went away: the status of a process that SIGPIPE killed
@@ -51,7 +51,8 @@ def _build(args):
     first = os.environ.get("RANK", "0") == "0"
     model, options = build_options(args.config, args.model, DEFAULT_MODEL,
                                    plugins=args.plugin or None, dtype=args.dtype,
-                                   device=args.device, max_seq_len=args.max_seq_len)
+                                   device=args.device, max_seq_len=args.max_seq_len,
+                                   revision=args.revision)
     engine = build(model, progress=first, **options)
     if not first:
         sys.stdout = open(os.devnull, "w")
@@ -149,8 +150,9 @@ def cmd_plugins(args) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help=f"HF model directory or alias (default: the --config's model, else "
-                        f"{DEFAULT_MODEL})")
+                   help=f"HF model directory, hub id in the Hugging Face cache (org/name) or "
+                        f"alias (default: the --config's model, else {DEFAULT_MODEL})")
+    p.add_argument("--revision", default=None, help=REVISION_HELP)
     add_config_argument(p)
     p.add_argument("--plugin", action="append", help="plugin name to use (repeatable)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")

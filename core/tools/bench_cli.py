@@ -12,7 +12,8 @@ import attrs
 import torch
 
 from ..errors import PlanError
-from ..loading.source import ALIASES
+from ..loading.hub import cached_snapshot, is_hub_id
+from ..loading.source import ALIASES, model_directory
 from ..selection import resolve_device, resolve_dtype
 from . import bench_parallel as parallel
 from .bench import (SHAPES, SYSTEMS, check_systems, describe_device, min_new_tokens, plot,
@@ -34,17 +35,16 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
 
 
 def load_hf(name: str, device, dtype):
-    """The HF model of ``name``: a random shape of SHAPES (seed 0), or a checkpoint."""
+    """The HF model of ``name``: a random shape of SHAPES (seed 0), or a checkpoint (a
+    directory, an alias or a hub id in the Hugging Face cache: never downloaded)."""
     from transformers import AutoModelForCausalLM
 
     if name in SHAPES:
         torch.manual_seed(0)
         with torch.device(device):
             return AutoModelForCausalLM.from_config(shape_config(name), dtype=dtype).eval()
-    from ..loading.demo import ensure_demo_model
-
-    path = ensure_demo_model(name) if name in ALIASES else name
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_directory(name), dtype=dtype,
+                                                local_files_only=True).to(device).eval()
 
 
 def build_engine(hf, device, dtype, max_batch_size: int, max_seq_len: int, plugins=(),
@@ -100,9 +100,11 @@ def parse_resolved(p: argparse.ArgumentParser, argv, resolve):
 def _model(text: str) -> str:
     if text in SHAPES or text in ALIASES or (Path(text).expanduser() / "config.json").is_file():
         return text
+    if is_hub_id(text) and cached_snapshot(text)[0] is not None:
+        return text
     raise argparse.ArgumentTypeError(
-        f"unknown model {text!r}: not a local directory with config.json, nor one of "
-        f"{', '.join((*ALIASES, *SHAPES))}")
+        f"unknown model {text!r}: not a local directory with config.json, a hub id in the "
+        f"Hugging Face cache, nor one of {', '.join((*ALIASES, *SHAPES))}")
 
 
 def _device(text: str) -> str:

@@ -28,7 +28,7 @@ from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
 from ..units import fmt_bytes, rows_table
 from . import plan_offload
-from .config_cli import add_config_argument, plan_config
+from .config_cli import REVISION_HELP, add_config_argument, plan_config
 
 KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 FITS, DOES_NOT_FIT = 0, 1  # and 2, from cli.main, for an InfergraftError
@@ -42,8 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # the epilog's lines are a table: keep its line breaks
     p.epilog, p.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
     p.add_argument("model", nargs="?", default=None,
-                   help="local HF model directory (config.json is enough) or alias (default: "
-                        "the --config's model, else smollm2-135m)")
+                   help="local HF model directory (config.json is enough), hub id in the "
+                        "Hugging Face cache (org/name) or alias (default: the --config's "
+                        "model, else smollm2-135m)")
+    p.add_argument("--revision", default=None, help=REVISION_HELP)
     p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
                                                  "(default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=KVDTYPES,
@@ -143,7 +145,7 @@ def one_rank(name: str, spec, stages: int, tp: int, micro_batches: int = 1):
 
 def run(args) -> int:
     plan_config(args)  # --config under the flags given, then plan's defaults
-    name, spec, config = spec_of(args.model)
+    name, spec, config = spec_of(args.model, revision=args.revision)
     not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.micro_batches != 1 and args.pipeline_parallel == 1:
         raise PlanError(f"--micro-batches {args.micro_batches} pipelines the stages of "
