@@ -114,7 +114,7 @@ def test_revision_is_refused_where_there_is_no_hub_id(cache):
         core.build("org/tiny", config={"revision": 7})
 
 
-def test_the_cli_takes_a_hub_id_and_its_revision(hub, cache, capsys):
+def test_the_cli_takes_a_hub_id_and_its_revision(hub, cache, capsys, tmp_path):
     snapshot = hub / "models--org--chat" / "snapshots" / MAIN
     argv = ["generate", "hello", "--max-new-tokens", "4", "--max-seq-len", "64"]
     assert cli.main([*argv, "--model", "org/chat", "--revision", "main"]) == 0
@@ -125,6 +125,11 @@ def test_the_cli_takes_a_hub_id_and_its_revision(hub, cache, capsys):
     assert "org/tiny" in capsys.readouterr().out
     assert cli.main([*argv, "--model", "org/absent"]) == 2
     assert "hf download org/absent" in capsys.readouterr().err
+    config = tmp_path / "config.json"  # the config's revision reaches plan and generate
+    config.write_text('{"model": "org/tiny", "revision": "v3"}')
+    for command in (["plan"], ["generate", "hello"]):
+        assert cli.main([*command, "--config", str(config)]) == 2
+        assert "no snapshot of revision 'v3'" in capsys.readouterr().err
 
 
 def test_the_tools_that_read_a_model_directory_take_a_hub_id(hub, cache):
