@@ -238,7 +238,8 @@ def test_bench_refuses_bad_plugin_sets_before_building(flags, says, tmp_path, ca
 
 # -- a busy host: repeated runs that disagree -------------------------------------------
 def test_runs_that_disagree_by_more_than_10_percent_are_named():
-    from infergraft.core.tools.bench import Result, disagreement, unsteady_warning
+    from infergraft.core.tools.bench import Result
+    from infergraft.core.tools.bench_report import disagreement, unsteady_warning
 
     assert disagreement([10.0, 12.0, 10.5]) == pytest.approx(0.2)
     assert disagreement([10.0]) == disagreement([]) == 0.0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Optional
 
 import attrs
@@ -20,6 +19,7 @@ import torch
 from ..errors import PlanError
 from ..metrics import percentiles
 from ..request import SamplingParams
+from .bench_report import disagreement
 
 SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -56,9 +56,6 @@ def describe_device(device) -> str:
 
 SYSTEMS = ("infergraft", "hf-eager", "hf-static")
 WARMUP_STEPS = 2  # decode steps left out of a run's TPOT: the first run slow (allocation, compile)
-# Repeated runs of one measurement further apart than this (the slowest run's TPOT over the
-# fastest's, less one): something else had the host, and a speed-up is not to be trusted.
-UNSTEADY = 0.10
 
 
 @attrs.define
@@ -74,7 +71,7 @@ class Result:
 
     @property
     def runs_disagree(self) -> float:
-        """How far the repeated runs are apart (``disagreement``); above UNSTEADY: busy."""
+        """How far the repeated runs are apart (bench_report: above UNSTEADY, a busy host)."""
         return disagreement(self.tpot_runs_ms)
 
     @property
@@ -84,24 +81,6 @@ class Result:
     @property
     def roofline_fraction(self) -> float:
         return self.roofline_ms / self.tpot_ms
-
-
-def disagreement(values) -> float:
-    """The largest of ``values`` over the smallest, less one (0.25: 25% apart); 0.0 for
-    fewer than two."""
-    return max(values) / min(values) - 1 if len(values) > 1 else 0.0
-
-
-def unsteady_warning(results) -> Optional[str]:
-    """A warning naming each result whose repeated runs disagree by more than UNSTEADY (the
-    host was busy: the speed-ups beside them are unreliable); None when all agree."""
-    busy = [r for r in results if r.runs_disagree > UNSTEADY]
-    if not busy:
-        return None
-    rows = "; ".join(f"{r.system} batch {r.batch}: {r.runs_disagree:.0%}" for r in busy)
-    return (f"warning: repeated runs of the same measurement disagree by more than "
-            f"{UNSTEADY:.0%} ({rows}): the host was busy, so the speed-ups are unreliable; "
-            f"rerun on an idle machine")
 
 
 def sync(device) -> None:
@@ -305,26 +284,3 @@ def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
                 f"  {r.tokens_per_s:9.1f} tok/s  roofline {r.roofline_fraction:5.1%}")
             results.append(r)
     return results, bw
-
-
-def plot(results, path: Path, title: str) -> bool:
-    """TPOT against batch, a line per system and the first system's roofline, as a PNG at
-    ``path``; False where matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for system in sorted({r.system for r in results}):
-        rs = sorted((r for r in results if r.system == system), key=lambda r: r.batch)
-        ax.plot([r.batch for r in rs], [r.tpot_ms for r in rs], marker="o", label=system)
-    rs = sorted((r for r in results if r.system == results[0].system), key=lambda r: r.batch)
-    ax.plot([r.batch for r in rs], [r.roofline_ms for r in rs], "k--", label="HBM roofline")
-    ax.set(xscale="log", xlabel="batch size", ylabel="TPOT (ms)", title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True

@@ -16,8 +16,9 @@ from ..loading.hub import cached_snapshot, is_hub_id
 from ..loading.source import ALIASES, model_directory
 from ..selection import resolve_device, resolve_dtype
 from . import bench_parallel as parallel
-from .bench import (SHAPES, SYSTEMS, check_systems, describe_device, min_new_tokens, plot,
-                    run_benchmark, shape_config, unsteady_warning)
+from .bench import (SHAPES, SYSTEMS, check_systems, describe_device, min_new_tokens,
+                    run_benchmark, shape_config)
+from .bench_report import plot, unsteady_warning
 from .bench_variants import (add_variants_argument, check_variants, engine_plugins,
                              run_variants, variants_table)
 from .config_cli import add_config_argument, bench_config

@@ -26,8 +26,9 @@ import torch
 
 from ..distributed import failure
 from ..errors import PlanError
-from .bench import (SHAPES, copy_bandwidth, describe_device, matmul_rate, plot, rank_floors,
-                    run_benchmark, shape_config, unsteady_warning)
+from .bench import (SHAPES, copy_bandwidth, describe_device, matmul_rate, rank_floors,
+                    run_benchmark, shape_config)
+from .bench_report import plot, unsteady_warning
 from .bench_variants import BASE, engine_plugins, free_device
 from .provenance import provenance
 

@@ -19,8 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Chat with an instruct model. When the conversation outgrows "
                      "--max-seq-len its oldest turns are dropped (a --system message stays). "
                      "Ctrl-C during a reply stops that reply, what it said so far staying in "
-                     "the conversation; an empty line or Ctrl-D at the prompt ends (exit status 0), "
-                     "Ctrl-C there too (130).")
+                     "the conversation; an empty line or Ctrl-D at the prompt ends (exit "
+                     "status 0), Ctrl-C there too (130).")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message, kept when old turns are dropped (default: the "
                         "chat template's own, if it has one)")
