@@ -70,7 +70,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
           device_memory=None, cuda_graphs: bool | None = None,
           prefill_graphs: bool | None = None, step_graphs: bool | None = None,
           max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
-          checkpoint=None, preemption: str = "auto", **plugin_options) -> Engine:
+          checkpoint=None, preemption: str = "auto", revision: str | None = None,
+          **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine.
 
     ``config``: a JSON file or a dict of these arguments and plugin options, or
@@ -78,6 +79,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     argument given here (other than its default) winning over it, its ``model`` used when
     ``model`` is None. ``checkpoint``: the weights from a directory of safetensors files or
     DeepSpeed's checkpoint JSON, ``model`` then giving the config (e.g. on the meta device).
+    A hub id ``model`` ("org/name") loads from the local Hugging Face cache, never the
+    network (core/loading/hub.py); ``revision``: its branch, tag or commit (default main).
 
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
     a ``max_num_batched_tokens`` step must fit in (default: the free memory of a CUDA device;
@@ -105,7 +108,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         if value is not None and not isinstance(value, bool):
             raise PlanError(f"{flag} must be True, False or None (the default), got {value!r}")
     pm, sel = select_plugins(get_plugin_manager(), plugins)
-    source = resolve_source(model, tokenizer, checkpoint=checkpoint)
+    source = resolve_source(model, tokenizer, checkpoint=checkpoint, revision=revision)
     policy = choose_policy(pm, source.config, sel.policy)
     spec = policy.describe(source.config)
     device = resolve_device(device)
@@ -165,7 +168,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     tensors = source.tensors()
     if progress:
         from tqdm import tqdm
-        tensors = tqdm(tensors, desc="loading weights", unit="tensor", leave=False)
+        tensors = tqdm(tensors, desc="loading weights", unit=" tensors", leave=False)
     pack = None if weight_quant is None else SlotPacker(weight_quant, ops, net,
                                                         net.will_fuse(dtype), device)
     load_weights(net, spec, policy.weight_map(spec), tensors, policy_name=policy.name,

@@ -2,11 +2,13 @@
 
 This module parses the arguments and dispatches; ``generate`` and ``plugins`` live here,
 ``chat``, ``plan``, ``bench``, ``quantize`` and ``serve`` in ``core/tools``. Bad input exits
-2 with what was wrong, Ctrl-C exits 130 without a traceback."""
+2 with what was wrong, Ctrl-C exits 130 without a traceback, a reader gone (``| head``)
+exits 141 without one. ``DESCRIPTION`` is what ``infergraft --help`` tells a user."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
 import signal
@@ -18,9 +20,30 @@ from .errors import InfergraftError, InvalidRequestError
 from .plugin_manager import get_plugin_manager
 from .request import SamplingParams
 from .tools import chat
-from .tools.config_cli import add_config_argument, build_options
+from .tools.config_cli import REVISION_HELP, add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"
+# A write to a pipe whose reader went away: the status of a process that SIGPIPE killed
+# (128 + 13), as `cat` or `git log` give under `| head` and `set -o pipefail` reports.
+READER_GONE = 141
+
+DESCRIPTION = """\
+infergraft runs LLMs (LLaMA, Mistral, GPT-2; more families through plugins) on a CUDA GPU
+or the CPU: one prompt, a chat in the terminal, or an OpenAI-compatible server. A model is
+a local Hugging Face directory (config.json and *.safetensors), a hub id already in the
+Hugging Face cache (org/name), or the demo alias smollm2-135m (downloaded once).
+
+Each command has its own --help."""
+
+EPILOG = """\
+examples:
+  infergraft generate "The capital of France is" --max-new-tokens 16
+  infergraft chat --model HuggingFaceTB/SmolLM2-135M-Instruct
+  infergraft plan ./my-model --max-seq-len 8192 --max-batch-size 16
+  infergraft serve --model ./my-model --port 8000
+
+exit status: 0 done, 2 bad input (one line says what was wrong), 130 Ctrl-C,
+141 the reader of the output went away (as `| head` does)."""
 
 
 def _build(args):
@@ -28,7 +51,8 @@ def _build(args):
     first = os.environ.get("RANK", "0") == "0"
     model, options = build_options(args.config, args.model, DEFAULT_MODEL,
                                    plugins=args.plugin or None, dtype=args.dtype,
-                                   device=args.device, max_seq_len=args.max_seq_len)
+                                   device=args.device, max_seq_len=args.max_seq_len,
+                                   revision=args.revision)
     engine = build(model, progress=first, **options)
     if not first:
         sys.stdout = open(os.devnull, "w")
@@ -126,8 +150,9 @@ def cmd_plugins(args) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help=f"HF model directory or alias (default: the --config's model, else "
-                        f"{DEFAULT_MODEL})")
+                   help=f"HF model directory, hub id in the Hugging Face cache (org/name) or "
+                        f"alias (default: the --config's model, else {DEFAULT_MODEL})")
+    p.add_argument("--revision", default=None, help=REVISION_HELP)
     add_config_argument(p)
     p.add_argument("--plugin", action="append", help="plugin name to use (repeatable)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
@@ -145,8 +170,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infergraft", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="infergraft", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"infergraft {version()}",
+                        help="print the installed infergraft's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands")
     g = sub.add_parser("generate", help="complete one prompt")
     g.add_argument("prompt")
     _model_args(g)
@@ -197,7 +225,30 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    """The installed distribution's version (an uninstalled checkout has none)."""
+    try:
+        return importlib.metadata.version("infergraft")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: no package metadata)"
+
+
 def main(argv=None) -> int:
+    """Run one command; its exit status. A reader gone (``infergraft plugins | head -1``)
+    exits 141 quietly (Python's own recipe: catch BrokenPipeError, point stdout at
+    devnull); stdout is flushed in here, so that a failed write cannot wait for exit."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):  # a captured stdout has no descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return READER_GONE
+
+
+def _main(argv) -> int:
     args = make_parser().parse_args(argv)
     with _noting_interrupts() as interrupted:
         try:

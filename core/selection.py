@@ -2,6 +2,7 @@
 the model, and the dtype and device asked for, each refused with what is accepted."""
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any, Iterable, Optional
 
 import attrs
@@ -15,6 +16,9 @@ DEFAULT_PLANNER = "single"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# Architectures that a package in this repository's contrib/ supports: (its distribution,
+# its plugin's name). A model that no registered policy claims is told where one is.
+CONTRIB_FAMILIES = {"Qwen2ForCausalLM": ("infergraft-qwen2", "qwen2")}
 
 
 @attrs.define
@@ -100,9 +104,29 @@ def choose_policy(pm: PluginManager, config, forced: Optional[str]):
         supported = sorted({a for p in registry for a in p.architectures})
         raise UnsupportedModelError(
             f"no registered policy supports {', '.join(archs)}; supported architectures: "
-            f"{', '.join(supported) or '(none)'}")
+            f"{', '.join(supported) or '(none)'}{contrib_hint(pm, archs)}")
     if len(claimants) > 1:
         names = ", ".join(repr(p.name) for p in claimants)
         raise UnsupportedModelError(f"policies {names} (plugins {', '.join(registry.origin(p.name) for p in claimants)}) "
                                     f"all claim {', '.join(archs)}; pick one with plugins=[name]")
     return claimants[0]
+
+
+def contrib_hint(pm: PluginManager, archs) -> str:
+    """Where the policy of one of ``archs`` is, if a contrib package has it: how to install
+    it, or why the installed one is not loaded; "" for an architecture none has."""
+    for arch in archs:
+        if arch not in CONTRIB_FAMILIES:
+            continue
+        package, plugin = CONTRIB_FAMILIES[arch]
+        try:
+            importlib.metadata.distribution(package)
+        except importlib.metadata.PackageNotFoundError:
+            return (f". The package {package} supports {arch}: from a checkout of "
+                    f"infergraft, pip install ./contrib/{package}")
+        broken = pm.broken.get(plugin)
+        why = (f"it was skipped at load: {broken.reason}" if broken is not None else
+               "INFERGRAFT_DISABLE_PLUGINS or INFERGRAFT_LOAD_PLUGINS leaves it out")
+        return (f". The installed package {package} supports {arch}, but its plugin "
+                f"{plugin!r} is not loaded: {why}")
+    return ""

@@ -234,3 +234,50 @@ def test_bench_refuses_bad_plugin_sets_before_building(flags, says, tmp_path, ca
     with pytest.raises(SystemExit) as e:
         main(["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), *flags])
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+# -- a busy host: repeated runs that disagree -------------------------------------------
+def test_runs_that_disagree_by_more_than_10_percent_are_named():
+    from infergraft.core.tools.bench import Result
+    from infergraft.core.tools.bench_report import disagreement, unsteady_warning
+
+    assert disagreement([10.0, 12.0, 10.5]) == pytest.approx(0.2)
+    assert disagreement([10.0]) == disagreement([]) == 0.0
+    steady = Result("infergraft", 8, 1.0, 10.0, 5.0, tpot_runs_ms=[10.0, 10.9, 10.2])
+    busy = Result("hf-eager", 8, 1.0, 20.0, 5.0, tpot_runs_ms=[20.0, 26.0, 20.2])
+    assert unsteady_warning([steady]) is None  # 9% apart: within the 10%
+    warning = unsteady_warning([steady, busy])
+    assert "more than 10%" in warning and "host was busy" in warning
+    assert "hf-eager batch 8: 30%" in warning and "infergraft" not in warning
+
+
+@pytest.mark.parametrize("hf_runs, warned", [([0.02, 0.026, 0.02], True),
+                                             ([0.02, 0.021, 0.02], False)])
+def test_bench_warns_under_the_speed_ups_when_the_host_was_busy(tmp_path, capsys, monkeypatch,
+                                                                 hf_runs, warned):
+    """Fake measurement series (ours steady, HF's runs as given) through the real command:
+    the warning under the table and in the JSON, or neither."""
+    import statistics
+
+    from infergraft.core.tools import bench
+
+    def series(runs):
+        return lambda *a, **k: (0.05, statistics.median(runs), {"p90": max(runs),
+                                                                "p99": max(runs)}, runs)
+    monkeypatch.setattr(bench, "bench_ours", series([0.01, 0.0101, 0.01]))
+    monkeypatch.setattr(bench, "bench_hf", series(hf_runs))
+    assert main(["--model", "tiny", "--device", "cpu", "--batches", "1", "--prompt-len", "8",
+                 "--new-tokens", "6", "--systems", "infergraft,hf-eager",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "results.json").read_text())
+    hf = next(r for r in data["results"] if r["system"] == "hf-eager")
+    assert hf["tpot_runs_ms"] == pytest.approx([t * 1e3 for t in hf_runs])
+    assert hf["runs_disagree"] == pytest.approx(max(hf_runs) / min(hf_runs) - 1)
+    assert "| 1 | 10.00 | 20.00 |" in out  # the speed-up column is still there
+    if warned:
+        assert data["warnings"] == [next(line for line in out.splitlines()
+                                         if line.startswith("warning: "))]
+        assert "hf-eager batch 1: 30%" in data["warnings"][0]
+    else:
+        assert data["warnings"] == [] and "warning" not in out

@@ -147,6 +147,21 @@ def test_without_the_one_device_run_the_table_shows_the_ranks_alone(tmp_path, ca
     assert rank_floors(shares, 1, 10, 1e6) == pytest.approx((0.6, 1.0))
 
 
+def test_the_speed_up_is_warned_of_when_the_ranks_runs_disagree(tmp_path, capsys):
+    args = SimpleNamespace(model="tiny", dtype=torch.float32, device="cpu", out=str(tmp_path),
+                           tensor_parallel=2, pipeline_parallel=1, micro_batches=None,
+                           prompt_len=8, new_tokens=4, plugins=[], config=None,
+                           no_single=False)
+    shares = [{"rank": r, "stage": 0, "weight_bytes": 400, "kv_bytes_per_token": 10}
+              for r in (0, 1)]
+    single, rows = [_row("infergraft", 1, 8.0, 0.0)], [_row("infergraft", 1, 4.0, 0.0)]
+    single[0].tpot_runs_ms, rows[0].tpot_runs_ms = [8.0, 8.1, 8.0], [4.0, 5.0, 4.1]
+    bench_parallel.report(args, single, rows, shares, bw=1e6)
+    out = capsys.readouterr().out
+    (warning,) = json.loads((tmp_path / "results.json").read_text())["warnings"]
+    assert "infergraft-tp2 batch 1: 25%" in warning and warning in out
+
+
 def test_the_all_reduce_latency_script_runs_under_torchrun(tmp_path):
     """docs/bench/allreduce_latency.py (the one-shot all-reduce question, for 2 x H200):
     on gloo ranks, every size timed eagerly beside its copy; no graphs off CUDA."""

@@ -128,12 +128,23 @@ def test_ctrl_c_during_a_reply_stops_it_and_the_chat_goes_on(monkeypatch, capsys
         assert kept == [] and "hello" not in second
 
 
-@pytest.mark.parametrize("end", [KeyboardInterrupt, EOFError, ""])
+@pytest.mark.parametrize("end, status", [(KeyboardInterrupt, 130), (EOFError, 0), ("", 0)])
 def test_ctrl_c_ctrl_d_or_an_empty_line_at_the_prompt_ends_quietly(monkeypatch, capsys,
-                                                                    model_dir, end):
+                                                                    model_dir, end, status):
     rc, out, err = run_chat(monkeypatch, capsys, model_dir, [end], "--max-seq-len", "64",
                             "--max-new-tokens", "8")
-    assert rc == 0 and "Traceback" not in err and "interrupted" not in err
+    assert rc == status and "Traceback" not in err and "interrupted" not in err
+
+
+def test_ctrl_c_at_the_prompt_exits_130(model_dir):
+    """A real SIGINT while the chat waits for a line: 130, as Ctrl-C in every command."""
+    run = Cli("chat", "--model", model_dir, "--max-seq-len", "64", "--max-new-tokens", "8",
+              stdin=subprocess.PIPE)
+    run.wait_for(lambda out, err: out.endswith("> "))  # waiting at the prompt
+    run.interrupt()
+    rc, out, err = run.finish()
+    assert rc == 130 and "Traceback" not in err, err
+    assert out == "> \n"  # the shell's prompt starts on a line of its own
 
 
 def test_max_new_tokens_leaving_no_room_is_refused(monkeypatch, capsys, model_dir):

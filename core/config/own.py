@@ -29,6 +29,8 @@ OWN_KEYS = {
     "checkpoint": "where the weights are (checkpoint below)",
     "preemption": "\"auto\" (the cheaper of the two), \"swap\" or \"recompute\": how a "
                   "sequence makes room when the cache runs short",
+    "revision": "a branch, tag or commit: the snapshot of a hub id model (org/name) in the "
+                "Hugging Face cache (default: main)",
 }
 _KERNELS = ("auto", "triton", "torch")
 
@@ -68,6 +70,12 @@ def _preemption(key, value):
     return value
 
 
+def _revision(key, value):
+    if not isinstance(value, str) or not value.strip():
+        raise wrong(key, value, OWN_KEYS["revision"])
+    return value
+
+
 def _memory(key, value):
     if isinstance(value, bool) or not isinstance(value, (str, int)) or \
             isinstance(value, int) and value < 1:
@@ -83,9 +91,9 @@ OWN_HANDLERS = {
                                        "max_num_batched_tokens", "max_prefill_tokens")},
     **{k: _own(lambda key, v: boolean(key, v, none=True))
        for k in ("cuda_graphs", "prefill_graphs", "step_graphs")},
-    "checkpoint": checkpoint, "preemption": _own(_preemption),
+    "checkpoint": checkpoint, "preemption": _own(_preemption), "revision": _own(_revision),
 }
 # the keys passed on as they are (dtype, plugins and checkpoint are decided from several)
 PASSED = ("model", "device", "max_seq_len", "max_batch_size", "tokenizer", "kernels",
           "progress", "device_memory", "cuda_graphs", "prefill_graphs", "step_graphs",
-          "max_num_batched_tokens", "max_prefill_tokens", "preemption")
+          "max_num_batched_tokens", "max_prefill_tokens", "preemption", "revision")

@@ -1,4 +1,5 @@
-"""Where a model comes from: an HF model in memory, a local directory, or a demo alias.
+"""Where a model comes from: an HF model in memory, a local directory, a hub id in the
+local Hugging Face cache (loading/hub.py), or a demo alias.
 
 Weights are only ever read from safetensors files or in-memory tensors (never pickle).
 """
@@ -16,6 +17,7 @@ import torch
 
 from ..errors import InfergraftError
 from .checkpoint import describe_checkpoint
+from .hub import cached_snapshot, is_hub_id, not_cached_advice
 
 ALIASES = ("smollm2-135m",)
 
@@ -35,18 +37,24 @@ class ModelSourceError(InfergraftError, ValueError):
     """The ``model`` argument names nothing we can load."""
 
 
-def resolve_source(model, tokenizer=None, checkpoint=None) -> ModelSource:
+def resolve_source(model, tokenizer=None, checkpoint=None, revision=None) -> ModelSource:
     """``checkpoint`` (loading/checkpoint.py): the weights come from its safetensors files;
     ``model`` then gives only the config (an HF model, e.g. on the meta device, a config
     object or a directory with config.json), or is None where the checkpoint has one.
     A config with a GPTQ / AWQ ``quantization_config``: its projections stream in already
-    quantised (loading/gptq.py)."""
+    quantised (loading/gptq.py). ``revision``: the snapshot of a hub id ``model``."""
     from .gptq import with_prequantized
 
-    return with_prequantized(_resolve(model, tokenizer, checkpoint))
+    if revision is not None and (checkpoint is not None or
+                                 not isinstance(model, (str, os.PathLike))):
+        raise ModelSourceError(
+            f"revision={revision!r} picks a snapshot of a hub id in the Hugging Face cache "
+            f"(core.build(\"org/name\", revision=...)); it does not apply to "
+            f"{'checkpoint=' if checkpoint is not None else type(model).__name__ + ' models'}")
+    return with_prequantized(_resolve(model, tokenizer, checkpoint, revision))
 
 
-def _resolve(model, tokenizer, checkpoint) -> ModelSource:
+def _resolve(model, tokenizer, checkpoint, revision=None) -> ModelSource:
     from transformers import PreTrainedModel
 
     if tokenizer is not None and not all(callable(getattr(tokenizer, m, None))
@@ -63,16 +71,43 @@ def _resolve(model, tokenizer, checkpoint) -> ModelSource:
             config=model.config, tensors=lambda: iter(model.state_dict().items()),
             tokenizer=tokenizer, dtype=params.dtype if params is not None else None)
     if isinstance(model, (str, os.PathLike)):
-        if str(model) in ALIASES:
-            from .demo import ensure_demo_model
-
-            return _from_directory(ensure_demo_model(str(model)), tokenizer, name=str(model))
-        path = Path(model).expanduser()
-        if path.is_dir():
-            return _from_directory(path, tokenizer)
+        path = model_directory(model, revision)
+        # an alias or a hub id names the model; a directory is named by its path
+        return _from_directory(path, tokenizer,
+                               name=None if path == Path(model).expanduser() else str(model))
     raise ModelSourceError(
-        f"cannot load model {model!r}: pass a transformers PreTrainedModel, a local directory "
-        f"with config.json and *.safetensors, or one of the aliases {', '.join(ALIASES)}")
+        f"cannot load model {model!r}: pass a transformers PreTrainedModel, {LOADABLE}")
+
+
+LOADABLE = ("a local directory with config.json and *.safetensors, a hub id (org/name) "
+            f"already in the Hugging Face cache, or one of the aliases {', '.join(ALIASES)}")
+
+
+def model_directory(model, revision: Optional[str] = None) -> Path:
+    """The local directory that ``model`` (a name or path) names: a demo alias (its
+    converted copy), a directory, or a hub id's snapshot in the Hugging Face cache at
+    ``revision`` (default: main). ModelSourceError, saying what would load, otherwise."""
+    name, path = str(model), Path(model).expanduser()
+    if revision is not None and not (isinstance(revision, str) and revision.strip()):
+        raise ModelSourceError(f"revision must be a branch, tag or commit of the hub id's "
+                               f"repository (a non-empty string), got {revision!r}")
+    if revision is not None and (name in ALIASES or path.is_dir() or not is_hub_id(name)):
+        raise ModelSourceError(f"revision={revision!r} picks a snapshot of a hub id (org/name) "
+                               f"in the Hugging Face cache; {name!r} is not one")
+    if name in ALIASES:
+        from .demo import ensure_demo_model
+
+        return Path(ensure_demo_model(name))
+    if path.is_dir():
+        return path
+    if not is_hub_id(name):
+        raise ModelSourceError(f"cannot load model {name!r}: it is not a local directory; "
+                               f"pass {LOADABLE}")
+    snapshot, why = cached_snapshot(name, revision)
+    if snapshot is None:
+        raise ModelSourceError(f"cannot load model {name!r}: it is not a local directory, and "
+                               f"{why}. {not_cached_advice(name)}")
+    return snapshot
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -184,23 +219,14 @@ def stored_dtype(config) -> Optional[torch.dtype]:
     return stored if isinstance(stored, torch.dtype) else None
 
 
-def spec_of(model, policy: Optional[str] = None):
-    """(name, ModelSpec, HF config) from a local model directory or a demo alias,
-    reading only its config.json (no weights): what ``infergraft plan`` needs."""
+def spec_of(model, policy: Optional[str] = None, revision: Optional[str] = None):
+    """(name, ModelSpec, HF config) from a local model directory, a cached hub id or a
+    demo alias, reading only its config.json (no weights): what ``infergraft plan`` needs."""
     from ..plugin_manager import get_plugin_manager
     from ..selection import choose_policy
 
     name = str(model)
-    if name in ALIASES:
-        from .demo import ensure_demo_model
-
-        path = ensure_demo_model(name)
-    else:
-        path = Path(name).expanduser()
-        if not (path / "config.json").exists():
-            raise ModelSourceError(f"cannot plan {name!r}: give a local model directory with a "
-                                   f"config.json, or one of the aliases {', '.join(ALIASES)}")
-    config = read_config(path)
+    config = read_config(model_directory(name, revision))
     return name, choose_policy(get_plugin_manager(), config, policy).describe(config), config
 
 

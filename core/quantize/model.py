@@ -76,15 +76,12 @@ def check_architecture(config) -> None:
 
 
 def source_dir(model) -> Optional[Path]:
-    """The directory ``model`` names (an alias: the demo cache), else None."""
-    from ..loading.source import ALIASES
+    """The directory ``model`` names (an alias: the demo cache; a hub id: its snapshot in
+    the Hugging Face cache), else None."""
+    from ..loading.source import model_directory
 
     if isinstance(model, (str, os.PathLike)):
-        if str(model) in ALIASES:
-            from ..loading.demo import ensure_demo_model
-
-            return ensure_demo_model(str(model))
-        return Path(model).expanduser()
+        return model_directory(model)
     return None
 
 

@@ -150,7 +150,8 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
         jobs = []
         for p, ids in enumerate(batch):
             if len(ids) >= limit:
-                raise bad(what, f"the {what} take {len(ids)} tokens; the context holds "
+                takes = "takes" if what == "prompt" else "take"  # "the messages take"
+                raise bad(what, f"the {what} {takes} {len(ids)} tokens; the context holds "
                           f"max_seq_len={limit} tokens, the prompt and at least one new one: "
                           "shorten it", code="context_length_exceeded")
             kw = dict(req.sampling)

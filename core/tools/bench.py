@@ -11,7 +11,6 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Optional
 
 import attrs
@@ -20,6 +19,7 @@ import torch
 from ..errors import PlanError
 from ..metrics import percentiles
 from ..request import SamplingParams
+from .bench_report import disagreement
 
 from .shapes import SHAPES, shape_config  # noqa: F401  (imported from here too)
 
@@ -44,6 +44,12 @@ class Result:
     roofline_ms: float  # TPOT floor for this batch: bytes read per step / bandwidth
     tpot_p90_ms: Optional[float] = None  # the step times' spread (tpot_ms is their median)
     tpot_p99_ms: Optional[float] = None
+    tpot_runs_ms: list[float] = attrs.field(factory=list)  # each repeated run's median
+
+    @property
+    def runs_disagree(self) -> float:
+        """How far the repeated runs are apart (bench_report: above UNSTEADY, a busy host)."""
+        return disagreement(self.tpot_runs_ms)
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,13 +131,13 @@ def rank_floors(per_rank, batch: int, context: int, bw: float) -> tuple[float, f
 
 
 def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
-               repeats: int = 3) -> tuple[float, float, dict]:
-    """(median TTFT, median TPOT, percentiles of the step times) in seconds over
-    ``repeats`` runs after ``warmup``. Each run rotates the prompts by its index: the
-    prefix cache would otherwise hand every run after the first its prompts' K/V, and
-    TTFT would time one token's prefill."""
+               repeats: int = 3) -> tuple[float, float, dict, list[float]]:
+    """(median TTFT, median TPOT, percentiles of the step times, each run's median TPOT)
+    in seconds over ``repeats`` runs after ``warmup``. Each run rotates the prompts by its
+    index: the prefix cache would otherwise hand every run after the first its prompts'
+    K/V, and TTFT would time one token's prefill."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    ttfts, itls = [], []
+    ttfts, itls, runs = [], [], []
     for run in range(warmup + repeats):
         seqs = [engine.add_request(p[run:] + p[:run], params) for p in prompts]
         while engine.has_unfinished():
@@ -146,7 +152,8 @@ def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
                     f"(--new-tokens) or more prompt tokens a step (--max-num-batched-tokens, "
                     f"build's max_num_batched_tokens)")
             itls += itl[min(WARMUP_STEPS, len(itl) - 1):]
-    return statistics.median(ttfts), statistics.median(itls), percentiles(itls)
+            runs.append(statistics.median(itl[min(WARMUP_STEPS, len(itl) - 1):]))
+    return statistics.median(ttfts), statistics.median(itls), percentiles(itls), runs
 
 
 def full_batch_steps(metrics) -> list[float]:
@@ -184,7 +191,7 @@ def bench_hf(model, prompts, new_tokens: int, static: bool = False,
               attention_mask=torch.ones_like(ids), pad_token_id=0)
     if static:  # transformers compiles the static-cache forward (CUDA graphs) itself
         kw.update(cache_implementation="static")
-    ttfts, itls = [], []
+    ttfts, itls, runs = [], [], []
     for run in range(warmup + repeats):
         clock = _StepClock(device)
         sync(device)
@@ -194,8 +201,10 @@ def bench_hf(model, prompts, new_tokens: int, static: bool = False,
         if run >= warmup:
             t = clock.times
             ttfts.append(t[0] - start)
-            itls += [b - a for a, b in zip(t[WARMUP_STEPS:], t[WARMUP_STEPS + 1:])]
-    return statistics.median(ttfts), statistics.median(itls), percentiles(itls)
+            steps = [b - a for a, b in zip(t[WARMUP_STEPS:], t[WARMUP_STEPS + 1:])]
+            itls += steps
+            runs.append(statistics.median(steps))
+    return statistics.median(ttfts), statistics.median(itls), percentiles(itls), runs
 
 
 def min_new_tokens(system: str) -> int:
@@ -242,36 +251,13 @@ def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
                            prompt_len + new_tokens // 2) / bw
         for system in systems:
             if system == "infergraft":
-                ttft, tpot, spread = bench_ours(engine, prompts, new_tokens)
+                ttft, tpot, spread, runs = bench_ours(engine, prompts, new_tokens)
             else:
-                ttft, tpot, spread = bench_hf(hf_model, prompts, new_tokens,
-                                              static=system == "hf-static")
+                ttft, tpot, spread, runs = bench_hf(hf_model, prompts, new_tokens,
+                                                    static=system == "hf-static")
             r = Result(system, b, ttft * 1e3, tpot * 1e3, floor * 1e3,
-                       spread["p90"] * 1e3, spread["p99"] * 1e3)
+                       spread["p90"] * 1e3, spread["p99"] * 1e3, [t * 1e3 for t in runs])
             log(f"  batch {b:3d} {system:11s} TTFT {r.ttft_ms:8.2f} ms  TPOT {r.tpot_ms:8.3f} ms"
                 f"  {r.tokens_per_s:9.1f} tok/s  roofline {r.roofline_fraction:5.1%}")
             results.append(r)
     return results, bw
-
-
-def plot(results, path: Path, title: str) -> bool:
-    """TPOT against batch, a line per system and the first system's roofline, as a PNG at
-    ``path``; False where matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for system in sorted({r.system for r in results}):
-        rs = sorted((r for r in results if r.system == system), key=lambda r: r.batch)
-        ax.plot([r.batch for r in rs], [r.tpot_ms for r in rs], marker="o", label=system)
-    rs = sorted((r for r in results if r.system == results[0].system), key=lambda r: r.batch)
-    ax.plot([r.batch for r in rs], [r.roofline_ms for r in rs], "k--", label="HBM roofline")
-    ax.set(xscale="log", xlabel="batch size", ylabel="TPOT (ms)", title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True

@@ -12,11 +12,13 @@ import attrs
 import torch
 
 from ..errors import PlanError
-from ..loading.source import ALIASES
+from ..loading.hub import cached_snapshot, is_hub_id
+from ..loading.source import ALIASES, model_directory
 from ..selection import resolve_device, resolve_dtype
 from . import bench_parallel as parallel
-from .bench import (SHAPES, SYSTEMS, check_systems, describe_device, min_new_tokens, plot,
+from .bench import (SHAPES, SYSTEMS, check_systems, describe_device, min_new_tokens,
                     run_benchmark, shape_config)
+from .bench_report import plot, unsteady_warning
 from .bench_variants import (add_variants_argument, check_variants, engine_plugins,
                              run_variants, variants_table)
 from .config_cli import add_config_argument, bench_config
@@ -34,17 +36,16 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
 
 
 def load_hf(name: str, device, dtype):
-    """The HF model of ``name``: a random shape of SHAPES (seed 0), or a checkpoint."""
+    """The HF model of ``name``: a random shape of SHAPES (seed 0), or a checkpoint (a
+    directory, an alias or a hub id in the Hugging Face cache: never downloaded)."""
     from transformers import AutoModelForCausalLM
 
     if name in SHAPES:
         torch.manual_seed(0)
         with torch.device(device):
             return AutoModelForCausalLM.from_config(shape_config(name), dtype=dtype).eval()
-    from ..loading.demo import ensure_demo_model
-
-    path = ensure_demo_model(name) if name in ALIASES else name
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_directory(name), dtype=dtype,
+                                                local_files_only=True).to(device).eval()
 
 
 def build_engine(hf, device, dtype, max_batch_size: int, max_seq_len: int, plugins=(),
@@ -100,9 +101,11 @@ def parse_resolved(p: argparse.ArgumentParser, argv, resolve):
 def _model(text: str) -> str:
     if text in SHAPES or text in ALIASES or (Path(text).expanduser() / "config.json").is_file():
         return text
+    if is_hub_id(text) and cached_snapshot(text)[0] is not None:
+        return text
     raise argparse.ArgumentTypeError(
-        f"unknown model {text!r}: not a local directory with config.json, nor one of "
-        f"{', '.join((*ALIASES, *SHAPES))}")
+        f"unknown model {text!r}: not a local directory with config.json, a hub id in the "
+        f"Hugging Face cache, nor one of {', '.join((*ALIASES, *SHAPES))}")
 
 
 def _device(text: str) -> str:
@@ -231,17 +234,22 @@ def measure(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results, bw)
+    warning = unsteady_warning(results)  # a busy host: said under the table and in the JSON
     (out / "results.json").write_text(json.dumps({
         "model": args.model, "dtype": str(dtype), "device": device_name,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "copy_bandwidth_Bps": bw,
         "plugins": args.plugins, "config": args.config, "torch": torch.__version__,
         "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(),
         "results": [dict(attrs.asdict(r), tokens_per_s=r.tokens_per_s,
-                         roofline_fraction=r.roofline_fraction) for r in results],
+                         roofline_fraction=r.roofline_fraction,
+                         runs_disagree=r.runs_disagree) for r in results],
+        "warnings": [warning] if warning else [],
     }, indent=2))
     plotted = plot(results, out / "tpot.png", title)
     if args.compare_plugins:
         table += "\n\n" + variants_table(results)
+    if warning:
+        table += "\n\n" + warning
     print(f"## {title}, prompt {prompt_len}, {new_tokens} new tokens\n\n{table}")
     print(f"\nwrote {out / 'results.json'}" + (f" and {out / 'tpot.png'}" if plotted else
           " (no tpot.png: matplotlib is not installed; pip install 'infergraft[bench]')"))

@@ -26,8 +26,9 @@ import torch
 
 from ..distributed import failure
 from ..errors import PlanError
-from .bench import (SHAPES, copy_bandwidth, describe_device, matmul_rate, plot, rank_floors,
+from .bench import (SHAPES, copy_bandwidth, describe_device, matmul_rate, rank_floors,
                     run_benchmark, shape_config)
+from .bench_report import plot, unsteady_warning
 from .bench_variants import BASE, engine_plugins, free_device
 from .provenance import provenance
 
@@ -212,7 +213,7 @@ def report(args, single, rows, per_rank, bw: float) -> None:
                         "tpot_speedup": s and s.tpot_ms / r.tpot_ms,
                         "ttft_speedup": s and s.ttft_ms / r.ttft_ms,
                         "scaling_efficiency": s and s.tpot_ms / r.tpot_ms / n})
-    device = describe_device(args.device)
+    device, warning = describe_device(args.device), unsteady_warning(single + rows)
     title = f"{args.model} {str(args.dtype)[6:]}, {tag(args)} on {n} ranks ({device})"
     (out := Path(args.out)).mkdir(parents=True, exist_ok=True)
     keys = ("model", "tensor_parallel", "pipeline_parallel", "micro_batches", "prompt_len",
@@ -224,11 +225,12 @@ def report(args, single, rows, per_rank, bw: float) -> None:
         "when": time.strftime("%Y-%m-%d %H:%M"), **provenance(), "rank_shares": per_rank,
         "results": [dict(attrs.asdict(r), tokens_per_s=r.tokens_per_s,
                          roofline_fraction=r.roofline_fraction) for r in single + rows],
-        "speedup": speedup}, indent=2))
+        "speedup": speedup, "warnings": [warning] if warning else []}, indent=2))
     plotted = plot(single + rows, out / "tpot.png", title)
     print(f"## {title}, prompt {args.prompt_len}, {args.new_tokens} new tokens\n\n"
           f"{table(args, single, rows, speedup)}\n\ncopy bandwidth (roofline): "
-          f"{bw / 1e9:.1f} GB/s; rank roofline: the largest rank's share")
+          f"{bw / 1e9:.1f} GB/s; rank roofline: the largest rank's share"
+          + (f"\n\n{warning}" if warning else ""))
     print(f"\nwrote {out / 'results.json'}" + (f" and {out / 'tpot.png'}" if plotted else ""))
 
 

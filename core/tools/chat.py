@@ -3,8 +3,8 @@
 Every reply samples with the session's settings (temperature, top-k, top-p, max new
 tokens; reply i of a session with ``--seed N`` uses seed N + i, so the same lines give
 the same replies). A conversation that outgrows ``max_seq_len`` loses its oldest turns,
-a Ctrl-C during a reply stops that reply only, and Ctrl-C, Ctrl-D or an empty line at
-the prompt ends the chat."""
+a Ctrl-C during a reply stops that reply only, and Ctrl-D or an empty line at the prompt
+ends the chat (exit status 0), Ctrl-C there too (130, as Ctrl-C ends every command)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Chat with an instruct model. When the conversation outgrows "
                      "--max-seq-len its oldest turns are dropped (a --system message stays). "
                      "Ctrl-C during a reply stops that reply, what it said so far staying in "
-                     "the conversation; an empty line, Ctrl-D or Ctrl-C at the prompt ends.")
+                     "the conversation; an empty line or Ctrl-D at the prompt ends (exit "
+                     "status 0), Ctrl-C there too (130).")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message, kept when old turns are dropped (default: the "
                         "chat template's own, if it has one)")
@@ -65,17 +66,20 @@ def enable_line_editing() -> bool:
 
 def converse(engine, kw: dict, system: str | None = None,
              read_line: Callable | None = None) -> int:
-    """Read a line (``input`` unless ``read_line``), reply, repeat, until an empty line,
-    EOF or Ctrl-C at the prompt."""
+    """Read a line (``input`` unless ``read_line``), reply, repeat, until an empty line or
+    EOF (returns 0) or Ctrl-C at the prompt (130, the shell's 128 + SIGINT)."""
     read_line = read_line or input
     history = [] if system is None else [{"role": "system", "content": system}]
     replies = 0
     while True:
         try:
             line = read_line("> ").strip()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print()  # the shell's prompt starts on a line of its own
             return 0
+        except KeyboardInterrupt:
+            print()
+            return 130
         if not line:
             return 0
         history.append({"role": "user", "content": line})

@@ -13,6 +13,10 @@ HELP = ("a JSON config: core.build's keyword arguments and plugin options, or De
         "given on the command line win over it")
 
 
+REVISION_HELP = ("a branch, tag or commit: which snapshot of a hub id model (org/name) to "
+                 "load from the Hugging Face cache (default: main)")
+
+
 def add_config_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", default=None, help=HELP)
 
@@ -91,6 +95,7 @@ def plan_config(args) -> None:
             weights=next((q for q in ("int8", "int4", "fp8") if q in plugins), None),
             group_size=options.get("group_size"),
             max_seq_len=options.get("max_seq_len"), max_batch_size=options.get("max_batch_size"),
+            revision=options.get("revision"),
             max_num_batched_tokens=options.get("max_num_batched_tokens"),
             device_memory=options.get("device_memory"), tensor_parallel=tp,
             pipeline_parallel=stages, micro_batches=options.get("micro_batches"),

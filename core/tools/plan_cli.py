@@ -29,8 +29,12 @@ from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
 from ..units import fmt_bytes, rows_table
 from . import plan_offload
+<<<<<<< HEAD
 from .bench import SHAPES, shape_config
 from .config_cli import add_config_argument, plan_config
+=======
+from .config_cli import REVISION_HELP, add_config_argument, plan_config
+>>>>>>> wip/i42-cli
 
 KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 FITS, DOES_NOT_FIT = 0, 1  # and 2, from cli.main, for an InfergraftError
@@ -44,9 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # the epilog's lines are a table: keep its line breaks
     p.epilog, p.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
     p.add_argument("model", nargs="?", default=None,
+<<<<<<< HEAD
                    help="local HF model directory (config.json is enough), alias, or a "
                         f"random shape's name ({', '.join(SHAPES)}; no file needed) "
                         "(default: the --config's model or checkpoint, else smollm2-135m)")
+=======
+                   help="local HF model directory (config.json is enough), hub id in the "
+                        "Hugging Face cache (org/name) or alias (default: the --config's "
+                        "model, else smollm2-135m)")
+    p.add_argument("--revision", default=None, help=REVISION_HELP)
+>>>>>>> wip/i42-cli
     p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
                                                  "(default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=KVDTYPES,
@@ -170,7 +181,11 @@ def model_spec(model: str):
 
 def run(args) -> int:
     plan_config(args)  # --config under the flags given, then plan's defaults
+<<<<<<< HEAD
     name, spec, config = model_spec(args.model)
+=======
+    name, spec, config = spec_of(args.model, revision=args.revision)
+>>>>>>> wip/i42-cli
     not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.micro_batches != 1 and args.pipeline_parallel == 1:
         raise PlanError(f"--micro-batches {args.micro_batches} pipelines the stages of "

@@ -21,7 +21,7 @@ import threading
 
 from ..build import build
 from ..errors import InfergraftError, RankFailedError
-from .config_cli import add_config_argument, build_options
+from .config_cli import REVISION_HELP, add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"  # as `infergraft generate`
 GRACE_S = 30  # seconds open requests get after SIGTERM before they are cancelled
@@ -36,8 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "/v1/completions, /v1/chat/completions (streaming as server-sent "
                      "events), /health, /metrics (Prometheus) and a chat page at /.")
     p.add_argument("--model", default=None,
-                   help=f"HF model directory or alias (default: the --config's model, else "
-                        f"{DEFAULT_MODEL}); also the model name clients send")
+                   help=f"HF model directory, hub id in the Hugging Face cache (org/name) or "
+                        f"alias (default: the --config's model, else {DEFAULT_MODEL}); also "
+                        f"the model name clients send")
+    p.add_argument("--revision", default=None, help=REVISION_HELP)
     add_config_argument(p)
     p.add_argument("--plugin", action="append", help="plugin name to use (repeatable)")
     p.add_argument("--host", default="127.0.0.1",
@@ -100,7 +102,8 @@ def run(args) -> int:
     args.model, options = build_options(
         args.config, args.model, DEFAULT_MODEL, plugins=args.plugin or None,
         dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
-        max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens)
+        max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        revision=args.revision)
     if not args.prefill_graphs:  # the build's default (None) only when asked for
         options.setdefault("prefill_graphs", False)
     options["progress"] = first

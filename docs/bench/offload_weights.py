@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     tokens_a = {"solo": [greedy(a, [s], args.new_tokens)[0] for s in solo]}
     for b in batches:
         tokens_a[b] = greedy(a, prompts[b], args.new_tokens)
-        _, tpot, _ = bench_ours(a, prompts[b], args.new_tokens, warmup=1, repeats=args.repeats)
+        _, tpot, _, _ = bench_ours(a, prompts[b], args.new_tokens, warmup=1, repeats=args.repeats)
         result["a"][f"tpot_ms_{b}"] = 1e3 * tpot
         log(f"(a) batch {b}: TPOT {1e3 * tpot:.2f} ms (CUDA graphs where on)")
     eager(a)
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     n = shape["num_hidden_layers"]
     for b in batches:
         tokens_a_eager[b] = greedy(a, prompts[b], args.new_tokens)
-        _, tpot, _ = bench_ours(a, prompts[b], args.new_tokens, warmup=1, repeats=args.repeats)
+        _, tpot, _, _ = bench_ours(a, prompts[b], args.new_tokens, warmup=1, repeats=args.repeats)
         result["a"][f"tpot_eager_ms_{b}"] = 1e3 * tpot
         layers_a[b] = layer_times(a, prompts[b], args.new_tokens, cuda,
                                   {k: (0, k) for k in range(1, n + 1)})  # first k layers
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         toks = greedy(b_eng, prompts[b], args.new_tokens)
         equal, equal_eager = toks == tokens_a[b], toks == tokens_a_eager[b]
         differ = sum(x != y for r, q in zip(toks, tokens_a[b]) for x, y in zip(r, q))
-        _, tpot, pct = bench_ours(b_eng, prompts[b], args.new_tokens, warmup=1,
+        _, tpot, pct, _ = bench_ours(b_eng, prompts[b], args.new_tokens, warmup=1,
                                   repeats=args.repeats)
         # eager (b) only: under graphs the resident layers are timed inside the replays by
         # offload_resident.py, both builds alive
