@@ -29,12 +29,8 @@ from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
 from ..units import fmt_bytes, rows_table
 from . import plan_offload
-<<<<<<< HEAD
-from .bench import SHAPES, shape_config
-from .config_cli import add_config_argument, plan_config
-=======
 from .config_cli import REVISION_HELP, add_config_argument, plan_config
->>>>>>> wip/i42-cli
+from .shapes import SHAPES, shape_config
 
 KVDTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 FITS, DOES_NOT_FIT = 0, 1  # and 2, from cli.main, for an InfergraftError
@@ -48,16 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # the epilog's lines are a table: keep its line breaks
     p.epilog, p.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
     p.add_argument("model", nargs="?", default=None,
-<<<<<<< HEAD
-                   help="local HF model directory (config.json is enough), alias, or a "
-                        f"random shape's name ({', '.join(SHAPES)}; no file needed) "
-                        "(default: the --config's model or checkpoint, else smollm2-135m)")
-=======
                    help="local HF model directory (config.json is enough), hub id in the "
-                        "Hugging Face cache (org/name) or alias (default: the --config's "
-                        "model, else smollm2-135m)")
+                        "Hugging Face cache (org/name), alias, or a random shape's name "
+                        f"({', '.join(SHAPES)}; no file needed) (default: the --config's "
+                        "model or checkpoint, else smollm2-135m)")
     p.add_argument("--revision", default=None, help=REVISION_HELP)
->>>>>>> wip/i42-cli
     p.add_argument("--dtype", default=None, help="weights dtype: float32, bfloat16, float16 "
                                                  "(default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=KVDTYPES,
@@ -165,14 +156,14 @@ def one_rank(name: str, spec, stages: int, tp: int, micro_batches: int = 1):
     return (label, *rank_spec(spec, stage, tp))
 
 
-def model_spec(model: str):
+def model_spec(model: str, revision=None):
     """(name, ModelSpec, HF config) of ``model``: a shape of bench's SHAPES (its LlamaConfig
-    alone), else a directory or alias (``spec_of``: its config.json)."""
+    alone), else a directory, cached hub id or alias (``spec_of``: its config.json)."""
     if model in SHAPES:
         config = shape_config(model)
         return model, choose_policy(get_plugin_manager(), config, None).describe(config), config
     try:
-        return spec_of(model)
+        return spec_of(model, revision=revision)
     except ModelSourceError as e:
         if Path(model).expanduser().is_dir():
             raise
@@ -181,11 +172,7 @@ def model_spec(model: str):
 
 def run(args) -> int:
     plan_config(args)  # --config under the flags given, then plan's defaults
-<<<<<<< HEAD
-    name, spec, config = model_spec(args.model)
-=======
-    name, spec, config = spec_of(args.model, revision=args.revision)
->>>>>>> wip/i42-cli
+    name, spec, config = model_spec(args.model, args.revision)
     not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.micro_batches != 1 and args.pipeline_parallel == 1:
         raise PlanError(f"--micro-batches {args.micro_batches} pipelines the stages of "
