@@ -79,6 +79,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     ``model`` is None. ``checkpoint``: the weights from a directory of safetensors files or
     DeepSpeed's checkpoint JSON, ``model`` then giving the config (e.g. on the meta device).
 
+    ``max_seq_len``: tokens per sequence, prompt + output (default: the model's
+    max_position_embeddings, at most ``memory.DEFAULT_MAX_SEQ_LEN``, 4096).
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
     a ``max_num_batched_tokens`` step must fit in (default: the free memory of a CUDA device;
     on the CPU the host's physical memory); the paged cache's pool is by default what

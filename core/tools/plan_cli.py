@@ -22,8 +22,8 @@ from ..selection import DTYPES, resolve_dtype
 from ..errors import PlanError
 from ..loading.source import spec_of, stored_dtype
 from ..budget import blocks_for, check_utilization, default_blocks, held_blocks, pool_blocks
-from ..memory import (as_bytes, device_budget, element_bytes, host_memory, plan_memory,
-                      positive_int)
+from ..memory import (MAX_SEQ_LEN_DEFAULT, as_bytes, device_budget, element_bytes,
+                      host_memory, plan_memory, positive_int)
 from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
 from ..units import fmt_bytes, rows_table
@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, choices=("auto", "int8", "int4", "fp8"),
                    help="weight storage (auto: the weights dtype; int8 / int4 / fp8: the int8 "
                         "(W8A16) / int4 (W4A16, groups of 128) / fp8 (e4m3) quantizer)")
-    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help=f"context length: prompt + output tokens (default: {MAX_SEQ_LEN_DEFAULT})")
     p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one prefill step feeds at most, as core.build takes it "

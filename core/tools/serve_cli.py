@@ -21,6 +21,7 @@ import threading
 
 from ..build import build
 from ..errors import InfergraftError, RankFailedError
+from ..memory import MAX_SEQ_LEN_DEFAULT
 from .config_cli import add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"  # as `infergraft generate`
@@ -52,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests queued beyond the batch before new ones get 503 "
                         "(default 256)")
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="context length: prompt + completion tokens (default: the model's)")
+                   help=f"context length: prompt + completion tokens (default: "
+                        f"{MAX_SEQ_LEN_DEFAULT})")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
