@@ -128,6 +128,20 @@ def test_malformed_bodies_and_unknown_routes_are_openai_shaped(server):
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("route,raw,param", [
+    ("completions", b'{"prompt": "a \\ud800", "max_tokens": 2}', "prompt"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages[0].content"),
+    ("completions", b'{"model": "\\ud800", "prompt": "x"}', "model"),
+    ("completions", b"[" * 100_000, None), ("chat/completions", b"[" * 100_000, None)])
+def test_lone_surrogates_and_deep_nesting_are_400(server, route, raw, param):
+    r = httpx.post(f"{server.url}/v1/{route}", content=raw,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["param"] == param
+
+
 LONG = dict(prompt="Go on", max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
 
 

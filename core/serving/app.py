@@ -9,7 +9,6 @@ stops, shuts it down letting running requests finish."""
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -26,6 +25,7 @@ from ..errors import InvalidRequestError
 from ..request import SamplingParams
 from . import responses as R
 from .async_engine import QueueFullError
+from .body import decode_json
 from .fanout import Fanout
 from .metrics import ServerMetrics
 from .protocol import OpenAIError, ParsedRequest, bad, param_of, parse_chat, parse_completion
@@ -251,10 +251,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
 
 
 async def read_json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
-        raise bad(None, f"the request body is not valid JSON: {e}") from e
+    return decode_json(await request.body())
 
 
 async def client_gone(request: Request) -> None:
