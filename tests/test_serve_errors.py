@@ -3,6 +3,7 @@ server: 400 naming the parameter (wrong type, out of range, empty or too long pr
 401 without the right key, 404 for an unknown model, 503 when the queue is full; and a
 bad request never disturbs one running."""
 import asyncio
+import re
 
 import httpx
 import openai
@@ -116,6 +117,19 @@ def test_a_prompt_too_long_names_what_to_shorten(client, server):
     assert e.value.param == "max_completion_tokens"
     fits = client.chat.completions.create(model=server.model, messages=HI, temperature=0)
     assert fits.choices[0].finish_reason in ("stop", "length")  # the rest of the context
+
+
+def test_a_prompt_its_size_proves_too_long_is_refused_untokenised(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="word " * 200_000, max_tokens=2)
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
+    assert f"max_seq_len={MAX_SEQ}" in e.value.message
+    assert re.search(r"the prompt takes at least \d+ tokens \(its \d+ bytes", e.value.message)
+    long = [{"role": "user", "content": "word " * 200_000}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model, messages=long)
+    assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+    assert re.search(r"the messages take at least \d+ tokens \(its \d+ bytes", e.value.message)
 
 
 def test_malformed_bodies_and_unknown_routes_are_openai_shaped(server):

@@ -43,6 +43,15 @@ def test_bad_options_exit_2_before_loading_the_model(capsys):
         assert says in capsys.readouterr().err
 
 
+def test_a_bad_max_request_bytes_exits_2_naming_it(capsys):
+    for size, says in (("0", "at least 1 byte"), ("lots", "cannot read 'lots' as a size")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", "/nonexistent", "--max-request-bytes", size])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--max-request-bytes" in err and says in err, err
+
+
 def test_the_help_says_how_max_seq_len_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

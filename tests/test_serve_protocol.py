@@ -7,7 +7,7 @@ import attrs
 import pytest
 
 from infergraft.core.serving import responses as R
-from infergraft.core.serving.body import MAX_DEPTH, decode_json
+from infergraft.core.serving.body import MAX_DEPTH, decode_json, read_body
 from infergraft.core.serving.fanout import Fanout
 from infergraft.core.serving.protocol import (OpenAIError, param_of, parse_chat,
                                               parse_completion)
@@ -140,6 +140,34 @@ def test_bodies_nested_too_deep_are_refused(depth):
 def test_invalid_json_says_so():
     for raw in (b"{not json", b"\xff\xfe{", b'{"n": ' + b"1" * 5000 + b"}"):
         assert "not valid JSON" in error_of(decode_json, raw).message
+
+
+class FakeRequest:
+    """Starlette's Request as read_body reads it; ``read``: the chunks taken so far."""
+
+    def __init__(self, chunks, headers=None):
+        self.chunks, self.headers, self.read = chunks, headers or {}, 0
+
+    async def stream(self):
+        for chunk in self.chunks:
+            self.read += 1
+            yield chunk
+
+
+def test_a_body_past_the_limit_is_413_before_the_rest_is_read():
+    def read(request, limit=10):
+        return asyncio.run(read_body(request, limit))
+
+    assert read(FakeRequest([b"12345", b"67890"], {"content-length": "10"})) == b"1234567890"
+    declared = FakeRequest([b"x" * 11], {"content-length": "11"})
+    with pytest.raises(OpenAIError) as e:
+        read(declared)
+    assert (e.value.status, e.value.code, declared.read) == (413, "request_too_large", 0)
+    assert "10 bytes at most" in e.value.message and "--max-request-bytes" in e.value.message
+    chunked = FakeRequest([b"x" * 6] * 100)  # no length declared: counted as it comes
+    with pytest.raises(OpenAIError) as e:
+        read(chunked)
+    assert e.value.status == 413 and chunked.read == 2
 
 
 def test_engine_errors_map_to_the_parameter_sent():

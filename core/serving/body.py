@@ -1,13 +1,19 @@
-"""A request's body before its parameters are read: decoded as JSON (``decode_json``),
-nested no deeper than OpenAI's shapes need and holding only text that UTF-8 can carry;
-``OpenAIError`` 400 naming where it is wrong otherwise. Needs nothing beyond the core."""
+"""A request's body before its parameters are read: read up to the server's limit
+(``read_body``: 413 beyond it, whether the client declares the length or streams the body
+chunked), then decoded as JSON (``decode_json``), nested no deeper than OpenAI's shapes
+need and holding only text that UTF-8 can carry (400 naming where it is wrong otherwise).
+Needs nothing beyond the core."""
 from __future__ import annotations
 
 import json
 import re
 from typing import Any, Optional
 
-from .protocol import bad
+from .protocol import OpenAIError, bad
+
+# Room for a 128k-token context sent as JSON token ids (7 bytes or so each) several times
+# over, and no more: a body is held whole in memory, and its text tokenised
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 # The deepest request shape is 5 levels (body, messages, a message, its content parts,
 # a part); a tool's JSON schema would go deeper, but tools are refused anyway.
@@ -16,6 +22,28 @@ MAX_DEPTH = 32
 # cannot carry it
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _NESTED = (str, list, dict)  # what check_values looks into
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The body of ``request`` (Starlette's), or OpenAIError 413 as soon as it is known
+    to be longer than ``limit`` bytes: from its Content-Length before reading any of it,
+    else (a chunked upload) once what has come passes the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(limit)
+    return bytes(body)
+
+
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body is larger than this server takes: {limit} "
+                            "bytes at most (infergraft serve --max-request-bytes); send a "
+                            "shorter prompt, or start the server with a larger "
+                            "--max-request-bytes", code="request_too_large")
 
 
 def decode_json(raw: bytes) -> Any:
