@@ -5,7 +5,7 @@ library lets go of the interpreter lock while it encodes).
 
 A prompt that cannot fit the context is refused before it is tokenised where its length
 in bytes already proves it too long (``token_bound``); the exact count decides the rest
-(``app.py``). Needs nothing beyond the core and the tokenizers library."""
+(``app.py``). Needs nothing beyond the core."""
 from __future__ import annotations
 
 import json
