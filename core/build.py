@@ -82,6 +82,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     A hub id ``model`` ("org/name") loads from the local Hugging Face cache, never the
     network (core/loading/hub.py); ``revision``: its branch, tag or commit (default main).
 
+    ``max_seq_len``: tokens per sequence, prompt + output (default: the model's
+    max_position_embeddings, at most ``memory.DEFAULT_MAX_SEQ_LEN``, 4096).
     ``device_memory`` ("80GiB" or bytes) is the budget weights + K/V + the activations of
     a ``max_num_batched_tokens`` step must fit in (default: the free memory of a CUDA device;
     on the CPU the host's physical memory); the paged cache's pool is by default what

@@ -17,6 +17,7 @@ import threading
 
 from .build import build
 from .errors import InfergraftError, InvalidRequestError
+from .memory import MAX_SEQ_LEN_DEFAULT
 from .plugin_manager import get_plugin_manager
 from .request import SamplingParams
 from .tools import chat
@@ -157,7 +158,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", help="plugin name to use (repeatable)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help=f"context length: prompt + output tokens (default: {MAX_SEQ_LEN_DEFAULT})")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None,

@@ -41,7 +41,11 @@ def positive_int(name: str, value, hint: str = "") -> int:
     return int(value)
 
 
-DEFAULT_MAX_SEQ_LEN = 4096  # capped by the model's own positions
+# max_seq_len=None: the model's positions, capped on every device (the contiguous cache
+# reserves max_batch_size x max_seq_len tokens up front); the flags' help and the docs say
+# it in these words
+DEFAULT_MAX_SEQ_LEN = 4096
+MAX_SEQ_LEN_DEFAULT = f"the model's max_position_embeddings, at most {DEFAULT_MAX_SEQ_LEN}"
 DEFAULT_MAX_BATCH_SIZE = 8
 
 

@@ -32,8 +32,7 @@ def _number(x, kinds) -> bool:
 def _check_params(p: "SamplingParams") -> None:
     if not _number(p.max_new_tokens, int) or p.max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
-    if not _number(p.temperature, (int, float)) or not math.isfinite(p.temperature) \
-            or p.temperature < 0:
+    if not _finite(p.temperature) or p.temperature < 0:
         raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), "
                                   f"got {p.temperature!r}")
     if p.top_k is not None and (not _number(p.top_k, int) or p.top_k < 1):
@@ -60,7 +59,10 @@ def _check_params(p: "SamplingParams") -> None:
 
 
 def _finite(x) -> bool:
-    return _number(x, (int, float)) and math.isfinite(x)
+    try:
+        return _number(x, (int, float)) and math.isfinite(x)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _as_stop(stop) -> tuple[str, ...]:

@@ -39,8 +39,10 @@ def engine(request, hf):
     ("frequency_penalty", None, "[-2, 2]"),
     ("repetition_penalty", 0, "> 0"), ("repetition_penalty", -1.2, "> 0"),
     ("repetition_penalty", float("inf"), "> 0"), ("repetition_penalty", False, "> 0"),
+    pytest.param("repetition_penalty", 10 ** 400, "> 0", id="an int past float's range"),
     ("min_p", -0.1, "[0, 1]"), ("min_p", 1.5, "[0, 1]"), ("min_p", float("nan"), "[0, 1]"),
     ("min_p", True, "[0, 1]"),
+    pytest.param("temperature", -10 ** 400, ">= 0", id="a negative int past float's range"),
 ])
 def test_bad_values_name_the_field_the_value_and_what_is_accepted(field, bad, accepted):
     with pytest.raises(InvalidRequestError) as e:

@@ -120,6 +120,19 @@ def test_a_prompt_too_long_names_what_to_shorten(client, server):
     assert fits.choices[0].finish_reason in ("stop", "length")  # the rest of the context
 
 
+def test_a_prompt_its_size_proves_too_long_is_refused_untokenised(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="word " * 200_000, max_tokens=2)
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
+    assert f"max_seq_len={MAX_SEQ}" in e.value.message
+    assert re.search(r"the prompt takes at least \d+ tokens \(its \d+ bytes", e.value.message)
+    long = [{"role": "user", "content": "word " * 200_000}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model, messages=long)
+    assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+    assert re.search(r"the messages take at least \d+ tokens \(its \d+ bytes", e.value.message)
+
+
 def test_malformed_bodies_and_unknown_routes_are_openai_shaped(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers=auth)
@@ -128,6 +141,20 @@ def test_malformed_bodies_and_unknown_routes_are_openai_shaped(server):
     assert r.status_code == 400 and r.json()["error"]["param"] is None
     r = httpx.get(f"{server.url}/v1/nothing-here", headers=auth)
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("route,raw,param", [
+    ("completions", b'{"prompt": "a \\ud800", "max_tokens": 2}', "prompt"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages[0].content"),
+    ("completions", b'{"model": "\\ud800", "prompt": "x"}', "model"),
+    ("completions", b"[" * 100_000, None), ("chat/completions", b"[" * 100_000, None)])
+def test_lone_surrogates_and_deep_nesting_are_400(server, route, raw, param):
+    r = httpx.post(f"{server.url}/v1/{route}", content=raw,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["param"] == param
 
 
 LONG = dict(prompt="Go on", max_tokens=150, temperature=0, extra_body={"ignore_eos": True})

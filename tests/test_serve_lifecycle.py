@@ -1,5 +1,6 @@
 """``infergraft serve`` as an operator runs it: the key from INFERGRAFT_API_KEY, refused
 options, and SIGTERM: the running stream finishes, the process exits 0."""
+import re
 import signal
 import threading
 import time
@@ -9,7 +10,9 @@ import openai
 import pytest
 from serve_support import Server, tiny_model
 
+from infergraft import core
 from infergraft.core.cli import main
+from infergraft.core.testing.models import random_model, tiny_llama_config
 
 KEY = "from-the-environment"
 
@@ -38,6 +41,28 @@ def test_bad_options_exit_2_before_loading_the_model(capsys):
                        (["--max-batch-size", "0"], "--max-batch-size")):
         assert main(["serve", "--model", "/nonexistent", *args]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_a_bad_max_request_bytes_exits_2_naming_it(capsys):
+    for size, says in (("0", "at least 1 byte"), ("lots", "cannot read 'lots' as a size")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", "/nonexistent", "--max-request-bytes", size])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--max-request-bytes" in err and says in err, err
+
+
+def test_the_help_says_how_max_seq_len_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    rule = re.search(r"--max-seq-len .*?\(default: the model's max_position_embeddings, at "
+                     r"most (\d+)\)", said)
+    assert rule, said
+    cap = int(rule.group(1))
+    for positions in (cap // 2, cap * 2):  # the model's own, then the cap
+        hf = random_model(tiny_llama_config(max_position_embeddings=positions))
+        assert core.build(hf, max_batch_size=1).plan.max_seq_len == min(positions, cap)
 
 
 def test_sigterm_lets_the_running_stream_finish_then_exits_0(server):

@@ -7,6 +7,7 @@ import attrs
 import pytest
 
 from infergraft.core.serving import responses as R
+from infergraft.core.serving.body import MAX_DEPTH, decode_json, read_body
 from infergraft.core.serving.fanout import Fanout
 from infergraft.core.serving.protocol import (OpenAIError, param_of, parse_chat,
                                               parse_completion)
@@ -69,11 +70,19 @@ def test_chat_messages_logprobs_and_max_completion_tokens():
     ("stream", 1), ("model", 3), ("prompt", ""), ("prompt", "   "), ("prompt", []),
     ("prompt", [[]]), ("prompt", {"text": "hi"}), ("prompt", [1, "a"]),
     ("best_of", 3), ("echo", True), ("suffix", "x"), ("logit_bias", {"1": 5}),
-    ("frobnicate", 1)])
+    ("frobnicate", 1), ("temperature", 10 ** 400), ("repetition_penalty", 10 ** 400),
+    ("repetition_penalty", float("nan")), ("top_p", -10 ** 400)])
 def test_a_bad_completion_parameter_is_named(param, value):
     e = error_of(parse_completion, dict(COMPLETION, **{param: value}))
     assert e.param == param and (param in e.message or param == "frobnicate")
     assert json.loads(json.dumps(e.body()))["error"]["param"] == param
+
+
+def test_numbers_reach_the_engine_as_floats():
+    # an int past int64 would reach the sampler's tensors and fail there (not a 400)
+    r = parse_completion(dict(COMPLETION, repetition_penalty=10 ** 29, temperature=1))
+    assert r.sampling["repetition_penalty"] == 1e29 and r.sampling["temperature"] == 1.0
+    assert all(type(r.sampling[k]) is float for k in ("repetition_penalty", "temperature"))
 
 
 def test_messages_of_no_role_or_no_text_are_named_to_the_field():
@@ -99,6 +108,66 @@ def test_chat_only_rules():
     assert error_of(parse_chat, dict(CHAT, seed=2 ** 63 - 1, n=2)).param == "seed"
     assert error_of(parse_chat, ["not", "an", "object"]).param is None
     assert parse_chat(dict(CHAT, user="u", tools=[], response_format={"type": "text"}))
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": "a \\ud800 b"}', "prompt"), (b'{"model": "\\udfff"}', "model"),
+    (b'{"prompt": ["ok", "\\ud83d"]}', "prompt[1]"),
+    (b'{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages[0].content[0].text"),
+    (b'{"\\ud800": 1}', None), (b'{"stop": {"\\ud800": 1}}', "stop"),
+    ('{"prompt": "raw \ud800 bytes"}'.encode("utf-8", "surrogatepass"), "prompt")])
+def test_a_lone_surrogate_is_refused_naming_where(raw, param):
+    e = error_of(decode_json, raw)
+    assert e.param == param and "lone UTF-16 surrogate ('\\ud" in e.message
+    json.dumps(e.body(), ensure_ascii=False).encode()  # the reply holds none: it can be sent
+
+
+def test_a_surrogate_pair_is_one_character_and_passes():
+    assert decode_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 5000, 100_000])
+def test_bodies_nested_too_deep_are_refused(depth):
+    e = error_of(decode_json, b"[" * depth + b"]" * depth)
+    assert f"deeper than {MAX_DEPTH} levels" in e.message
+    assert decode_json(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH)  # the limit itself passes
+    e = error_of(decode_json, b"[" * 100_000)  # not even closed
+    assert "deeper" in e.message or "not valid JSON" in e.message
+
+
+def test_invalid_json_says_so():
+    for raw in (b"{not json", b"\xff\xfe{", b'{"n": ' + b"1" * 5000 + b"}"):
+        assert "not valid JSON" in error_of(decode_json, raw).message
+
+
+class FakeRequest:
+    """Starlette's Request as read_body reads it; ``read``: the chunks taken so far."""
+
+    def __init__(self, chunks, headers=None):
+        self.chunks, self.headers, self.read = chunks, headers or {}, 0
+
+    async def stream(self):
+        for chunk in self.chunks:
+            self.read += 1
+            yield chunk
+
+
+def test_a_body_past_the_limit_is_413_before_the_rest_is_read():
+    def read(request, limit=10):
+        return asyncio.run(read_body(request, limit))
+
+    assert read(FakeRequest([b"12345", b"67890"], {"content-length": "10"})) == b"1234567890"
+    declared = FakeRequest([b"x" * 11], {"content-length": "11"})
+    with pytest.raises(OpenAIError) as e:
+        read(declared)
+    assert (e.value.status, e.value.code, declared.read) == (413, "request_too_large", 0)
+    assert "10 bytes at most" in e.value.message and "--max-request-bytes" in e.value.message
+    chunked = FakeRequest([b"x" * 6] * 100)  # no length declared: counted as it comes
+    with pytest.raises(OpenAIError) as e:
+        read(chunked)
+    assert e.value.status == 413 and chunked.read == 2
 
 
 def test_engine_errors_map_to_the_parameter_sent():

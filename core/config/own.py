@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..memory import MAX_SEQ_LEN_DEFAULT
 from ..preemption import MODES
 from .deepspeed import dtype
 from .values import boolean, positive_int, wrong
@@ -15,7 +16,8 @@ OWN_KEYS = {
     "plugins": "a list of plugin names (or one name); the mapped keys' plugins follow them",
     "dtype": "float32, bfloat16 or float16, in any of DeepSpeed's spellings (dtype below)",
     "device": "\"cpu\", \"cuda\" or \"cuda:N\" (default: cuda if present)",
-    "max_seq_len": "an integer >= 1: tokens per sequence, prompt + output",
+    "max_seq_len": f"an integer >= 1: tokens per sequence, prompt + output (default: "
+                   f"{MAX_SEQ_LEN_DEFAULT})",
     "max_batch_size": "an integer >= 1: sequences at once",
     "tokenizer": "a tokenizer object (from Python only; a file's model loads its own)",
     "kernels": "\"auto\" (Triton on CUDA), \"triton\" or \"torch\"",

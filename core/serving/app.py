@@ -4,14 +4,16 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (``stream: true`` as server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus)
 and ``GET /`` (the chat page, ``static/``). Every error is OpenAI's JSON shape with the
 parameter at fault: 400 bad input, 401 wrong or missing key (``/v1`` only), 404 unknown
-model, 503 queue full. The app's lifespan starts the AsyncEngine and, when the server
-stops, shuts it down letting running requests finish."""
+model, 413 a body over ``max_request_bytes``, 503 queue full. A request's body is decoded,
+parsed and tokenised on a pool thread (``prompts.py``), so that the event loop serves on
+while a long prompt is tokenised. The app's lifespan starts the AsyncEngine and, when the
+server stops, shuts it down letting running requests finish."""
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -26,19 +28,27 @@ from ..errors import InvalidRequestError
 from ..request import SamplingParams
 from . import responses as R
 from .async_engine import QueueFullError
+from .body import DEFAULT_MAX_REQUEST_BYTES, decode_json, read_body
 from .fanout import Fanout
 from .metrics import ServerMetrics
+from .prompts import PromptEncoder, too_long
 from .protocol import OpenAIError, ParsedRequest, bad, param_of, parse_chat, parse_completion
 
 STATIC = Path(__file__).parent / "static"
 SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get to finish when the server stops
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Threads that decode, parse and tokenise requests: a few, so that one long prompt does
+# not hold up the short ones behind it
+PROMPT_THREADS = 4
 
 
-def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(aengine, model_name: str, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     engine = aengine.engine
     metrics = ServerMetrics(aengine)
     started = int(time.time())
+    prompts = PromptEncoder(engine)
+    pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="infergraft-prompts")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -47,6 +57,10 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
             yield
         finally:
             await aengine.shutdown(drain=True, timeout=SHUTDOWN_TIMEOUT)
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     app = FastAPI(title="infergraft", lifespan=lifespan)
     app.state.metrics = metrics
@@ -110,12 +124,16 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
-        return await serve(request, parse_completion(await read_json(request)))
+        return await serve(request, await parsed(request, parse_completion))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         authorize(request)
-        return await serve(request, parse_chat(await read_json(request)))
+        return await serve(request, await parsed(request, parse_chat))
+
+    async def parsed(request: Request, parse) -> ParsedRequest:
+        raw = await read_body(request, max_request_bytes)
+        return await off_loop(lambda: parse(decode_json(raw)))
 
     @app.get("/health")
     async def health():
@@ -131,29 +149,13 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
     async def page():
         return FileResponse(STATIC / "index.html")
 
-    def prompt_ids(req: ParsedRequest) -> list[list[int]]:
-        if req.kind == "completion":
-            return [engine.encode(p) for p in req.prompts]
-        tok = engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise bad("messages", "this model has no chat template: use /v1/completions")
-        try:
-            text = tok.apply_chat_template(req.prompts[0], add_generation_prompt=True,
-                                           tokenize=False)
-        except Exception as e:  # jinja's TemplateError: roles out of order, say
-            raise bad("messages", f"the chat template refused these messages: {e}") from e
-        return [engine.encode(text)]
-
     def jobs_of(req: ParsedRequest, rid: str, batch: list[list[int]]) -> list:
         limit = engine.plan.max_seq_len
         what = "prompt" if req.kind == "completion" else "messages"
         jobs = []
         for p, ids in enumerate(batch):
             if len(ids) >= limit:
-                takes = "takes" if what == "prompt" else "take"  # "the messages take"
-                raise bad(what, f"the {what} {takes} {len(ids)} tokens; the context holds "
-                          f"max_seq_len={limit} tokens, the prompt and at least one new one: "
-                          "shorten it", code="context_length_exceeded")
+                raise too_long(what, f"{len(ids)} tokens", limit)
             kw = dict(req.sampling)
             kw["max_new_tokens"] = kw["max_new_tokens"] or limit - len(ids)
             if len(ids) + kw["max_new_tokens"] > limit:
@@ -172,7 +174,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
         check_model(req.model)
         rid = R.request_id(req.kind)
         try:
-            batch = prompt_ids(req)
+            batch = await off_loop(prompts.encode, req)
             fan = Fanout(aengine, jobs_of(req, rid, batch))
             await fan.start()
         except InvalidRequestError as e:  # the engine's own checks: name the parameter
@@ -249,13 +251,6 @@ def create_app(aengine, model_name: str, api_key: str | None = None) -> FastAPI:
         return R.body(req.kind, rid, R.now(), model_name, choices, use, token_text)
 
     return app
-
-
-async def read_json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
-        raise bad(None, f"the request body is not valid JSON: {e}") from e
 
 
 async def client_gone(request: Request) -> None:

@@ -72,8 +72,15 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)  # true is not 1 token
 
 
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _as_float(x) -> Optional[float]:
+    """``x`` as a finite float, or None if it is not a number (or past float's range)."""
+    if not (_is_int(x) or isinstance(x, float)):
+        return None
+    try:
+        x = float(x)  # an int past float's range: OverflowError
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
 
 
 def integer(body: dict, name: str, lo: int, hi: Optional[int] = None, default=None,
@@ -93,11 +100,13 @@ def number(body: dict, name: str, lo: float, hi: Optional[float], default,
     x = body.get(name)
     if x is None:
         return default
-    if not _is_num(x) or x < lo or (lo_open and x == lo) or (hi is not None and x > hi):
+    # as a float: the sampler's tensors take no int past int64's range
+    value = _as_float(x)
+    if value is None or value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
         lo_s = f"({lo}" if lo_open else f"[{lo}"
-        what = f"a number in {lo_s}, {hi}]" if hi is not None else f"a number > {lo}"
-        raise bad(name, f"{name} must be {what}, got {x!r}")
-    return x
+        what = f"a number in {lo_s}, {hi}]" if hi is not None else f"a finite number > {lo}"
+        raise bad(name, f"{name} must be {what}, got {_short(x)}")
+    return value
 
 
 def boolean(body: dict, name: str, default: bool = False) -> bool:

@@ -23,8 +23,8 @@ from ..selection import DTYPES, choose_policy, resolve_dtype
 from ..errors import PlanError
 from ..loading.source import ModelSourceError, spec_of, stored_dtype
 from ..budget import blocks_for, check_utilization, default_blocks, held_blocks, pool_blocks
-from ..memory import (as_bytes, device_budget, element_bytes, host_memory, plan_memory,
-                      positive_int)
+from ..memory import (MAX_SEQ_LEN_DEFAULT, as_bytes, device_budget, element_bytes,
+                      host_memory, plan_memory, positive_int)
 from ..distributed.ranks import rank_spec
 from ..plugin_manager import get_plugin_manager
 from ..units import fmt_bytes, rows_table
@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=None, metavar="G",
                    help="with --weights int4: the columns sharing a scale and zero-point "
                         "(32, 64 or 128; default 128)")
-    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help=f"context length: prompt + output tokens (default: {MAX_SEQ_LEN_DEFAULT})")
     p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one prefill step feeds at most, as core.build takes it "

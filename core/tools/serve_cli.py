@@ -21,6 +21,9 @@ import threading
 
 from ..build import build
 from ..errors import InfergraftError, RankFailedError
+from ..memory import MAX_SEQ_LEN_DEFAULT
+from ..serving.body import DEFAULT_MAX_REQUEST_BYTES
+from ..units import parse_bytes
 from .config_cli import REVISION_HELP, add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"  # as `infergraft generate`
@@ -53,8 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond the batch before new ones get 503 "
                         "(default 256)")
+    p.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES,
+                   metavar="SIZE",
+                   help="largest request body taken, e.g. 16MiB; a larger one gets 413 "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES // 2 ** 20}MiB)")
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="context length: prompt + completion tokens (default: the model's)")
+                   help=f"context length: prompt + completion tokens (default: "
+                        f"{MAX_SEQ_LEN_DEFAULT})")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -64,6 +72,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="caches without mixed-step graphs (contiguous): replay a captured "
                         "graph for a prompt prefilled with nothing else running (CUDA; the "
                         "paged cache replays every step from graphs anyway)")
+
+
+def _size(text: str) -> int:
+    try:
+        size = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return size
 
 
 def _imports():
@@ -127,7 +145,8 @@ def run(args) -> int:
             return 0
         aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
     engine = aengine.engine
-    app = create_app(aengine, args.model, api_key=api_key)
+    app = create_app(aengine, args.model, api_key=api_key,
+                     max_request_bytes=args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=GRACE_S, lifespan="on")
     server = uvicorn.Server(config)
