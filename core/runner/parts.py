@@ -1,0 +1,47 @@
+"""The registered implementation of each layer's parts (core/layer.py): the names a
+ModelSpec gives looked up in the layer registries, and the check that the composed
+model has every slot the spec lays out (``core.slots.slot_layout``)."""
+from __future__ import annotations
+
+from ..errors import UnsupportedModelError
+from ..slots import slot_layout
+from ..spec import ModelSpec
+
+
+def _lookup(spec: ModelSpec, registries, kind: str, name: str, where: str):
+    registry = registries[kind]
+    if name not in registry:
+        raise UnsupportedModelError(
+            f"{spec.architecture}: {where} names the {kind} implementation {name!r}, which "
+            f"no loaded plugin registers; registered {kind} implementations: "
+            f"{', '.join(registry.names()) or '(none)'} (a family's own layers come with "
+            "its plugin: is it installed and loaded? `infergraft plugins` lists them)")
+    return registry.get(name)
+
+
+def layer_parts(spec: ModelSpec, registries) -> tuple[list[tuple], object]:
+    """([(attention, mlp, norm) LayerImpl for each layer], the final norm's LayerImpl).
+    ``registries``: kind -> Registry (``PluginManager.layers()``)."""
+    norm = _lookup(spec, registries, "norm", spec.norm, "ModelSpec.norm")
+    parts = []
+    for i in range(spec.num_layers):
+        layer = spec.layer(i)
+        parts.append((_lookup(spec, registries, "attention", layer.attention, f"layer {i}"),
+                      _lookup(spec, registries, "mlp", layer.mlp, f"layer {i}"), norm))
+    return parts, norm
+
+
+def check_slots_built(model, spec: ModelSpec) -> None:
+    """UnsupportedModelError naming each slot of the spec's layout that no module of
+    ``model`` holds (a LayerSpec declaring a weight its implementation does not build)."""
+    built = {f"{path}.{name}" if path else name
+             for path, module in model.named_modules() for name in module._buffers}
+    missing = [slot for slot in slot_layout(spec) if slot not in built]
+    if missing:
+        layer = missing[0].split(".")[1] if missing[0].startswith("layers.") else None
+        parts = "" if layer is None else " (layer {}: attention {!r}, mlp {!r})".format(
+            layer, spec.layer(int(layer)).attention, spec.layer(int(layer)).mlp)
+        raise UnsupportedModelError(
+            f"{spec.architecture}: the spec lays out slot(s) {missing[:5]} that the model "
+            f"composed from its layer implementations does not build{parts}; a LayerSpec's "
+            "slots must be the weights its parts add to the layer")
