@@ -19,7 +19,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 # Architectures that a package in this repository's contrib/ supports: (its distribution,
 # its plugin's name). A model that no registered policy claims is told where one is.
-CONTRIB_FAMILIES = {"Qwen2ForCausalLM": ("infergraft-qwen2", "qwen2")}
+CONTRIB_FAMILIES = {"Qwen2ForCausalLM": ("infergraft-qwen", "qwen2"),
+                    "Qwen3ForCausalLM": ("infergraft-qwen", "qwen3")}
 
 
 @attrs.define
