@@ -1,4 +1,6 @@
-"""Our own small module tree of fused layers, built from a ModelSpec.
+"""Our own small module tree of fused layers, built from a ModelSpec: embeddings, the
+decoder layers (each composed from the registered parts its spec names: core/layer.py),
+the final norm and the LM head.
 
 Slot names (``layers.3.qkv.weight``) are what policies' weight maps point at; weights
 arrive later through ``core.loading.weights.load_weights``. Hot path shapes: T = tokens in the
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._moved import moved_names
 from ..distributed.vocab import VocabParallel
 from ..rope import rope_cos_sin
 from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
@@ -19,7 +22,6 @@ from ..spec import ModelSpec, split_qkv  # noqa: F401  (split_qkv: imported from
 # (Linear, QuantizedLinear, gemm_operands: imported from here too)
 from .layers import Linear, QuantizedLinear, gemm_operands, row_sum_sq  # noqa: F401
 from .parts import check_slots_built, layer_parts
-from .._moved import moved_names
 
 # the weight streamer of a model whose layers all stay on the device: nothing to copy
 _RESIDENT = types.SimpleNamespace(begin=lambda: None, before=lambda i: None, after=lambda i: None)

@@ -1,6 +1,8 @@
 """The Qwen3 plugin's suite: the policy and layer conformance kits with their fixtures,
 and HF parity where Qwen3's attention leaves the LLaMA one's path: chunked prefill on
-the contiguous and paged caches, and the fused decode layer (RoPE outside the qkv GEMM)."""
+the contiguous and paged caches, tensor and pipeline parallel ranks (the q/k norms
+replicated, each stage's layers keeping their parts), and the fused decode layer (RoPE
+outside the qkv GEMM)."""
 import attrs
 import pytest
 import torch
@@ -76,6 +78,20 @@ def test_chunked_prefill_and_mixed_steps_match_hf(cache):
     prompts = [random_prompt(n, hf.config.vocab_size, 20 + n) for n in (3, 17, 40)]
     outs = [c.token_ids for c in engine.generate(prompts, max_new_tokens=12)]
     assert outs == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_two_tensor_parallel_and_two_pipeline_ranks_match_hf():
+    from infergraft.core.testing.distributed import run_ranks, tp_parity_cases
+
+    prompts = [[1, 5, 9, 33, 7, 80, 12], [1, 200, 3]]
+    cases = [dict(config=tiny_qwen3_config(), plugins=[planner, "paged"], prompts=prompts)
+             for planner in ("tp", "pp")]
+    ranks = run_ranks(tp_parity_cases, 2, cases, timeout=600)
+    for i, planner in enumerate(("tp", "pp")):
+        r0, r1 = ranks[0][i], ranks[1][i]
+        assert (r0["tensor_parallel"], r0["stages"]) == ((2, 1) if planner == "tp" else (1, 2))
+        assert max(r0["errors"]) < 1e-4 and r0["errors"] == r1["errors"], (planner, r0["errors"])
+        assert r0["ours"] == r0["hf"] == r1["ours"], planner
 
 
 class _WithoutQKNorm(type(core.get_plugin_manager().policies().get("qwen3"))):
