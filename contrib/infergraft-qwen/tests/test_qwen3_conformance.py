@@ -3,6 +3,8 @@ and HF parity where Qwen3's attention leaves the LLaMA one's path: chunked prefi
 the contiguous and paged caches, tensor and pipeline parallel ranks (the q/k norms
 replicated, each stage's layers keeping their parts), and the fused decode layer (RoPE
 outside the qkv GEMM)."""
+import os
+
 import attrs
 import pytest
 import torch
@@ -14,6 +16,7 @@ from infergraft.core.testing.models import (random_model, random_prompt, tiny_qw
 from infergraft.core.testing.parity import (assert_greedy_match, assert_logits_match,
                                             hf_greedy, hf_logits, relative_error)
 from infergraft.core.testing.policy_kit import PolicyTests, build_with_policy
+from infergraft_qwen.qwen3 import Qwen3Policy
 
 CONFIGS = {
     "gqa-untied": {},  # head_dim 24, not hidden / heads (16)
@@ -94,21 +97,19 @@ def test_two_tensor_parallel_and_two_pipeline_ranks_match_hf():
         assert r0["ours"] == r0["hf"] == r1["ours"], planner
 
 
-class _WithoutQKNorm(type(core.get_plugin_manager().policies().get("qwen3"))):
+class _WithoutQKNorm(Qwen3Policy):
     """Qwen3 read as if it were LLaMA-shaped: the LLaMA attention, q_norm / k_norm dropped."""
 
     name = "qwen3-without-qk-norm"
 
     def describe(self, config):
-        spec = super().describe(config)
-        return attrs.evolve(spec, layers=())
+        return attrs.evolve(super().describe(config), layers=())
 
     def weight_map(self, spec):
         wmap = super().weight_map(spec)
-        return attrs.evolve(wmap, rules=tuple(r for r in wmap.rules if "_norm" not in r.slot
-                                              or "layers" not in r.slot or
-                                              r.slot.endswith(("attn_norm.weight",
-                                                               "mlp_norm.weight"))),
+        rules = tuple(r for r in wmap.rules if not r.slot.endswith(("q_norm.weight",
+                                                                    "k_norm.weight")))
+        return attrs.evolve(wmap, rules=rules,
                             ignore=wmap.ignore + (r".*self_attn\.[qk]_norm\.weight$",))
 
 
@@ -130,9 +131,9 @@ def _count(engine, names):
     return calls
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and
-                    __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                    reason="the fused decode layer runs Triton kernels: a GPU or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused decode layer runs Triton kernels: a GPU or "
+                           "TRITON_INTERPRET=1 (conftest.py sets it without a GPU)")
 def test_the_fused_decode_layer_norms_q_and_k_outside_the_qkv_gemm():
     """16-bit weights on Triton kernels take the fused decode layer: its qkv GEMM keeps the
     input norm, but RoPE and the K/V write stay out of its epilogue (the paged cache would
