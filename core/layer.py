@@ -29,7 +29,8 @@ part adds them to the layer and runs them with the layer passed in, as vLLM's
 
 Weights a part adds beyond the LLaMA layer's slots are declared in the spec
 (``LayerSpec.slots``), so that plans, planners and weight maps see them from the config
-alone; a build refuses a spec whose declared slots a part does not build.
+alone; a build refuses a spec whose declared slots its parts do not build, or that leaves
+out a weight they build.
 """
 from __future__ import annotations
 

@@ -187,3 +187,24 @@ def test_a_pipeline_stage_keeps_each_layers_parts():
     part = stage_spec(spec, stage)
     assert [x.attention for x in part.layers] == ["c", "d"] and part.num_layers == 2
     assert "layers.1.q_norm.weight" in slot_layout(part)
+
+
+class ScaledAttention(LlamaAttention):
+    """Adds a weight of its own (``scale``), declared or not by the spec."""
+
+    def __init__(self, layer, spec, ops):
+        super().__init__(layer, spec, ops)
+        from infergraft.policies.llama_layers import Norm
+        layer.scale = Norm("rms", spec.norm_eps, ops)
+
+
+def test_a_weight_a_part_builds_undeclared_is_refused(infergraft_plugin_manager):
+    class Plugin(LayeredPlugin):
+        @hookimpl
+        def infergraft_register_layers(self, register):
+            register(LayerImpl("attention", "scaled", ScaledAttention))
+
+    infergraft_plugin_manager.register(Plugin(LayeredPolicy(attention="scaled")), name="scaled")
+    with pytest.raises(UnsupportedModelError, match=r"lacks slot\(s\) \['layers.1.scale.weight'\] "
+                       r"that its layer implementations build \(layer 1: attention 'scaled'"):
+        core.build(layered_model(), max_seq_len=32)

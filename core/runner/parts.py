@@ -33,15 +33,25 @@ def layer_parts(spec: ModelSpec, registries) -> tuple[list[tuple], object]:
 
 def check_slots_built(model, spec: ModelSpec) -> None:
     """UnsupportedModelError naming each slot of the spec's layout that no module of
-    ``model`` holds (a LayerSpec declaring a weight its implementation does not build)."""
+    ``model`` holds (a LayerSpec declaring a weight its parts do not build), and each
+    ``weight`` a module holds that the layout lacks (one its parts build undeclared,
+    which no weight map could fill)."""
     built = {f"{path}.{name}" if path else name
              for path, module in model.named_modules() for name in module._buffers}
-    missing = [slot for slot in slot_layout(spec) if slot not in built]
-    if missing:
-        layer = missing[0].split(".")[1] if missing[0].startswith("layers.") else None
-        parts = "" if layer is None else " (layer {}: attention {!r}, mlp {!r})".format(
-            layer, spec.layer(int(layer)).attention, spec.layer(int(layer)).mlp)
-        raise UnsupportedModelError(
-            f"{spec.architecture}: the spec lays out slot(s) {missing[:5]} that the model "
-            f"composed from its layer implementations does not build{parts}; a LayerSpec's "
-            "slots must be the weights its parts add to the layer")
+    layout = slot_layout(spec)
+    missing = [slot for slot in layout if slot not in built]
+    stray = [slot for slot in built if slot.endswith(".weight") and slot not in layout]
+    for slots, what in ((missing, "lays out slot(s) {} that the model composed from its "
+                         "layer implementations does not build"),
+                        (stray, "lacks slot(s) {} that its layer implementations build")):
+        if slots:
+            raise UnsupportedModelError(
+                f"{spec.architecture}: the spec {what.format(slots[:5])}{_parts(spec, slots[0])}; "
+                "a LayerSpec's slots must be the weights its parts add to the layer")
+
+
+def _parts(spec: ModelSpec, slot: str) -> str:
+    if not slot.startswith("layers."):
+        return ""
+    i = int(slot.split(".")[1])
+    return f" (layer {i}: attention {spec.layer(i).attention!r}, mlp {spec.layer(i).mlp!r})"
