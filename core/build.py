@@ -166,7 +166,9 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
                               budget_source), parallel)
     plan = _same_pool(plan, _kv_bytes(backend, plan, device, opts[0]), parallel)
 
-    net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage)
+    # each layer composed from the implementations the spec names (infergraft_register_layers)
+    net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage,
+                       layers=pm.layers())
     tensors = source.tensors()
     if progress:
         from tqdm import tqdm

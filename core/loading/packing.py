@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from ..runner.model import DecoderLayer, Linear, QuantizedLinear, folded
+from ..runner.model import Linear, QuantizedLinear, folded
 from ..runner.weight_stream import map_tensors
 
 _LAYER_SLOT = re.compile(r"^layers\.(\d+)\.(\w+)\.weight$")
@@ -27,8 +27,6 @@ class SlotPacker:
             fold_norms = quantizer.scaled_rows(quantizer.pack(torch.ones(1, 128))) is not None
         self.quantizer, self.ops, self.net, self.fold_norms = quantizer, ops, net, fold_norms
         self.device = device  # where packing runs: the build's device (None: the weight's)
-        self.feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds
-        self.fed_by = {p: n for n, p in self.feeds.items()}
         self.norms, self.waiting = {}, set()  # (layer, norm) -> weight; (layer, projection)
         self.folded = set()  # (layer, norm) whose weight lives in its packed projection
 
@@ -47,12 +45,15 @@ class SlotPacker:
             return QuantizedLinear(self.quantizer, weight.packed(), module.bias, self.ops)
         m = _LAYER_SLOT.match(slot) if self.fold_norms else None
         name = m and m[2]  # a norm, its projection, or another slot
-        proj = self.feeds.get(name, name if name in self.fed_by else None)
+        # norm -> the projection it feeds, as the layer's parts say (DecoderLayer.norm_feeds)
+        feeds = dict(self.net.layers[int(m[1])].norm_feeds) if m else {}
+        fed_by = {p: n for n, p in feeds.items()}
+        proj = feeds.get(name, name if name in fed_by else None)
         if proj is None or not self.quantizer.quantizes(f"layers.{m[1]}.{proj}.weight"):
             quantized = self.quantizer.quantizes(slot) and type(module) is Linear
             return self._packed(weight, module.bias) if quantized else None
         i = int(m[1])
-        if name in self.feeds:  # a norm (installed as loaded until ``finish``)
+        if name in feeds:  # a norm (installed as loaded until ``finish``)
             self.norms[(i, name)] = weight
             if (i, proj) in self.waiting:  # its projection came first: pack it now
                 self.waiting.discard((i, proj))
@@ -60,7 +61,7 @@ class SlotPacker:
                 setattr(self.net.layers[i], proj, self._packed(folded(lin.weight, weight), lin.bias))
                 self.folded.add((i, name))
             return None
-        norm = self.fed_by[name]
+        norm = fed_by[name]
         if (i, norm) not in self.norms:
             self.waiting.add((i, name))
             return None  # installed unpacked until the norm arrives

@@ -1,12 +1,15 @@
 """The model's building blocks: projections (our own ``Linear`` or a quantiser's
-``QuantizedLinear``), what the fused decode GEMMs read of each (``gemm_operands``), and
-the norms (RMSNorm / LayerNorm, with the residual add)."""
+``QuantizedLinear``) and what the fused decode GEMMs read of each (``gemm_operands``).
+The layers made of them (attention, MLPs, norms) are registered implementations
+(core/layer.py; the LLaMA ones: ``infergraft.policies.llama_layers``)."""
 from __future__ import annotations
 
 import inspect
 
 import torch
 from torch import nn
+
+from .._moved import moved_names
 
 
 class Linear(nn.Module):
@@ -53,26 +56,9 @@ def gemm_operands(lin):
     return None if rows is None else (rows[0], lin.bias, rows[1])
 
 
-class Norm(nn.Module):
-    """RMSNorm or LayerNorm, optionally fused with the residual add."""
-
-    def __init__(self, kind: str, eps: float, ops):
-        super().__init__()
-        self.kind, self.eps, self.ops = kind, eps, ops
-        self.register_buffer("weight", None)
-        self.register_buffer("bias", None)
-
-    def forward(self, x, residual=None):
-        """Returns (normed, new residual); the residual is x (+ residual)."""
-        if self.kind == "rms":
-            if residual is None:
-                return self.ops.rms_norm(x, self.weight, self.eps), x
-            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is None:
-            return self.ops.layer_norm(x, self.weight, self.bias, self.eps), x
-        return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
-
-
 def row_sum_sq(h: torch.Tensor) -> torch.Tensor:
     # h: [T, H] -> the sum of squares of each row [1, T] float32 (the next norm's statistic)
     return h.float().square().sum(-1)[None]
+
+
+__getattr__ = moved_names(__name__)  # names that moved out, for one release
