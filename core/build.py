@@ -138,7 +138,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         kv_dtype=kv_quant.kv_dtype if kv_quant else str(dtype).replace("torch.", ""),
         quantizers=names,
         planner=planner.name, parallel=parallel,
-        weight_bytes=weight_bytes(run_spec, dtype, weight_quant)  # this rank's
+        weight_bytes=weight_bytes(run_spec, dtype, weight_quant, device, ops.backend)  # this rank's
         - rank.not_held * element_bytes(dtype),
         kv_bytes_per_token=backend.bytes_per_token(run_spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(run_spec, dtype),
