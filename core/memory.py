@@ -10,6 +10,7 @@ and the paged pool sized from what the weights and activations leave of it: ``bu
 """
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 from typing import Optional
@@ -31,6 +32,26 @@ def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
     if weight_quantizer is not None:
         return weight_quantizer.weight_bytes(spec, element_bytes(dtype))
     return spec.param_count * element_bytes(dtype)
+
+
+def active_weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
+    """``weight_bytes`` less, in each mixture-of-experts layer, the experts a token does
+    not route to (all but ``top_k``): the bytes of the active parameters, which a
+    batch-1 decode step reads (of the embeddings, one row). Equal to ``weight_bytes``
+    without experts."""
+    from .slots import slot_layout
+
+    e, layout, idle = element_bytes(dtype), slot_layout(spec), 0
+    for i in range(spec.num_layers):
+        x = spec.layer(i).experts
+        for slot in () if x is None else (f"layers.{i}.experts_gate_up.weight",
+                                          f"layers.{i}.experts_down.weight"):
+            shape = layout[slot][0]
+            quantized = weight_quantizer is not None and weight_quantizer.quantizes(slot)
+            size = weight_quantizer.packed_bytes_of(shape, e) if quantized \
+                else math.prod(shape) * e
+            idle += size * (x.num_experts - x.top_k) // x.num_experts
+    return weight_bytes(spec, dtype, weight_quantizer) - idle
 
 
 def positive_int(name: str, value, hint: str = "") -> int:
@@ -91,6 +112,10 @@ def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size:
     positive_int("max_batch_size", max_batch_size)
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
     mlp = 3 * spec.intermediate_size if spec.gated_mlp else 2 * spec.intermediate_size
+    # a mixture of experts: the router's logits, each (token, expert) pair's activation
+    # and weighted output (k I + k H: ops.fused_moe's), their sum
+    for x in (layer.experts for layer in spec.layers if layer.experts is not None):
+        mlp = max(mlp, x.num_experts + x.top_k * (x.intermediate_size + h) + h)
     # Per row: the layer's input stream and residual, the new residual and the normed
     # input (4H), and the largest of what the three phases add to them: attention (qkv,
     # rotated q and k, its output: 3q + 3kv), the second norm (o output, the new residual
@@ -121,6 +146,12 @@ class MemoryPlan(KVSizes):
     activation_bytes: int = 0  # the largest step's transient tensors (activation_bytes())
     max_num_batched_tokens: Optional[int] = None  # that step's tokens
     weight_placement: Optional[object] = None  # plan.WeightPlacement: layers in host memory
+    # a mixture of experts: the parameters, those one token runs through (its top_k
+    # experts a layer) and their bytes (active_weight_bytes); None without experts
+    param_count: int = 0
+    active_param_count: int = 0
+    active_weight_bytes: Optional[int] = None
+    experts: str = ""  # e.g. "top-2 of 8 experts a layer"
 
     @property
     def device_weight_bytes(self) -> int:
@@ -178,6 +209,7 @@ class MemoryPlan(KVSizes):
             ("model", self.model),
             ("dtype / K/V dtype", f"{self.dtype} / {self.kv_dtype}"),
             ("weights", fmt_bytes(self.weight_bytes)),
+            *self.expert_rows(),
             *(self.weight_placement.rows(self.weight_bytes) if self.weight_placement else ()),
             ("KV per token", f"{both_units(self.kv_bytes_per_token)} "
                              f"({self.kv_bytes_per_token} B)"),
@@ -200,6 +232,16 @@ class MemoryPlan(KVSizes):
                 rows.append(("largest batch with windows", f"{self.max_batch_with_window} "
                              "(one prompt at full length, the rest at their window)"))
         return rows
+
+    def expert_rows(self) -> list[tuple[str, str]]:
+        """A mixture of experts: its parameters, total and active, and the active ones'
+        bytes, which bound a batch-1 decode step (it reads no other expert)."""
+        if self.active_weight_bytes is None:
+            return []
+        return [("parameters", f"{self.param_count / 1e9:.3g}B, {self.active_param_count / 1e9:.3g}B "
+                               f"active ({self.experts})"),
+                ("active weights", f"{fmt_bytes(self.active_weight_bytes)} (what a batch-1 "
+                                   "decode step reads: the routed experts, the rest whole)")]
 
     def __str__(self) -> str:
         return rows_table(self.rows())
@@ -241,7 +283,17 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                       budget=budget, budget_source=budget_source,
                       sliding_window=getattr(spec, "sliding_window", None),
                       activation_bytes=activation_bytes(spec, dtype, step, max_batch_size),
-                      max_num_batched_tokens=step)
+                      max_num_batched_tokens=step, **_expert_counts(spec, dtype, weight_quantizer))
+
+
+def _expert_counts(spec, dtype, weight_quantizer) -> dict:
+    """MemoryPlan's fields of a mixture of experts (none without experts)."""
+    if not getattr(spec, "has_experts", False):
+        return {}
+    kinds = sorted({(x.experts.top_k, x.experts.num_experts) for x in spec.layers if x.experts})
+    return dict(param_count=spec.param_count, active_param_count=spec.active_param_count,
+                active_weight_bytes=active_weight_bytes(spec, dtype, weight_quantizer),
+                experts=", ".join(f"top-{k} of {e}" for k, e in kinds) + " experts a layer")
 
 
 def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -> None:
