@@ -42,20 +42,28 @@ def _sum_pairs(y: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None,
-                    down_scale=None):
+                    down_scale=None, sync_free=None):
     # x: [T, H]; w_gate_up [E, 2I, H], w_down [E, H, I]; topk_weights [T, k] float32,
-    # topk_ids [T, k] in [0, E) -> [T, H]. A loop over the experts that have tokens.
+    # topk_ids [T, k] in [0, E) -> [T, H]. A loop over the experts: on the CPU those with
+    # tokens, each on its rows; elsewhere (``sync_free``) every expert on every row, its
+    # pairs kept by a mask: no host sync, so the op may be captured in a CUDA graph.
     k, h = topk_ids.shape[1], x.shape[1]
     flat, weights = topk_ids.reshape(-1), topk_weights.reshape(-1).float()
-    y = torch.empty((flat.numel(), h), dtype=x.dtype, device=x.device)  # [T k, H]
-    for e in flat.unique().tolist():
-        pairs = (flat == e).nonzero()[:, 0]
+    y = torch.zeros((flat.numel(), h), dtype=x.dtype, device=x.device)  # [T k, H]: each pair's
+    sync_free = x.device.type != "cpu" if sync_free is None else sync_free
+    every = torch.arange(flat.numel(), device=x.device)
+    for e in range(w_gate_up.shape[0]) if sync_free else flat.unique().tolist():
+        pairs = every if sync_free else (flat == e).nonzero()[:, 0]
         gu = _project(x[pairs // k], w_gate_up[e], None if gate_up_scale is None
                       else gate_up_scale[e])  # [n, 2I]
         gate, up = gu.chunk(2, dim=-1)
         out = _project(F.silu(gate) * up, w_down[e], None if down_scale is None
                        else down_scale[e])  # [n, H]
-        y[pairs] = (out.float() * weights[pairs, None]).to(x.dtype)
+        out = (out.float() * weights[pairs, None]).to(x.dtype)
+        if sync_free:
+            y = torch.where((flat == e)[:, None], out, y)
+        else:
+            y[pairs] = out
     return _sum_pairs(y, k)
 
 

@@ -34,12 +34,16 @@ def _by_hand(x, w_gate_up, w_down, weights, ids):
     return out
 
 
-def test_the_reference_is_the_moe_mlp_written_out(gen, randn):
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_the_reference_is_the_moe_mlp_written_out(device, gen, randn, sync_free):
+    """Both loops: over the experts with tokens (the CPU's), and over every expert with a
+    mask (off the CPU, where a graph may capture it)."""
     x = randn(9, 24)
     w_gate_up, w_down = _experts(randn, 5, 24, 12, torch.float32)
-    weights, ids = _routing(9, 5, 2, gen, "cpu")
-    torch.testing.assert_close(fused_moe_torch(x, w_gate_up, w_down, weights, ids),
-                               _by_hand(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5)
+    weights, ids = _routing(9, 5, 2, gen, device)
+    got = fused_moe_torch(x, w_gate_up, w_down, weights, ids, sync_free=sync_free)
+    want = _by_hand(*(t.cpu() for t in (x, w_gate_up, w_down, weights, ids)))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 # (T, E, k, H, I): one token (decode), odd sizes that leave partial tiles in every
@@ -82,7 +86,7 @@ def test_only_the_routed_experts_weights_are_read(device, gen, randn, op):
     want = fused_moe_torch(x, w_gate_up, w_down, weights, ids)
     idle = [j for j in range(e) if j not in ids.flatten().tolist()]
     w_gate_up[idle], w_down[idle] = float("nan"), float("nan")
-    got = op(x, w_gate_up, w_down, weights, ids)
+    got = op(x, w_gate_up, w_down, weights, ids)  # (on the CPU: the loop over routed experts)
     assert torch.isfinite(got).all()
     assert_close(got, want)
 

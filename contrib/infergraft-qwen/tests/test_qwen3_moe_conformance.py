@@ -49,7 +49,7 @@ def policy():
 
 
 class TestQwen3MoePolicy(PolicyTests):
-    greedy_tokens = 16
+    greedy_tokens = 12
 
     @pytest.fixture
     def hf_model(self, qwen3_moe_model):
