@@ -107,8 +107,16 @@ def _layer_slots(instance, attribute, value) -> None:
         raise UnsupportedModelError(f"LayerSpec declares a slot twice: {names}")
 
 
+_EXPERT_HF_NAMES = {"num_experts": "num_local_experts / num_experts",
+                    "top_k": "num_experts_per_tok",
+                    "intermediate_size": "intermediate_size / moe_intermediate_size"}
+
+
 def _expert_size(instance, attribute, value) -> None:
-    check_size("ExpertSpec", attribute.name, value)
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1):
+        raise UnsupportedModelError(
+            f"ExpertSpec: {attribute.name} must be an integer >= 1, got {value!r} "
+            f"(config.json: {_EXPERT_HF_NAMES[attribute.name]})")
 
 
 @attrs.frozen

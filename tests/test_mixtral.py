@@ -307,3 +307,19 @@ def test_fp32_greedy_matches_hf_through_cuda_graphs(backend):
     for p, c in zip(prompts, outs):
         assert c.token_ids == hf_greedy(hf, p, 24)
     assert relative_error(engine.logits(prompts[1]), hf_logits(hf, prompts[1])) < 1e-4
+
+
+def test_the_bench_roofline_reads_the_experts_a_batch_routes_to(hf):
+    """bench's TPOT floor: the active weights at batch 1, nearly all by batch 32."""
+    from infergraft.core.memory import active_weight_bytes, weight_bytes
+    from infergraft.core.tools.bench import expert_bytes, shape_config, step_bytes
+
+    engine = core.build(hf, max_seq_len=32, max_batch_size=1)
+    experts = expert_bytes(engine.model)
+    assert experts == 2 * 8 * 3 * 64 * 32 * 4  # two layers of 8 float32 experts
+    spec = MixtralPolicy().describe(shape_config("mixtral-8x7b"))
+    total, active = (f(spec, torch.bfloat16) for f in (weight_bytes, active_weight_bytes))
+    experts = (total - active) * 8 // 6  # 6 of 8 experts unread at batch 1
+    assert abs(step_bytes(spec, total, 0, 1, 0, experts) - active) <= 1
+    assert 0.98 * total < step_bytes(spec, total, 0, 32, 0, experts) < total
+    assert step_bytes(spec, total, 0, 1, 0) == total  # no expert bytes given: every weight
