@@ -112,6 +112,25 @@ def test_eight_bit_expert_rows_with_their_scales(device, dtype, gen, randn, qdty
     assert float((got.float() - dense).abs().max() / dense.abs().max()) < 0.1
 
 
+def test_e4m3_experts_where_triton_cannot_load_e4m3(device, gen, randn, monkeypatch):
+    """Before sm_89 Triton loads no e4m3: the reference's sync-free loop runs instead."""
+    import infergraft.kernels.fused_moe as M
+    from infergraft.kernels.fp8_linear import quantize_fp8
+
+    t, e, k, h, i = 3, 4, 2, 32, 16
+    x = randn(t, h)
+    w_gate_up, w_down = _experts(randn, e, h, i, torch.float32)
+    (qgu, sgu), (qd, sd) = (quantize_fp8(w.reshape(-1, w.shape[-1])) for w in (w_gate_up, w_down))
+    args = (x, qgu.view(e, 2 * i, h), qd.view(e, h, i), *_routing(t, e, k, gen, device),
+            sgu.view(e, 2 * i), sd.view(e, h))
+    calls = []
+    monkeypatch.setattr(M, "fp8_native", lambda dev: False)
+    monkeypatch.setattr(M, "fused_moe_torch", lambda *a, **kw: calls.append(kw) or
+                        fused_moe_torch(*a, **kw))
+    assert_close(M.fused_moe_triton(*args), fused_moe_torch(*args))
+    assert calls == [{"sync_free": True}]
+
+
 def test_no_tokens_and_bad_inputs(device, gen, randn):
     w_gate_up, w_down = _experts(randn, 4, 16, 8, torch.float32)
     weights, ids = _routing(0, 4, 2, gen, device)
