@@ -13,6 +13,9 @@ policy's weight map fills, what quantisers, planners and the weight streamer see
 part adds them to the layer and runs them with the layer passed in, as vLLM's
 ``AttentionImpl.forward(layer, ...)`` does. What ``build`` returns:
 
+``layer.layer_spec`` is the layer's own ``LayerSpec`` (set before its parts build: a
+mixture-of-experts MLP reads its ``experts`` there).
+
 * attention: ``build(layer, spec, ops)`` adds its projections to ``layer`` and returns an
   object with ``forward(layer, x, layer_idx, positions, rope, cache, meta) -> [T, H]``
   (x: the normed stream [T, H]; the output before the tensor-parallel all-reduce, which

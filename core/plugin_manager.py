@@ -32,8 +32,10 @@ from .registry import KINDS, SELECTABLE, Registry, collect
 #: Built-ins, registered through the same path as third-party plugins.
 DEFAULT_PLUGINS = (
     "infergraft.policies.llama_layers",
+    "infergraft.policies.moe_layers",
     "infergraft.policies.llama",
     "infergraft.policies.mistral",
+    "infergraft.policies.mixtral",
     "infergraft.policies.gpt2",
     "infergraft.plugins.contiguous",
     "infergraft.plugins.paged",

@@ -20,7 +20,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
 # Architectures that a package in this repository's contrib/ supports: (its distribution,
 # its plugin's name). A model that no registered policy claims is told where one is.
 CONTRIB_FAMILIES = {"Qwen2ForCausalLM": ("infergraft-qwen", "qwen2"),
-                    "Qwen3ForCausalLM": ("infergraft-qwen", "qwen3")}
+                    "Qwen3ForCausalLM": ("infergraft-qwen", "qwen3"),
+                    "Qwen3MoeForCausalLM": ("infergraft-qwen", "qwen3_moe")}
 
 
 @attrs.define

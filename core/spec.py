@@ -73,6 +73,9 @@ class RopeSpec:
 #: a layer's own slots, laid out from the spec's sizes (core.slots): a LayerSpec's may not
 #: reuse their names
 LLAMA_LAYER_SLOTS = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "fc_in", "down")
+#: the slots of a mixture-of-experts layer (``LayerSpec.experts``), laid out by core.slots
+#: in place of the dense MLP's
+EXPERT_SLOTS = ("router", "experts_gate_up", "experts_down")
 _SLOT_NAME = re.compile(r"^[a-z_][a-z0-9_]*\.(weight|bias)$")
 
 
@@ -84,8 +87,9 @@ def _as_slots(value):
 
 
 def _layer_slots(instance, attribute, value) -> None:
+    reserved = LLAMA_LAYER_SLOTS + EXPERT_SLOTS
     accepted = ("accepted: (name, shape) pairs, a name such as 'q_norm.weight' (a module and "
-                f"weight or bias, none of the LLaMA layer's own: {', '.join(LLAMA_LAYER_SLOTS)}) "
+                f"weight or bias, none of the layer's own: {', '.join(reserved)}) "
                 "and a shape of integers >= 1")
     if not isinstance(value, tuple):
         raise UnsupportedModelError(f"LayerSpec slots must be a tuple, got {value!r}; {accepted}")
@@ -93,7 +97,7 @@ def _layer_slots(instance, attribute, value) -> None:
     for entry in value:
         ok = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) \
             and bool(_SLOT_NAME.match(entry[0])) and \
-            entry[0].split(".")[0] not in LLAMA_LAYER_SLOTS and bool(entry[1]) and all(
+            entry[0].split(".")[0] not in reserved and bool(entry[1]) and all(
                 isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
                 for n in entry[1])
         if not ok:
@@ -103,6 +107,46 @@ def _layer_slots(instance, attribute, value) -> None:
         raise UnsupportedModelError(f"LayerSpec declares a slot twice: {names}")
 
 
+_EXPERT_HF_NAMES = {"num_experts": "num_local_experts / num_experts",
+                    "top_k": "num_experts_per_tok",
+                    "intermediate_size": "intermediate_size / moe_intermediate_size"}
+
+
+def _expert_size(instance, attribute, value) -> None:
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1):
+        raise UnsupportedModelError(
+            f"ExpertSpec: {attribute.name} must be an integer >= 1, got {value!r} "
+            f"(config.json: {_EXPERT_HF_NAMES[attribute.name]})")
+
+
+@attrs.frozen
+class ExpertSpec:
+    """A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router, a linear [E, H] over the
+    normed stream, picks each token's ``top_k`` of ``num_experts`` SwiGLU experts of
+    ``intermediate_size``, whose outputs are summed weighted by the routing weights:
+    softmax over all E router logits, the top_k kept, renormalised to sum to 1 where
+    ``renormalize`` (Mixtral always; Qwen3-MoE's ``norm_topk_prob``). Its weights are
+    the slots ``router`` [E, H], ``experts_gate_up`` [E * 2I, H] (each expert's gate and
+    up rows in turn) and ``experts_down`` [E * H, I] (core.slots)."""
+
+    num_experts: int = attrs.field(validator=_expert_size)
+    top_k: int = attrs.field(validator=_expert_size)
+    intermediate_size: int = attrs.field(validator=_expert_size)
+    renormalize: bool = True
+
+    def __attrs_post_init__(self):
+        if self.top_k > self.num_experts:
+            raise UnsupportedModelError(
+                f"ExpertSpec: top_k={self.top_k} experts a token out of num_experts="
+                f"{self.num_experts} (config.json: num_experts_per_tok / num_local_experts or "
+                "num_experts); accepted: top_k <= num_experts")
+
+    def param_count(self, hidden_size: int, experts: int | None = None) -> int:
+        """Elements of the router and of ``experts`` experts (default: all of them)."""
+        e = self.num_experts if experts is None else experts
+        return self.num_experts * hidden_size + e * 3 * hidden_size * self.intermediate_size
+
+
 @attrs.frozen
 class LayerSpec:
     """What one decoder layer runs: the registered implementations of its attention and
@@ -110,12 +154,16 @@ class LayerSpec:
     ``ModelSpec.norm``), and the weights those add to the LLaMA layer's slots, each a name
     under ``layers.{i}.`` and its shape (replicated under tensor parallelism), e.g. the
     per-head q / k norms of Qwen3: ``slots=(("q_norm.weight", (128,)), ("k_norm.weight",
-    (128,)))``."""
+    (128,)))``. ``experts``: the layer's MLP is a mixture of experts (its ``mlp`` a part
+    that runs one, e.g. ``moe``), whose slots replace the dense MLP's (``ExpertSpec``),
+    each expert cut by tensor parallelism as the dense MLP is."""
 
     attention: str = "llama"
     mlp: Optional[str] = None  # None: "gated" where the spec's gated_mlp, else "plain"
     slots: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(
         default=(), converter=_as_slots, validator=_layer_slots)
+    experts: Optional[ExpertSpec] = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(ExpertSpec)))
 
     @property
     def param_count(self) -> int:
@@ -191,17 +239,36 @@ class ModelSpec:
     @property
     def param_count(self) -> int:
         """Parameters of the fused model (embeddings counted once when tied)."""
+        return self._params(active=False)
+
+    @property
+    def active_param_count(self) -> int:
+        """Parameters one token runs through: as ``param_count``, but of each
+        mixture-of-experts layer only the router and its ``top_k`` experts (the figure
+        model cards give as "active"; equal to ``param_count`` without experts)."""
+        return self._params(active=True)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether a layer's MLP is a mixture of experts (``LayerSpec.experts``)."""
+        return any(x.experts is not None for x in self.layers)
+
+    def _params(self, active: bool) -> int:
         h, i = self.hidden_size, self.intermediate_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        mlp = h * i * (3 if self.gated_mlp else 2)
         norms = 2 * h * (2 if self.norm == "layer" else 1)
-        biases = (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias + \
+        biases = (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias
+        dense_mlp = h * i * (3 if self.gated_mlp else 2) + \
             (i * (2 if self.gated_mlp else 1) + h) * self.mlp_bias
-        per_layer = attn + mlp + norms + biases
+        mlps = 0
+        for n in range(self.num_layers):
+            experts = self.layer(n).experts
+            mlps += dense_mlp if experts is None else \
+                experts.param_count(h, experts.top_k if active else None)
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         pos = self.max_position * h if self.position == "learned" else 0
         declared = sum(x.param_count for x in self.layers)  # the slots LayerSpecs add
-        return self.num_layers * per_layer + declared + embed + pos + \
+        return self.num_layers * (attn + norms + biases) + mlps + declared + embed + pos + \
             h * (2 if self.norm == "layer" else 1)
 
 

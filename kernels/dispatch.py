@@ -42,6 +42,7 @@ OPS = {
     "fp8_linear": "fp8_linear",
     "embed_sum_sq": "embedding",
     "logits_argmax": "greedy",
+    "fused_moe": "fused_moe",
 }
 BACKENDS = ("auto", "torch", "triton")
 

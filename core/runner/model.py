@@ -31,12 +31,15 @@ class DecoderLayer(nn.Module):
     """One pre-norm decoder layer composed from registered parts (core/layer.py): norm ->
     attention -> add -> norm -> MLP -> add. The parts' projections are this module's
     children under slot names (``layers.3.qkv``: what weight maps fill); the parts run
-    them with the layer passed in. ``parts``: (attention, mlp, norm) ``LayerImpl``s."""
+    them with the layer passed in. ``parts``: (attention, mlp, norm) ``LayerImpl``s;
+    ``layer_spec``: this layer's ``LayerSpec`` (what its parts read of it, e.g. its
+    experts), by default the first layer's."""
 
-    def __init__(self, spec: ModelSpec, ops, parts):
+    def __init__(self, spec: ModelSpec, ops, parts, layer_spec=None):
         super().__init__()
         attention, mlp, norm = parts
         self.spec, self.ops = spec, ops
+        self.layer_spec = spec.layer(0) if layer_spec is None else layer_spec
         self.attn_norm = norm.build(spec, ops)
         self.attention = attention.build(self, spec, ops)  # adds qkv, o (and its own)
         self.mlp_norm = norm.build(spec, ops)
@@ -128,7 +131,8 @@ class DecoderModel(nn.Module):
         if spec.position == "learned":
             self.pos_embed = nn.Module()
             self.pos_embed.register_buffer("weight", None)
-        self.layers = nn.ModuleList(DecoderLayer(spec, ops, p) for p in parts)
+        self.layers = nn.ModuleList(DecoderLayer(spec, ops, p, spec.layer(i))
+                                    for i, p in enumerate(parts))
         for layer in self.layers:
             layer.tp = tp
         self.final_norm = final_norm.build(spec, ops)

@@ -97,6 +97,38 @@ def tiny_qwen3_config(**overrides):
     return cfg
 
 
+def tiny_mixtral_config(**overrides):
+    """Mixtral (GQA, 8 SwiGLU experts of 32 rows, top-2 renormalised, no window)."""
+    from transformers import MixtralConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+              num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+              sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+    kw.update(overrides)
+    cfg = MixtralConfig(**kw)
+    cfg.architectures = ["MixtralForCausalLM"]
+    return cfg
+
+
+def tiny_qwen3_moe_config(**overrides):
+    """Qwen3-MoE (Qwen3's q/k-norm attention, head_dim 24; 6 experts of 24 rows, top-2,
+    ``norm_topk_prob`` off; layer 1 of 3 a dense MLP of 112 rows: ``mlp_only_layers``)."""
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, moe_intermediate_size=24,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+              num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+              decoder_sparse_step=1, max_position_embeddings=512, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, use_sliding_window=False, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Qwen3MoeConfig(**kw)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return cfg
+
+
 def byte_tokenizer(vocab_size: int = 256):
     """A byte-level tokenizer of 256 tokens (one a byte, no merges) for the tiny models,
     built offline: what a tiny model's directory needs where a tool reads text."""

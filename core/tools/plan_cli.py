@@ -205,6 +205,9 @@ def run(args) -> int:
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       budget=budget, budget_source=source, device=device)
     mem = attrs.evolve(mem, weight_bytes=mem.weight_bytes - not_held * element_bytes(dtype))
+    if mem.active_weight_bytes is not None:  # a mixture of experts: its active share too
+        mem = attrs.evolve(mem, active_weight_bytes=mem.active_weight_bytes
+                           - not_held * element_bytes(dtype))
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights
         kv = plan_memory(spec, dtype=kv_dtype, max_seq_len=mem.max_seq_len)
         mem = attrs.evolve(mem, kv_dtype=kv.kv_dtype, kv_bytes_per_token=kv.kv_bytes_per_token)
