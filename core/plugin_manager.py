@@ -34,6 +34,7 @@ DEFAULT_PLUGINS = (
     "infergraft.policies.llama_layers",
     "infergraft.policies.llama",
     "infergraft.policies.mistral",
+    "infergraft.policies.phi3",
     "infergraft.policies.gpt2",
     "infergraft.plugins.contiguous",
     "infergraft.plugins.paged",

@@ -90,6 +90,10 @@ class Scheduler:
         self._ticks = itertools.count()
         self._last_ran: dict[int, int] = {}
         self._last_kind = None
+        # core.long_rope.LongRopeSwitch where LongRoPE's two tables are in use (build()):
+        # a short sequence reaching the boundary is recomputed (not a preemption)
+        self.long_rope = None
+        self.num_long_rope_recomputes = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -121,7 +125,7 @@ class Scheduler:
         sampled), or None where the cache is short or a swapped sequence could come back:
         pausing, preempting, swapping in see the step's outcome. Admits as ``schedule``
         does; ``resume`` takes the step once this one is done."""
-        if can_swap_in_now(self):  # its step must run ``schedule``'s swap-in first
+        if can_swap_in_now(self) or self._stale_rope():  # ``schedule`` must run those first
             return None
         seqs, counts, short = self._running_part()
         return None if short or not seqs else self._take(seqs, counts, admit=not self.swapped)
@@ -142,6 +146,9 @@ class Scheduler:
 
     def _schedule(self) -> Step | None:
         swap_in_ready(self)  # swapped sequences come back first, where there is room
+        for seq in reversed(self._stale_rope()):  # recomputed with LongRoPE's long table
+            self._requeue(seq)
+            self.num_long_rope_recomputes += 1
         while True:
             seqs, counts, short = self._running_part()
             # a cache that refused a running sequence, or owes a swapped one, takes no prompt
@@ -256,6 +263,12 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, failed: bool = False) -> None:
         """Recompute preemption: free the cache (``failed``: none of it reused), requeue."""
+        self._requeue(seq, failed)
+        self.num_preemptions += 1
+        self.num_recomputed += 1
+
+    def _requeue(self, seq: Sequence, failed: bool = False) -> None:
+        """Free ``seq``'s cache and queue it first, to be prefilled again from its tokens."""
         self.running.remove(seq)
         free = getattr(self.cache, "discard", self.cache.free) if failed else self.cache.free
         free(seq.id)
@@ -263,8 +276,12 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_prefill_tokens = seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-        self.num_recomputed += 1
+
+    def _stale_rope(self) -> list[Sequence]:
+        """Running short sequences whose next row reaches LongRoPE's boundary
+        (core/long_rope.py), oldest first; [] without LongRoPE's two tables."""
+        switch = self.long_rope
+        return [] if switch is None else [s for s in self.running if switch.stale(s)]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)  # first: a sequence that is not running stays as it was
