@@ -148,3 +148,65 @@ def test_the_fused_decode_layer_reads_the_long_table_in_the_qkv_epilogue():
     assert [int(rows) for rows in calls] == [30, 31, 2 * B + 1]
     err = relative_error(engine.logits(prompt + got).float(), ref.logits(prompt + got).float())
     assert err < 1e-2, err
+
+
+def test_two_tensor_parallel_and_two_pipeline_ranks_match_hf():
+    """The fused checkpoint tensors cut by heads and columns across tp ranks; LongRoPE's
+    recompute and long rows on every rank (a prompt that crosses 32, one past it, fed 16
+    tokens a step, in two micro-batches on the pipeline)."""
+    from infergraft.core.testing.distributed import run_ranks, tp_parity_cases
+
+    prompts = [random_prompt(25, 256, 1), random_prompt(40, 256, 2)]
+    common = dict(config=tiny_phi3_config(), prompts=prompts, max_seq_len=64,
+                  max_num_batched_tokens=16)
+    cases = [dict(common, plugins=["tp", "paged"]),
+             dict(common, plugins=["pp", "paged"], planner_options=dict(micro_batches=2))]
+    ranks = run_ranks(tp_parity_cases, 2, cases, timeout=600)
+    for i, planner in enumerate(("tp", "pp")):
+        r0, r1 = ranks[0][i], ranks[1][i]
+        assert (r0["tensor_parallel"], r0["stages"]) == ((2, 1) if planner == "tp" else (1, 2))
+        assert max(r0["errors"]) < 1e-4 and r0["errors"] == r1["errors"], (planner, r0["errors"])
+        assert r0["ours"] == r0["hf"] == r1["ours"], planner
+
+
+# relative logits error against the float engine a quantiser stays within here (int4:
+# groups of 32 over 64 columns, a rough grid)
+QUANTIZED = {"int8": 3e-2, "fp8": 0.1, "int4": 0.3, "kv-int8": 3e-2, "kv-fp8": 0.06}
+
+
+@pytest.mark.filterwarnings("ignore::infergraft.core.errors.PerformanceWarning")
+def test_quantised_weights_and_kv_run_across_the_original_length():
+    hf = random_model(tiny_phi3_config(), seed=3, scale=2.0)
+    kw = dict(max_seq_len=64, max_batch_size=2)
+    ids, crossing = random_prompt(40, 256, 4), random_prompt(25, 256, 5)
+    ref = core.build(hf, plugins=["paged"], **kw).logits(ids)
+    for name, bound in QUANTIZED.items():
+        engine = core.build(hf, plugins=["paged", name], **kw)
+        assert engine.plan.quantizers == (name,)
+        err = relative_error(engine.logits(ids), ref)
+        assert 0 < err < bound, (name, err)
+        assert len(engine.generate(crossing, max_new_tokens=12)[0].token_ids) == 12
+        assert engine.scheduler.num_long_rope_recomputes == 1, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_cuda_graphs_across_the_original_length(cache):
+    """Decode graphs (the greedy look-ahead among them) place rows past 32 from the
+    positions inside the graph; a step with a long prompt's rows below 32 runs eagerly
+    (the step and prefill graphs are captured without them): HF's tokens throughout."""
+    hf = phi3(hidden_size=128, intermediate_size=256).cuda()
+    engine = core.build(hf, plugins=[cache], device="cuda", max_seq_len=96, max_batch_size=4,
+                        max_num_batched_tokens=16)
+    assert engine.decode_graphs is not None
+    replays = engine.decode_graphs.replays
+    prompts = [random_prompt(n, 256, 60 + n) for n in (12, 28, 45, 3)]
+    outs = [c.token_ids for c in engine.generate(prompts, max_new_tokens=24)]
+    assert outs == [hf_greedy(hf, p, 24) for p in prompts]
+    assert engine.decode_graphs.replays > replays
+    assert engine.scheduler.num_long_rope_recomputes == 2
+    alone = engine.generate(prompts[1], max_new_tokens=24)[0].token_ids  # the look-ahead
+    assert alone == outs[1]
+    ids = random_prompt(70, 256, 9)
+    assert relative_error(engine.logits(ids), hf_logits(hf, ids)) < 1e-4
