@@ -126,9 +126,13 @@ def plugin_rows(pm=None) -> list[dict]:
 
 def _row(pm, kind: str, name: str, plugin: str) -> dict:
     info = pm.info[plugin]
-    return {"kind": kind, "name": name, "plugin": plugin, "version": info.version,
-            "contract": info.contract, "origin": info.origin, "module": info.module,
-            "hooks": pm.hook_names(plugin)}
+    row = {"kind": kind, "name": name, "plugin": plugin, "version": info.version,
+           "contract": info.contract, "origin": info.origin, "module": info.module,
+           "hooks": pm.hook_names(plugin)}
+    if kind == "policy":  # what build and plan pick it for (core/selection.py)
+        policy = pm.policies().get(name)
+        row.update(architectures=list(policy.architectures), model_types=list(policy.model_types))
+    return row
 
 
 def cmd_plugins(args) -> int:
@@ -143,6 +147,13 @@ def cmd_plugins(args) -> int:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in cols).rstrip())
     if not rows:
         print("(no plugins registered)")
+    policies = [r for r in rows if r["kind"] == "policy"]
+    if policies:  # what each policy is picked for, from config.json's architectures / model_type
+        width = max(len("POLICY"), *(len(r["name"]) for r in policies))
+        print(f"\n{'POLICY'.ljust(width)}  ARCHITECTURES (MODEL TYPES)")
+        for r in policies:
+            print(f"{r['name'].ljust(width)}  {', '.join(r['architectures']) or '-'} "
+                  f"({', '.join(r['model_types']) or '-'})")
     for r in rows:  # why each skipped plugin was skipped: the table has no room for it
         if r["kind"] == "broken":
             print(f"\n{r['name']}: {r['error']}")

@@ -65,6 +65,17 @@ def test_the_fused_checkpoint_tensors_fill_our_slots_in_their_row_order():
     assert torch.equal(layer.gate_up.weight, ref.mlp.gate_up_proj.weight)
 
 
+def test_a_checkpoint_directory_is_recognised_from_its_config(tmp_path):
+    """A saved Phi-4-mini-like checkpoint (tied head: no lm_head.weight in the file) is
+    built without naming a policy: config.json's architectures pick it."""
+    hf = phi3(**CONFIGS["window-tied-mqa"])
+    hf.save_pretrained(tmp_path)
+    engine = core.build(str(tmp_path), max_seq_len=64, max_batch_size=1)
+    assert (engine.plan.policy, engine.spec.architecture) == ("phi3", "Phi3ForCausalLM")
+    assert engine.spec.tie_embeddings
+    assert_logits_match(engine, hf, random_prompt(40, 256, 8), rtol=1e-4)
+
+
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_logits_match_hf_both_sides_of_the_original_length(phi3_model, cache):
     engine = core.build(phi3_model, plugins=[cache], max_seq_len=96, max_batch_size=2)
