@@ -15,8 +15,9 @@ whenever max_model_len > b, so its short sequences differ from HF's):
   table at every position. Any other row reads the short table below b and the long one
   from b on (``core.rope.table_rows``), which for a decode row is HF's rule already;
 - a short sequence about to feed position b (its K/V below b short) is recomputed first
-  (``Scheduler``: freed and requeued at the front, its tokens so far prefilled again as a
-  long sequence), exactly where HF's generate drops its cache;
+  (``recompute_at_boundary``, at the start of each ``Scheduler.schedule``: freed and
+  requeued at the front, its tokens so far prefilled again as a long sequence), exactly
+  where HF's generate drops its cache; the decode look-ahead stops short of it;
 - prefill rows of a long sequence below b are the only ones whose table does not follow
   from the position: the runner passes them to the model (``long_rows``), and runs
   their steps eagerly (the step and prefill graphs are captured without them; decode
@@ -39,6 +40,7 @@ class LongRopeSwitch:
 
     def __init__(self, boundary: int):
         self.boundary = boundary
+        self.recomputes = 0  # short sequences prefilled again at the boundary
 
     def is_long(self, seq) -> bool:
         """Its K/V below the boundary come from the long table: its prefill feeds more
@@ -63,6 +65,21 @@ class LongRopeSwitch:
         if not any_set:
             return None
         return torch.cat([torch.full((n, ), flag) for n, flag in spans]).to(device)
+
+
+def recompute_due(scheduler) -> list:
+    """The scheduler's running sequences that must be recomputed before their next row
+    (``LongRopeSwitch.stale``), oldest first; [] without LongRoPE's two tables."""
+    switch = scheduler.long_rope
+    return [] if switch is None else [s for s in scheduler.running if switch.stale(s)]
+
+
+def recompute_at_boundary(scheduler) -> None:
+    """Free and requeue those first (the oldest in front), to be prefilled again as long
+    sequences; not counted as preemptions."""
+    for seq in reversed(recompute_due(scheduler)):
+        scheduler.preempt(seq, counted=False)
+        scheduler.long_rope.recomputes += 1
 
 
 def long_rope_mode(rope, max_seq_len: int, backend, cache_options: dict):

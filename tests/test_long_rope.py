@@ -40,7 +40,7 @@ def test_a_short_sequence_reaching_the_boundary_is_prefilled_again_as_a_long_one
     # a's 6 + 3 tokens again, at the front; the other keeps decoding beside it
     assert [(s, n) for s, n in zip(step.seqs, step.counts)] == [(other, 1), (a, 9)]
     assert step.kind == "prefill" and a.num_prefill_tokens == 9 > B
-    assert sched.num_long_rope_recomputes == 1 and sched.num_preemptions == 0
+    assert sched.long_rope.recomputes == 1 and sched.num_preemptions == 0
     apply(sched, cache, step)
     assert not sched.long_rope.stale(a) and cache.length(a.id) == 9
 

@@ -96,7 +96,7 @@ def test_chunked_prefill_and_generation_across_the_original_length(cache):
     assert outs == [hf_greedy(hf, p, 24) for p in prompts]
     assert all(len(o) == 24 for o in outs) and len({t for o in outs for t in o}) >= 12
     # the two that started short crossed the boundary: each recomputed once, not preempted
-    assert engine.scheduler.num_long_rope_recomputes == 2
+    assert engine.scheduler.long_rope.recomputes == 2
     assert engine.scheduler.num_preemptions == 0
     assert_greedy_match(engine, hf, random_prompt(30, 256, 7), 8)  # crosses on its 3rd token
 
@@ -153,7 +153,7 @@ def test_the_fused_decode_layer_reads_the_long_table_in_the_qkv_epilogue():
     prompt = random_prompt(30, 256, 3)
     got = engine.generate(prompt, max_new_tokens=5)[0].token_ids  # crosses 32 on its 3rd
     assert got == ref.generate(prompt, max_new_tokens=5)[0].token_ids
-    assert engine.scheduler.num_long_rope_recomputes == 1
+    assert engine.scheduler.long_rope.recomputes == 1
     # decode rows at 30 and 31 (the short table), 32 recomputed with the prompt, then 33:
     # row b + 33 of the long table
     assert [int(rows) for rows in calls] == [30, 31, 2 * B + 1]
@@ -197,7 +197,7 @@ def test_quantised_weights_and_kv_run_across_the_original_length():
         err = relative_error(engine.logits(ids), ref)
         assert 0 < err < bound, (name, err)
         assert len(engine.generate(crossing, max_new_tokens=12)[0].token_ids) == 12
-        assert engine.scheduler.num_long_rope_recomputes == 1, name
+        assert engine.scheduler.long_rope.recomputes == 1, name
 
 
 @pytest.mark.gpu
@@ -216,7 +216,7 @@ def test_cuda_graphs_across_the_original_length(cache):
     outs = [c.token_ids for c in engine.generate(prompts, max_new_tokens=24)]
     assert outs == [hf_greedy(hf, p, 24) for p in prompts]
     assert engine.decode_graphs.replays > replays
-    assert engine.scheduler.num_long_rope_recomputes == 2
+    assert engine.scheduler.long_rope.recomputes == 2
     alone = engine.generate(prompts[1], max_new_tokens=24)[0].token_ids  # the look-ahead
     assert alone == outs[1]
     ids = random_prompt(70, 256, 9)
