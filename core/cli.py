@@ -27,7 +27,7 @@ DEFAULT_MODEL = "smollm2-135m"
 READER_GONE = 141
 
 DESCRIPTION = """\
-infergraft runs LLMs (LLaMA, Mistral, GPT-2; more families through plugins) on a CUDA GPU
+infergraft runs LLMs (LLaMA, Mistral, Phi-3/4, GPT-2; more through plugins) on a CUDA GPU
 or the CPU: one prompt, a chat in the terminal, or an OpenAI-compatible server. A model is
 a local Hugging Face directory (config.json and *.safetensors), a hub id already in the
 Hugging Face cache (org/name), or the demo alias smollm2-135m (downloaded once).
