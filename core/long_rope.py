@@ -26,7 +26,9 @@ whenever max_model_len > b, so its short sequences differ from HF's):
   tokens alone, so prefix caching is off in this mode (core/build.py).
 
 The mode is on where the engine's ``max_seq_len`` exceeds b (``long_rope_boundary``):
-below it every sequence is short and the one table is the short one.
+below it every sequence is short and the one table is the short one. (A LLaMA-class
+config with rope_type "longrope" gets the same: HF's forward over the whole sequence;
+its generate, lacking Phi-3's cache drop, would mix both tables in one cache.)
 """
 from __future__ import annotations
 
