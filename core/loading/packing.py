@@ -12,6 +12,13 @@ from ..runner.weight_stream import map_tensors
 _LAYER_SLOT = re.compile(r"^layers\.(\d+)\.(\w+)\.weight$")
 
 
+def packed_device(packed) -> torch.device:
+    """Where a packed form's tensors are (the CPU if it holds none)."""
+    found = []
+    map_tensors(packed, lambda t: found.append(t.device) or t)
+    return found[0] if found else torch.device("cpu")
+
+
 class SlotPacker:
     """``load_weights``' slot callback: a slot the quantiser packs becomes a
     ``QuantizedLinear``. With ``fold_norms`` (the fused decode layer will run) an RMSNorm
@@ -38,11 +45,18 @@ class SlotPacker:
         packed = self.quantizer.pack(weight if self.device is None else weight.to(self.device))
         if self.device is not None and home != torch.device(self.device):
             packed = map_tensors(packed, lambda t: t.to(home))
-        return QuantizedLinear(self.quantizer, packed, bias, self.ops)
+        return self._linear(packed, bias)
+
+    def _linear(self, packed, bias) -> QuantizedLinear:
+        lin = QuantizedLinear(self.quantizer, packed, bias, self.ops)
+        # where the quantiser's matmul is slower than the dense GEMM (int4 on the CPU),
+        # its weight dequantised once, here, rather than at every call
+        on = packed_device(packed) if self.device is None else torch.device(self.device)
+        return lin.keep_dense() if self.quantizer.dense_on(on, self.ops.backend) else lin
 
     def __call__(self, slot, module, weight):
         if getattr(weight, "prequantized", False):  # GPTQ / AWQ / fp8: its norm stays
-            return QuantizedLinear(self.quantizer, weight.packed(), module.bias, self.ops)
+            return self._linear(weight.packed(), module.bias)
         m = _LAYER_SLOT.match(slot) if self.fold_norms else None
         name = m and m[2]  # a norm, its projection, or another slot
         # norm -> the projection it feeds, as the layer's parts say (DecoderLayer.norm_feeds)

@@ -29,15 +29,24 @@ class Linear(nn.Module):
 
 class QuantizedLinear(nn.Module):
     """y = quantizer.matmul(x, packed) (+ b): a weight quantiser's packed projection
-    (core/quant.py); ``core.build`` swaps it in for a ``Linear`` as the weight loads."""
+    (core/quant.py); ``core.build`` swaps it in for a ``Linear`` as the weight loads.
+    ``keep_dense()``: the dequantised weight kept beside the packed form, and the dense
+    GEMM on it instead (where the quantiser's ``dense_on`` the device)."""
 
     def __init__(self, quantizer, packed, bias, ops):
         super().__init__()
-        self.quantizer, self.packed = quantizer, packed
+        self.quantizer, self.packed, self.linear = quantizer, packed, ops.linear
         self._kw = {"ops": ops} if "ops" in inspect.signature(quantizer.matmul).parameters else {}
         self.register_buffer("bias", bias)
+        self.register_buffer("dense", None)
+
+    def keep_dense(self) -> "QuantizedLinear":
+        self.dense = self.quantizer.unpack(self.packed).contiguous()  # [N, K], packed.dtype
+        return self
 
     def forward(self, x):
+        if self.dense is not None:
+            return self.linear(x, self.dense, self.bias)
         y = self.quantizer.matmul(x, self.packed, **self._kw)  # [T, K] -> [T, N]
         return y if self.bias is None else y + self.bias
 
