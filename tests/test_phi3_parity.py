@@ -221,3 +221,22 @@ def test_cuda_graphs_across_the_original_length(cache):
     assert alone == outs[1]
     ids = random_prompt(70, 256, 9)
     assert relative_error(engine.logits(ids), hf_logits(hf, ids)) < 1e-4
+
+
+def test_steps_with_long_rows_leave_the_mixed_step_graphs_to_the_others():
+    """The mixed-step graphs' static path (run eagerly here: ``use_graphs=False``) takes
+    the steps whose every row its position places, and not those feeding a long
+    prompt's rows below 32: HF's tokens either way."""
+    from infergraft.core.runner.step_graph import StepGraphRunner
+
+    hf = phi3()
+    engine = core.build(hf, plugins=["paged"], max_seq_len=96, max_batch_size=3,
+                        max_num_batched_tokens=16, cuda_graphs=False)
+    runner = StepGraphRunner(engine.model, engine.cache, 16, 3, buckets=(8, 16),
+                             use_graphs=False)
+    runner.capture()
+    engine.runner.step_graphs = runner
+    prompts = [random_prompt(12, 256, 52), random_prompt(45, 256, 85)]
+    outs = [c.token_ids for c in engine.generate(prompts, max_new_tokens=24)]
+    assert outs == [hf_greedy(hf, p, 24) for p in prompts]
+    assert runner.replays > 0
