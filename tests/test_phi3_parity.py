@@ -240,3 +240,19 @@ def test_steps_with_long_rows_leave_the_mixed_step_graphs_to_the_others():
     outs = [c.token_ids for c in engine.generate(prompts, max_new_tokens=24)]
     assert outs == [hf_greedy(hf, p, 24) for p in prompts]
     assert runner.replays > 0
+
+
+def test_a_long_prompt_alone_leaves_the_prefill_graphs():
+    """The contiguous cache's prefill graphs (run eagerly here) take a short prompt alone,
+    not one longer than 32, whose rows all read the long table."""
+    from infergraft.core.runner.prefill_graph import PrefillGraphRunner
+
+    hf = phi3()
+    engine = core.build(hf, plugins=["contiguous"], max_seq_len=64, max_batch_size=1,
+                        cuda_graphs=False)
+    runner = PrefillGraphRunner(engine.model, engine.cache, 64, buckets=(16, 64),
+                                use_graphs=False)
+    engine.prefill_graphs = runner
+    for n, replays in ((10, 1), (40, 1)):
+        assert_greedy_match(engine, hf, random_prompt(n, 256, n), 4)
+        assert runner.replays == replays
