@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import attrs
 import torch
 
 from .errors import UnsupportedModelError
@@ -65,8 +66,6 @@ def rope_from_config(config, head_dim: int) -> RopeSpec:
 def _yarn_spec(spec: RopeSpec, params: dict, max_position: int) -> RopeSpec:
     """HF ``_compute_yarn_parameters``: factor (else max / original positions), the
     attention factor (given, else from mscale / mscale_all_dim, else 0.1 ln(factor) + 1)."""
-    import attrs
-
     factor = params.get("factor")
     factor = float(max_position / spec.original_max_position if factor is None else factor)
     attention = params.get("attention_factor")
@@ -89,8 +88,6 @@ def _longrope_spec(spec: RopeSpec, params: dict, max_position: int, head_dim: in
     """HF ``_compute_longrope_parameters``: both factor lists (rotary_dim / 2 numbers
     each), the attention factor (given, else sqrt(1 + ln(s) / ln(original)) with s the
     ``factor``, else max / original positions)."""
-    import attrs
-
     half = (spec.rotary_dim or head_dim) // 2
     lists = {}
     for name in ("short_factor", "long_factor"):
