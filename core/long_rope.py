@@ -23,7 +23,7 @@ whenever max_model_len > b, so its short sequences differ from HF's):
   their steps eagerly (the step and prefill graphs are captured without them; decode
   graphs never see such a row);
 - a block's K/V then depend on the length of the sequence that computed it, not on its
-  tokens alone, so prefix caching is off in this mode (core/build.py).
+  tokens alone, so prefix caching is off in this mode (``long_rope_mode``, at build).
 
 The mode is on where the engine's ``max_seq_len`` exceeds b (``long_rope_boundary``):
 below it every sequence is short and the one table is the short one. (A LLaMA-class
