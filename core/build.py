@@ -17,6 +17,7 @@ from .loading.packing import SlotPacker
 from .loading.gptq import checkpoint_quantizers, weight_quantizer_names
 from .loading.source import resolve_source
 from .loading.weights import load_weights
+from .long_rope import long_rope_mode
 from .memory import (activation_bytes, check_fits, device_budget, step_token_budget,
                      resolve_sizes, weight_bytes)
 from .plan import Plan
@@ -134,6 +135,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     use_cores(device)  # torch's threads on the CPU, from the cores left to this process
     preempt = policy_for(preemption, run_spec, device, dtype, parallel.world_size)
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
+    long_rope, opts[0] = long_rope_mode(spec.rope, max_seq_len, backend, opts[0])
     step_tokens = step_token_budget(max_num_batched_tokens)
     from infergraft.kernels import switches  # here, not at import: it imports triton
     from infergraft.kernels.dispatch import get_ops
@@ -190,6 +192,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_num_batched_tokens)
     engine.ranks, engine.scheduler.preemption = rank.ranks, preempt
+    engine.scheduler.long_rope = engine.runner.long_rope = long_rope  # LongRoPE's per sequence
     engine.schedule_ahead = device.type == "cuda" and rank.ranks is None \
         and switches.value("INFERGRAFT_SCHEDULE_AHEAD")
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)

@@ -18,8 +18,10 @@ mixture-of-experts MLP reads its ``experts`` there).
 
 * attention: ``build(layer, spec, ops)`` adds its projections to ``layer`` and returns an
   object with ``forward(layer, x, layer_idx, positions, rope, cache, meta) -> [T, H]``
-  (x: the normed stream [T, H]; the output before the tensor-parallel all-reduce, which
-  the layer does), ``input_projection`` (the slot name of the projection its input norm
+  (x: the normed stream [T, H]; ``rope``: (cos, sin) tables, ``positions`` [T] the rows of
+  them each token reads: its position, LongRoPE's table row past its boundary,
+  core/rope.py ``table_rows``; where K/V go is the cache's ``meta``; the output before the
+  tensor-parallel all-reduce, which the layer does), ``input_projection`` (the slot name of the projection its input norm
   feeds: the fused decode layer folds the norm's weight into it), ``fuses`` (whether it
   runs in the fused decode layer) and, if it does, ``fusable(layer) -> bool`` (after
   loading: its projections in a form the fused GEMMs read) and ``forward_fused(layer,

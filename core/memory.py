@@ -19,6 +19,7 @@ import torch
 
 from ._moved import moved_names
 from .errors import PlanError
+from .rope import check_rope_range
 from .scheduler import DEFAULT_BATCHED_TOKENS
 from .units import (KVSizes, activations_label, both_units, element_bytes,  # noqa: F401
                     fmt_bytes, kv_bytes_per_token, parse_bytes, rows_table)
@@ -52,6 +53,7 @@ def resolve_sizes(spec, max_seq_len, max_batch_size) -> tuple[int, int]:
     if spec.position == "learned" and seq > spec.max_position:
         raise PlanError(f"max_seq_len={seq} exceeds the model's {spec.max_position} "
                         "learned positions")
+    check_rope_range(spec.rope, seq, spec.max_position)  # dynamic NTK: where it is HF's
     if seq > spec.max_position:  # RoPE runs on, but the model never saw those positions
         warnings.warn(f"max_seq_len={seq} exceeds the model's max_position_embeddings="
                       f"{spec.max_position}: output past that position may degrade",

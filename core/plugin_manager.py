@@ -36,6 +36,7 @@ DEFAULT_PLUGINS = (
     "infergraft.policies.llama",
     "infergraft.policies.mistral",
     "infergraft.policies.mixtral",
+    "infergraft.policies.phi3",
     "infergraft.policies.gpt2",
     "infergraft.plugins.contiguous",
     "infergraft.plugins.paged",

@@ -61,13 +61,23 @@ class RopeSpec:
     """Rotary embedding settings (transformers 5: ``config.rope_parameters``)."""
 
     theta: float = 10000.0
-    type: str = "default"  # default | linear | llama3
+    type: str = "default"  # default | linear | llama3 | yarn | longrope | dynamic
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     # None: the whole head_dim
     rotary_dim: Optional[int] = attrs.field(default=None, validator=_optional_size)
+    # yarn, longrope: cos and sin multiplied by it (HF's attention_factor, resolved)
+    attention_factor: float = 1.0
+    # yarn: the band of frequencies between extrapolation and interpolation
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    # longrope: each frequency's divisor up to original_max_position tokens (short) and
+    # past it (long), rotary_dim / 2 each (core/long_rope.py: which one a sequence reads)
+    short_factor: tuple[float, ...] = attrs.field(default=(), converter=tuple)
+    long_factor: tuple[float, ...] = attrs.field(default=(), converter=tuple)
 
 
 #: a layer's own slots, laid out from the spec's sizes (core.slots): a LayerSpec's may not

@@ -16,7 +16,7 @@ from torch import nn
 
 from .._moved import moved_names
 from ..distributed.vocab import VocabParallel
-from ..rope import rope_cos_sin
+from ..rope import long_rope_boundary, rope_cos_sin, table_rows
 from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
 from ..spec import ModelSpec, split_qkv  # noqa: F401  (split_qkv: imported from here too)
 # (Linear, QuantizedLinear, gemm_operands: imported from here too)
@@ -142,9 +142,13 @@ class DecoderModel(nn.Module):
         self.norms_folded = False  # fold_norm_weights() turns the fused decode layer on
         self.streamer = None  # runner.weight_stream.WeightStreamer: layers in host memory
         self.rope = None
+        # LongRoPE past its original length: two tables, rows chosen per sequence
+        # (core/long_rope.py); None: row p of the one table for position p
+        self.rope_boundary = None
         if spec.position == "rope":
-            self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,
-                                     device)
+            rows = max_position or spec.max_position
+            self.rope = rope_cos_sin(spec.rope, spec.head_dim, rows, device)
+            self.rope_boundary = long_rope_boundary(spec.rope, rows)
 
     def _fused(self, tokens: int) -> bool:
         return self.norms_folded and tokens <= getattr(self.ops, "fuse_max_rows", 0)
@@ -180,12 +184,17 @@ class DecoderModel(nn.Module):
     def lm_head_weight(self):
         return self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight
 
-    def forward(self, tokens, cache, meta, logits_index=None, greedy_out=None):
+    def forward(self, tokens, cache, meta, logits_index=None, greedy_out=None, long_rows=None):
         """tokens: [T] -> logits [len(logits_index) or T, V] float32 (None on a pipeline
         stage before the last, and under tp on every rank but the group's first).
         ``greedy_out``: an int64 buffer [n] that receives each row's argmax (the decode
-        graphs' next tokens, written in the same kernel that widens the logits)."""
+        graphs' next tokens, written in the same kernel that widens the logits).
+        ``long_rows``: [T] bool, rows that read LongRoPE's long table below its boundary
+        (``core.long_rope.LongRopeSwitch.long_rows``; None: none)."""
         positions = meta.positions
+        # what the layers index the RoPE table with: the positions, or LongRoPE's rows
+        rope_rows = positions if self.rope_boundary is None else \
+            table_rows(positions, self.rope_boundary, long_rows)
         fused = self._fused(tokens.shape[0])
         residual, stage = None, self.stage
         streamer = self.streamer or _RESIDENT  # copies streamed layers in, layer by layer
@@ -210,13 +219,13 @@ class DecoderModel(nn.Module):
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 streamer.before(i)
-                h, sum_sq = layer.forward_fused(h, i, positions, self.rope, cache, meta, sum_sq,
+                h, sum_sq = layer.forward_fused(h, i, rope_rows, self.rope, cache, meta, sum_sq,
                                                 want_next=i < last)
                 streamer.after(i)
         else:
             for i, layer in enumerate(self.layers):
                 streamer.before(i)
-                h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
+                h, residual = layer(h, residual, i, rope_rows, self.rope, cache, meta)
                 streamer.after(i)
         if stage is not None and not stage.last:  # (the fused layer's stream is whole)
             stage.send(h, torch.zeros_like(h) if residual is None else residual)

@@ -57,6 +57,31 @@ def tiny_mistral_config(**overrides):
     return cfg
 
 
+def longrope_parameters(rotary_dim: int, theta: float = 10000.0, **extra):
+    """LongRoPE's rope_parameters with distinct short and long factors, rotary_dim / 2 each."""
+    half = rotary_dim // 2
+    return dict(rope_type="longrope", rope_theta=theta,
+                short_factor=[1.0 + 0.15 * i for i in range(half)],
+                long_factor=[1.5 + 0.6 * i for i in range(half)], **extra)
+
+
+def tiny_phi3_config(**overrides):
+    """Phi-3 (fused qkv_proj / gate_up_proj, GQA); LongRoPE over 32 original positions of
+    512, a quarter of each 16-dim head passing through unrotated (Phi-4-mini's partial
+    rotary): override ``rope_parameters`` for others."""
+    from transformers import Phi3Config
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              original_max_position_embeddings=32, sliding_window=None, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              rope_parameters=longrope_parameters(12, partial_rotary_factor=0.75))
+    kw.update(overrides)
+    cfg = Phi3Config(**kw)
+    cfg.architectures = ["Phi3ForCausalLM"]
+    return cfg
+
+
 def tiny_gpt2_config(**overrides):
     from transformers import GPT2Config
 

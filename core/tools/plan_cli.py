@@ -174,6 +174,8 @@ def model_spec(model: str, revision=None):
 def run(args) -> int:
     plan_config(args)  # --config under the flags given, then plan's defaults
     name, spec, config = model_spec(args.model, args.revision)
+    # the policy config.json's architectures / model_type picked (model_spec's)
+    policy = choose_policy(get_plugin_manager(), config, None).name
     not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.micro_batches != 1 and args.pipeline_parallel == 1:
         raise PlanError(f"--micro-batches {args.micro_batches} pipelines the stages of "
@@ -231,10 +233,12 @@ def run(args) -> int:
                           "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits,
                           "cache": args.cache, "paged_fits": fits["paged"],
                           "max_batch_with_window": mem.max_batch_with_window,
-                          "micro_batches": args.micro_batches, **extra,
+                          "micro_batches": args.micro_batches, "policy": policy, **extra,
                           "pool": pool_json}, indent=2))
     else:
-        print(rows_table(mem.rows() + rows))
+        table = mem.rows()
+        table.insert(1, ("policy", f"{policy} (for {spec.architecture})"))
+        print(rows_table(table + rows))
     return FITS if fits[args.cache] else DOES_NOT_FIT
 
 
