@@ -35,6 +35,7 @@ DEFAULT_PLUGINS = (
     "infergraft.policies.llama",
     "infergraft.policies.mistral",
     "infergraft.policies.gpt2",
+    "infergraft.policies.gemma",
     "infergraft.plugins.contiguous",
     "infergraft.plugins.paged",
     "infergraft.plugins.offload",

@@ -97,6 +97,43 @@ def tiny_qwen3_config(**overrides):
     return cfg
 
 
+def tiny_gemma2_config(**overrides):
+    """Gemma 2: sliding window 8 on every other layer (global between), both softcaps, a
+    query_pre_attn_scalar that is not head_dim, GQA, tied embeddings (as Gemma ships)."""
+    from transformers import Gemma2Config
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+              query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+              final_logit_softcapping=3.0, tie_word_embeddings=True,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Gemma2Config(**kw)
+    cfg.architectures = ["Gemma2ForCausalLM"]
+    return cfg
+
+
+def tiny_gemma3_config(**overrides):
+    """Gemma 3 (text): five local layers (window 8, RoPE base 10k) then a global one
+    (base 1M, linear scaling x2), per-head q / k norms, a final logit softcap."""
+    from transformers import Gemma3TextConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=7,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+              query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+              rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                  "rope_theta": 1_000_000.0}},
+              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Gemma3TextConfig(**kw)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    return cfg
+
+
 def byte_tokenizer(vocab_size: int = 256):
     """A byte-level tokenizer of 256 tokens (one a byte, no merges) for the tiny models,
     built offline: what a tiny model's directory needs where a tool reads text."""
