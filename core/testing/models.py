@@ -38,6 +38,19 @@ def with_random_norm_weights(hf, seed: int = 0):
     return hf
 
 
+def random_gemma(config, seed: int = 1):
+    """A random HF Gemma of ``config``: projections lively (scale 10) and its norms' weights
+    drawn around 0 (HF initialises them to 0, a scale of 1 + 0), so that the softcaps
+    bite and greedy tokens vary."""
+    hf = random_model(config, seed=seed, scale=10.0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(2.0 * torch.randn(p.shape, generator=g))
+    return hf
+
+
 def random_prompt(n: int, vocab: int, seed: int, avoid=(0, 1, 2)) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n,), generator=g).tolist()
