@@ -23,7 +23,8 @@ What Gemma changes in the LLaMA layer, and where each lives:
   its local layers' own RoPE base (``rope_local_base_freq``): ``LayerSpec.rope``.
 
 Gemma 3 keeps ``attn_logit_softcapping`` in its config but HF's Gemma 3 never applies
-it: neither do we. Refused, with the feature named: bidirectional attention (the
+it: neither do we. Gemma 2's reference is HF's eager attention: transformers 5.17 runs
+Gemma 2 on SDPA by default, which drops the attention softcap (5.25 refuses SDPA for it). Refused, with the feature named: bidirectional attention (the
 embedding variants), ``Gemma3ForConditionalGeneration`` (the vision model), activations
 other than the two GELUs, RoPE kinds ``core.rope`` does not know.
 """

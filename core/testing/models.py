@@ -112,7 +112,9 @@ def tiny_qwen3_config(**overrides):
 
 def tiny_gemma2_config(**overrides):
     """Gemma 2: sliding window 8 on every other layer (global between), both softcaps, a
-    query_pre_attn_scalar that is not head_dim, GQA, tied embeddings (as Gemma ships)."""
+    query_pre_attn_scalar that is not head_dim, GQA, tied embeddings (as Gemma ships).
+    HF's eager attention: transformers 5.17 runs Gemma 2 on SDPA by default, which drops the
+    attention softcap (5.25 refuses SDPA for it)."""
     from transformers import Gemma2Config
 
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
@@ -124,6 +126,7 @@ def tiny_gemma2_config(**overrides):
     kw.update(overrides)
     cfg = Gemma2Config(**kw)
     cfg.architectures = ["Gemma2ForCausalLM"]
+    cfg._attn_implementation = "eager"
     return cfg
 
 
@@ -144,6 +147,7 @@ def tiny_gemma3_config(**overrides):
     kw.update(overrides)
     cfg = Gemma3TextConfig(**kw)
     cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg._attn_implementation = "eager"  # as Gemma 2's: the same reference on every version
     return cfg
 
 
