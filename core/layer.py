@@ -1,8 +1,9 @@
 """The layer-replacement contract: what ``infergraft_register_layers`` registers.
 
 The runner composes each decoder layer (``core.runner.model.DecoderLayer``: norm ->
-attention -> add -> norm -> MLP -> add, the pre-norm residual stream) from registered
-parts that the policy's ModelSpec names: the attention and the MLP of each layer
+attention -> add -> norm -> MLP -> add, the pre-norm residual stream; with
+``LayerSpec.post_norms`` a norm on each output before its add) from registered parts that
+the policy's ModelSpec names: the attention and the MLP of each layer
 (``LayerSpec.attention`` / ``.mlp``), the norm of the whole model (``ModelSpec.norm``).
 The LLaMA parts every family reuses (``infergraft.policies.llama_layers``: attention
 ``llama``, MLPs ``gated`` and ``plain``, norms ``rms`` and ``layer``) register through
@@ -30,7 +31,11 @@ mixture-of-experts MLP reads its ``experts`` there).
   sum_sq, want_next) -> (stream, sum_sq or None)``.
 * norm: ``build(spec, ops) -> nn.Module`` with buffers ``weight`` (and ``bias``) and
   ``forward(x, residual=None) -> (normed, x + residual)``; ``folds = True`` where it is
-  an RMSNorm whose weight the fused decode layer may fold into the next projection.
+  an RMSNorm whose weight the fused decode layer may fold into the next projection;
+  ``adds_partials`` where, given a residual, it also takes x as split-K partials.
+
+An attention's or MLP's output projection may return split-K partials [S, T, H] only where
+``layer.sums_partials`` (the norm after it adds them up: not before a post norm).
 
 Weights a part adds beyond the LLaMA layer's slots are declared in the spec
 (``LayerSpec.slots``), so that plans, planners and weight maps see them from the config

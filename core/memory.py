@@ -258,7 +258,7 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                       kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
                       max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                       budget=budget, budget_source=budget_source,
-                      sliding_window=getattr(spec, "sliding_window", None),
+                      sliding_window=getattr(spec, "kv_window", None),
                       activation_bytes=activation_bytes(spec, dtype, step, max_batch_size),
                       max_num_batched_tokens=step, device=None if device is None else str(device),
                       **expert_counts(spec, dtype, weight_quantizer))

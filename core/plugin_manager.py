@@ -38,6 +38,7 @@ DEFAULT_PLUGINS = (
     "infergraft.policies.mixtral",
     "infergraft.policies.phi3",
     "infergraft.policies.gpt2",
+    "infergraft.policies.gemma",
     "infergraft.plugins.contiguous",
     "infergraft.plugins.paged",
     "infergraft.plugins.offload",

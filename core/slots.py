@@ -36,7 +36,8 @@ def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, 
         out["pos_embed.weight"] = ((spec.max_position, h), None)
     for n in range(spec.num_layers):
         p = f"layers.{n}."
-        for norm in ("attn_norm", "mlp_norm"):
+        post = ("attn_post_norm", "mlp_post_norm") if spec.layer(n).post_norms else ()
+        for norm in ("attn_norm", "mlp_norm") + post:
             out[p + norm + ".weight"] = ((h,), None)
             if layer_norm:
                 out[p + norm + ".bias"] = ((h,), None)

@@ -21,7 +21,11 @@ HF_NAMES = {"num_layers": "num_hidden_layers / n_layer", "hidden_size": "hidden_
             "head_dim": "head_dim", "intermediate_size": "intermediate_size / n_inner",
             "vocab_size": "vocab_size", "max_position": "max_position_embeddings / n_positions",
             "sliding_window": "sliding_window",
-            "rotary_dim": "head_dim x partial_rotary_factor"}
+            "rotary_dim": "head_dim x partial_rotary_factor",
+            "attention_scale": "query_pre_attn_scalar ** -0.5",
+            "attn_logit_softcap": "attn_logit_softcapping",
+            "final_logit_softcap": "final_logit_softcapping",
+            "embed_scale": "hidden_size ** 0.5 (Gemma)"}
 
 
 def check_size(architecture: str, name: str, value) -> int:
@@ -53,7 +57,18 @@ def _size(instance, attribute, value) -> None:
 
 def _optional_size(instance, attribute, value) -> None:
     if value is not None:
-        check_size(getattr(instance, "architecture", "RopeSpec"), attribute.name, value)
+        check_size(getattr(instance, "architecture", type(instance).__name__), attribute.name,
+                   value)
+
+
+def _optional_positive(instance, attribute, value) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+        math.isfinite(value) and value > 0
+    if value is not None and not ok:
+        where = getattr(instance, "architecture", type(instance).__name__)
+        hf = f" (config.json: {HF_NAMES[attribute.name]})" if attribute.name in HF_NAMES else ""
+        raise UnsupportedModelError(f"{where}: {attribute.name} must be a positive number or "
+                                    f"None, got {value!r}{hf}")
 
 
 @attrs.frozen
@@ -82,7 +97,8 @@ class RopeSpec:
 
 #: a layer's own slots, laid out from the spec's sizes (core.slots): a LayerSpec's may not
 #: reuse their names
-LLAMA_LAYER_SLOTS = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "fc_in", "down")
+LLAMA_LAYER_SLOTS = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "fc_in", "down",
+                     "attn_post_norm", "mlp_post_norm")
 #: the slots of a mixture-of-experts layer (``LayerSpec.experts``), laid out by core.slots
 #: in place of the dense MLP's
 EXPERT_SLOTS = ("router", "experts_gate_up", "experts_down")
@@ -166,7 +182,13 @@ class LayerSpec:
     per-head q / k norms of Qwen3: ``slots=(("q_norm.weight", (128,)), ("k_norm.weight",
     (128,)))``. ``experts``: the layer's MLP is a mixture of experts (its ``mlp`` a part
     that runs one, e.g. ``moe``), whose slots replace the dense MLP's (``ExpertSpec``),
-    each expert cut by tensor parallelism as the dense MLP is."""
+    each expert cut by tensor parallelism as the dense MLP is.
+
+    Per layer besides: ``sliding_window`` (None: the model's, ``ModelSpec.sliding_window``;
+    Gemma's local layers W, its global ones None under a model-wide None), ``rope`` (None:
+    the model's; Gemma 3's local layers their own base) and ``post_norms``: a norm on the
+    attention's and on the MLP's output before each residual add (Gemma's "sandwich":
+    slots ``attn_post_norm`` and ``mlp_post_norm``, the model's norm)."""
 
     attention: str = "llama"
     mlp: Optional[str] = None  # None: "gated" where the spec's gated_mlp, else "plain"
@@ -174,6 +196,9 @@ class LayerSpec:
         default=(), converter=_as_slots, validator=_layer_slots)
     experts: Optional[ExpertSpec] = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(ExpertSpec)))
+    sliding_window: Optional[int] = attrs.field(default=None, validator=_optional_size)
+    rope: Optional[RopeSpec] = None
+    post_norms: bool = False
 
     @property
     def param_count(self) -> int:
@@ -182,6 +207,27 @@ class LayerSpec:
 
 
 _EVERY_LAYER = LayerSpec()
+
+
+@attrs.frozen
+class LayerAttention:
+    """How one layer's attention treats its scores, what a cache's ``attention`` follows
+    (``ModelSpec.layer_attention``): softmax(cap(q.k * scale)) over the keys at positions
+    p - window + 1 .. p (all up to p where window is None), cap(s) = softcap * tanh(s /
+    softcap) where softcap is not None."""
+
+    scale: float
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+
+
+#: what a spec may ask of a cache's attention beyond LLaMA's (a backend names those it
+#: honours: ``CacheBackend.attention_features``) -> what it is, for refusals
+ATTENTION_FEATURES = {
+    "scale": "an attention scale other than head_dim ** -0.5 (query_pre_attn_scalar)",
+    "softcap": "a softcap on the attention scores (attn_logit_softcapping)",
+    "layer_windows": "a sliding window on some layers only, or of several sizes",
+}
 
 
 @attrs.frozen
@@ -204,7 +250,17 @@ class ModelSpec:
     gated_mlp: bool = True  # gate_up fused (LLaMA) or a single fc_in (GPT-2)
     position: str = "rope"  # rope | learned
     rope: Optional[RopeSpec] = None
+    # the window of every layer whose LayerSpec gives none (layer_attention(i).window)
     sliding_window: Optional[int] = attrs.field(default=None, validator=_optional_size)
+    # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attention_scale: Optional[float] = attrs.field(default=None, validator=_optional_positive)
+    # scores -> c * tanh(scores / c) before the softmax (Gemma 2)
+    attn_logit_softcap: Optional[float] = attrs.field(default=None, validator=_optional_positive)
+    # logits -> c * tanh(logits / c), in the model dtype (Gemma 2 and 3)
+    final_logit_softcap: Optional[float] = attrs.field(default=None,
+                                                       validator=_optional_positive)
+    # the embeddings times this, rounded to the model dtype first (Gemma: sqrt(hidden))
+    embed_scale: Optional[float] = attrs.field(default=None, validator=_optional_positive)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -237,6 +293,32 @@ class ModelSpec:
         if spec.mlp is None:
             spec = attrs.evolve(spec, mlp="gated" if self.gated_mlp else "plain")
         return spec
+
+    def layer_attention(self, i: int) -> LayerAttention:
+        """Layer ``i``'s scale, window and softcap: what a cache's attention follows."""
+        window = self.layer(i).sliding_window
+        return LayerAttention(
+            scale=self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale,
+            window=self.sliding_window if window is None else window,
+            softcap=self.attn_logit_softcap)
+
+    @property
+    def kv_window(self) -> Optional[int]:
+        """The most recent positions any layer attends to: the (widest) window where every
+        layer has one, None where some layer sees every position. Caches keep that many
+        (a rolling row, blocks dropped behind it); memory plans count them."""
+        windows = {self.layer_attention(i).window for i in range(self.num_layers)}
+        return None if None in windows else max(windows)
+
+    @property
+    def attention_features(self) -> tuple[str, ...]:
+        """What this spec asks of a cache's attention beyond LLaMA's and a model-wide
+        window (``ATTENTION_FEATURES``)."""
+        per_layer = any(self.layer(i).sliding_window not in (None, self.sliding_window)
+                        for i in range(self.num_layers))
+        return tuple(f for f, wanted in (("scale", self.attention_scale is not None),
+                                          ("softcap", self.attn_logit_softcap is not None),
+                                          ("layer_windows", per_layer)) if wanted)
 
     @property
     def q_size(self) -> int:
@@ -278,7 +360,8 @@ class ModelSpec:
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         pos = self.max_position * h if self.position == "learned" else 0
         declared = sum(x.param_count for x in self.layers)  # the slots LayerSpecs add
-        return self.num_layers * (attn + norms + biases) + mlps + declared + embed + pos + \
+        post = sum(x.post_norms for x in self.layers) * norms  # sandwich norms, as many again
+        return self.num_layers * (attn + norms + biases) + mlps + declared + post + embed + pos + \
             h * (2 if self.norm == "layer" else 1)
 
 

@@ -23,6 +23,7 @@ OPS = {
     "rotary_kv_write": "rotary",
     "rotary_kv_write_quant": "rotary_quant",
     "silu_mul": "silu_mul",
+    "gelu_mul": "gelu_mul",
     "kv_write": "kv_write",
     "linear": "linear",
     "linear_partials": "linear",

@@ -38,6 +38,19 @@ def with_random_norm_weights(hf, seed: int = 0):
     return hf
 
 
+def random_gemma(config, seed: int = 1):
+    """A random HF Gemma of ``config``: projections lively (scale 10) and its norms' weights
+    drawn around 0 (HF initialises them to 0, a scale of 1 + 0), so that the softcaps
+    bite and greedy tokens vary."""
+    hf = random_model(config, seed=seed, scale=10.0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(2.0 * torch.randn(p.shape, generator=g))
+    return hf
+
+
 def random_prompt(n: int, vocab: int, seed: int, avoid=(0, 1, 2)) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -151,6 +164,47 @@ def tiny_qwen3_moe_config(**overrides):
     kw.update(overrides)
     cfg = Qwen3MoeConfig(**kw)
     cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return cfg
+
+
+def tiny_gemma2_config(**overrides):
+    """Gemma 2: sliding window 8 on every other layer (global between), both softcaps, a
+    query_pre_attn_scalar that is not head_dim, GQA, tied embeddings (as Gemma ships).
+    HF's eager attention: transformers 5.17 runs Gemma 2 on SDPA by default, which drops the
+    attention softcap (5.25 refuses SDPA for it)."""
+    from transformers import Gemma2Config
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+              query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+              final_logit_softcapping=3.0, tie_word_embeddings=True,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Gemma2Config(**kw)
+    cfg.architectures = ["Gemma2ForCausalLM"]
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def tiny_gemma3_config(**overrides):
+    """Gemma 3 (text): five local layers (window 8, RoPE base 10k) then a global one
+    (base 1M, linear scaling x2), per-head q / k norms, a final logit softcap."""
+    from transformers import Gemma3TextConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=7,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+              query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+              rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                  "rope_theta": 1_000_000.0}},
+              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Gemma3TextConfig(**kw)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg._attn_implementation = "eager"  # as Gemma 2's: the same reference on every version
     return cfg
 
 
