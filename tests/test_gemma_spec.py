@@ -112,8 +112,8 @@ def test_gemma3_refusals_name_the_feature():
         _policy("gemma3").describe(config)
     config = tiny_gemma3_config(rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-        "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6}})
-    with pytest.raises(UnsupportedModelError, match=r"global layers.*rope_type 'yarn'"):
+        "full_attention": {"rope_type": "ntk-by-parts", "factor": 8.0, "rope_theta": 1e6}})
+    with pytest.raises(UnsupportedModelError, match=r"global layers.*'ntk-by-parts'"):
         _policy("gemma3").describe(config)
     from transformers import Gemma3Config
 
