@@ -186,6 +186,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_num_batched_tokens)
     engine.ranks, engine.scheduler.preemption = rank.ranks, preempt
+    engine.constraints.processors = pm.logits_processors()  # inline plugins' too
     engine.schedule_ahead = device.type == "cuda" and rank.ranks is None \
         and switches.value("INFERGRAFT_SCHEDULE_AHEAD")
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)

@@ -80,6 +80,8 @@ def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
             raise pm.skipped_error(name) or UnknownPluginError(
                 f"unknown plugin {name!r}. Registered {known}")
         kind = kinds[0]
+        if kind == "logits processor":  # requests name these (SamplingParams), not builds
+            continue
         if kind == "quantizer":
             if name not in sel.quantizers:
                 sel.quantizers.append(name)

@@ -42,6 +42,7 @@ OPS = {
     "fp8_linear": "fp8_linear",
     "embed_sum_sq": "embedding",
     "logits_argmax": "greedy",
+    "apply_token_bitmask": "token_bitmask",
 }
 BACKENDS = ("auto", "torch", "triton")
 
