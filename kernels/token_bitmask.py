@@ -46,12 +46,14 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor,
     r, v = rows.shape[0], logits.shape[1]
     if r == 0:
         return logits
-    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(r, -1)  # [R, 32 W]
-    keep = torch.zeros((r, v), dtype=torch.bool, device=logits.device)  # past 32 W: none
-    n = min(v, allowed.shape[1])
-    keep[:, :n] = allowed[:, :n]
-    logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+    # each word against its 32 one-bit words (1 << 31 is int32's sign bit): [R, 32 W]
+    bits = (torch.ones(BITS, dtype=torch.int64) << torch.arange(BITS)).to(torch.int32)
+    banned = (bitmask.unsqueeze(-1) & bits.to(bitmask.device)).view(r, -1) == 0
+    n = min(v, banned.shape[1])
+    picked = logits[rows]  # [R, V], a copy
+    picked[:, :n].masked_fill_(banned[:, :n], float("-inf"))
+    picked[:, n:] = float("-inf")  # past the mask's 32 W tokens
+    logits[rows] = picked
     return logits
 
 
