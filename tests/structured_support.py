@@ -96,6 +96,23 @@ def regexes():
     return st.lists(piece, min_size=1, max_size=5).map("".join)
 
 
+def max_chars(schema: dict) -> int:
+    """The longest compact JSON text (", " and ": ") that ``schemas()``' ``schema`` allows:
+    with the ASCII tokenizer, its most tokens."""
+    if "enum" in schema:
+        return max(len(json.dumps(v)) for v in schema["enum"])
+    kind = schema["type"]
+    if kind == "string":
+        return schema["maxLength"] + 2  # (compiled as a pattern: no escapes)
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind == "boolean":
+        return 5
+    if kind == "array":
+        return 2 + schema["maxItems"] * (max_chars(schema["items"]) + 2)
+    return 2 + sum(len(json.dumps(k)) + 4 + max_chars(v) for k, v in schema["properties"].items())
+
+
 def check_json(text: str, schema: dict) -> None:
     """``text`` parses as JSON and validates against ``schema``."""
     jsonschema.validate(json.loads(text), schema)

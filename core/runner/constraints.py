@@ -30,7 +30,7 @@ class RowConstraints:
         self._processors = processors  # a Registry (core.build's); None: the process-wide
         self._host = None  # [rows, words] int32 bitmask, pinned on CUDA, grown as needed
         self._op = None
-        self.mask_seconds = 0.0  # host time spent filling bitmasks
+        self.mask_seconds = 0.0  # host time filling bitmasks and launching (CPU: running) the op
 
     @property
     def processors(self):
@@ -70,9 +70,9 @@ class RowConstraints:
                 seqs[i].error = f"its logits processor failed: {type(e).__name__}: {e}"
                 bitmask[j] = -1  # any token: the row is sampled, then dropped
                 failed.append(i)
-        self.mask_seconds += time.perf_counter() - t0
         index = torch.tensor(rows, dtype=torch.long)
         self.op(logits, bitmask.to(self.device, non_blocking=True), index.to(self.device))
+        self.mask_seconds += time.perf_counter() - t0
         return failed
 
     def _fill(self, seq, bitmask, j: int) -> None:
