@@ -169,3 +169,24 @@ def test_the_vocabulary_and_each_grammar_compile_once(engine):
     assert len(compiler.compile_seconds) == before + 1
     assert processor.compiler(engine.constraints.vocab) is compiler
     assert compiler._compiler is vocabulary and len(processor._compilers) == compilers
+
+
+@pytest.mark.parametrize("limit", ["count", "bytes"])
+def test_compiled_grammars_are_dropped_least_recently_asked_first(monkeypatch, limit):
+    from infergraft.core.logits_processor import Vocabulary
+    from infergraft.core.structured import grammar
+    from structured_support import EOS, VOCAB, ascii_tokenizer
+
+    if limit == "count":
+        monkeypatch.setattr(grammar, "CACHED", 2)
+    compiler = grammar.Compiler(Vocabulary(VOCAB, frozenset({EOS}), ascii_tokenizer()))
+    a, b, c = (core.SamplingParams(regex=r).constraint for r in ("a+", "b+", "c+"))
+    first = compiler.compile(a)
+    compiler.compile(b).result()
+    assert compiler.compile(a) is first and first.result()  # a asked again: the newest
+    if limit == "bytes":  # what a and b hold: a third one goes past it
+        monkeypatch.setattr(grammar, "CACHED_BYTES", sum(compiler._bytes.values()))
+    compiler.compile(c).result()  # b, the least recently asked, is dropped
+    assert compiler.compile(a) is first and len(compiler.compile_seconds) == 3
+    compiler.compile(b).result()  # compiled again
+    assert len(compiler.compile_seconds) == 4

@@ -28,8 +28,9 @@ from ..logits_processor import (ConstraintState, LogitsProcessor, Vocabulary, bi
                                 pack_bitmask)
 from .constraint import PROCESSOR, Constraint, xgrammar
 
-#: compiled grammars kept per tokenizer (least recently asked for dropped first)
-CACHED = 1024
+#: compiled grammars kept per tokenizer, at most, and the bytes they may hold together
+#: (xgrammar's own count; the least recently asked for are dropped first)
+CACHED, CACHED_BYTES = 1024, 256 << 20
 # what a json_object request compiles: any object, compact like every schema's output
 _ANY_OBJECT = '{"type": "object"}'
 
@@ -68,6 +69,7 @@ class Compiler:
         self._xgr = xgrammar()
         self._compiler = None  # made by the first compilation, in the background thread
         self._futures: collections.OrderedDict[tuple, Future] = collections.OrderedDict()
+        self._bytes: dict[tuple, int] = {}  # of those compiled
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infergraft-grammar")
         self.compile_seconds: list[float] = []  # each compilation's wall time
@@ -80,8 +82,10 @@ class Compiler:
             if future is None:
                 future = self._futures[key] = self._pool.submit(self._compile, constraint)
             self._futures.move_to_end(key)
-            while len(self._futures) > CACHED:
-                self._futures.popitem(last=False)
+            while len(self._futures) > 1 and (len(self._futures) > CACHED or
+                                              sum(self._bytes.values()) > CACHED_BYTES):
+                old, _ = self._futures.popitem(last=False)
+                self._bytes.pop(old, None)
         return future
 
     def _compile(self, constraint: Constraint):
@@ -100,6 +104,9 @@ class Compiler:
         else:  # ebnf, choice
             out = compiler.compile_grammar(text)
         self.compile_seconds.append(time.perf_counter() - t0)
+        with self._lock:
+            if (kind, text) in self._futures:  # (not dropped meanwhile)
+                self._bytes[(kind, text)] = out.memory_size_bytes
         return out
 
     def _grammar_compiler(self):
