@@ -40,6 +40,9 @@ MOVED = {
 MOVED_NAMES = {
     "infergraft.core.quant": {"SlotPacker": "infergraft.core.loading.packing"},
     "infergraft.core.memory": {"spec_of": "infergraft.core.loading.source"},
+    # the LLaMA layers became registered implementations (the layer-replacement hook)
+    **{module: {"Norm": "infergraft.policies.llama_layers"}
+       for module in ("infergraft.core.runner.layers", "infergraft.core.runner.model")},
     "infergraft.kernels": {name: "infergraft.kernels.dispatch"
                            for name in ("OPS", "get_op", "get_ops", "resolve_backend")},
 }

@@ -9,6 +9,7 @@ import warnings
 import attrs
 import torch
 
+from .cpu_threads import use_cores
 from .distributed.ranks import agreed, rank_device, rank_setup, world_size_for
 from .engine import Engine
 from .errors import PlanError
@@ -130,6 +131,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     parallel = planner.plan(spec, world_size_for(planner, device, opts[1]), **opts[1])
     rank = rank_setup(planner, spec, parallel)  # what this process runs of the plan
     device, run_spec = rank_device(device, parallel), rank.spec
+    use_cores(device)  # torch's threads on the CPU, from the cores left to this process
     preempt = policy_for(preemption, run_spec, device, dtype, parallel.world_size)
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     step_tokens = step_token_budget(max_num_batched_tokens)
@@ -144,7 +146,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         kv_dtype=kv_quant.kv_dtype if kv_quant else str(dtype).replace("torch.", ""),
         quantizers=names,
         planner=planner.name, parallel=parallel,
-        weight_bytes=weight_bytes(run_spec, dtype, weight_quant)  # this rank's
+        weight_bytes=weight_bytes(run_spec, dtype, weight_quant, device, ops.backend)  # this rank's
         - rank.not_held * element_bytes(dtype),
         kv_bytes_per_token=backend.bytes_per_token(run_spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(run_spec, dtype),
@@ -166,7 +168,9 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
                               budget_source), parallel)
     plan = _same_pool(plan, _kv_bytes(backend, plan, device, opts[0]), parallel)
 
-    net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage)
+    # each layer composed from the implementations the spec names (infergraft_register_layers)
+    net = DecoderModel(run_spec, ops, device, plan.max_seq_len, tp=rank.tp, stage=rank.stage,
+                       layers=pm.layers())
     tensors = source.tensors()
     if progress:
         from tqdm import tqdm

@@ -57,6 +57,17 @@ def infergraft_register_planners(register):
 
 
 @hookspec
+def infergraft_register_layers(register):
+    """Register layer implementations (layer replacement).
+
+    Call ``register(impl)`` with a :class:`infergraft.core.layer.LayerImpl`: an
+    attention, an MLP or a norm under a name a policy's ModelSpec refers to
+    (``LayerSpec.attention`` / ``.mlp`` per layer, ``ModelSpec.norm``); the runner
+    composes each decoder layer from them. A name is unique within its kind.
+    """
+
+
+@hookspec
 def infergraft_prepare_plan(plan, spec):
     """Adjust the composed plan before weights load.
 

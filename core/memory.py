@@ -26,10 +26,13 @@ from .budget import (as_bytes, check_utilization, device_budget, host_memory,  #
                      pool_blocks)
 
 
-def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
-    """Bytes of all the model's weights (the quantised slots packed when quantised)."""
+def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None, device=None,
+                 kernels: Optional[str] = None) -> int:
+    """Bytes of all the model's weights (the quantised slots packed when quantised; on
+    ``device`` with ``kernels``, with the dequantised copies the quantiser keeps there:
+    ``Quantizer.dense_on``)."""
     if weight_quantizer is not None:
-        return weight_quantizer.weight_bytes(spec, element_bytes(dtype))
+        return weight_quantizer.weight_bytes(spec, element_bytes(dtype), device, kernels)
     return spec.param_count * element_bytes(dtype)
 
 
@@ -121,6 +124,7 @@ class MemoryPlan(KVSizes):
     activation_bytes: int = 0  # the largest step's transient tensors (activation_bytes())
     max_num_batched_tokens: Optional[int] = None  # that step's tokens
     weight_placement: Optional[object] = None  # plan.WeightPlacement: layers in host memory
+    device: Optional[str] = None  # where the weights are held ("cpu", "cuda"), when known
 
     @property
     def device_weight_bytes(self) -> int:
@@ -226,22 +230,23 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                 kv_quantizer=None, max_seq_len: Optional[int] = None,
                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, budget: Optional[int] = None,
                 budget_source: str = "", weight_quantizer=None,
-                max_num_batched_tokens: Optional[int] = None) -> MemoryPlan:
+                max_num_batched_tokens: Optional[int] = None, device=None) -> MemoryPlan:
     """The memory plan of ``spec`` (weights from ``spec.param_count``, packed by
-    ``weight_quantizer`` when given; activations of a ``max_num_batched_tokens`` step, by
-    default the engine's: ``scheduler.DEFAULT_BATCHED_TOKENS``)."""
+    ``weight_quantizer`` when given, as it holds them on ``device``; activations of a
+    ``max_num_batched_tokens`` step, by default the engine's:
+    ``scheduler.DEFAULT_BATCHED_TOKENS``)."""
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
     step = step_token_budget(max_num_batched_tokens)
     kv_dtype = kv_quantizer.kv_dtype if kv_quantizer is not None else str(dtype)
     return MemoryPlan(model=model or spec.architecture, dtype=str(dtype).replace("torch.", ""),
                       kv_dtype=kv_dtype.replace("torch.", ""),
-                      weight_bytes=weight_bytes(spec, dtype, weight_quantizer),
+                      weight_bytes=weight_bytes(spec, dtype, weight_quantizer, device),
                       kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
                       max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                       budget=budget, budget_source=budget_source,
                       sliding_window=getattr(spec, "sliding_window", None),
                       activation_bytes=activation_bytes(spec, dtype, step, max_batch_size),
-                      max_num_batched_tokens=step)
+                      max_num_batched_tokens=step, device=None if device is None else str(device))
 
 
 def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -> None:

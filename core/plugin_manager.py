@@ -25,11 +25,13 @@ from . import hookspecs
 from .entry_points import (ENTRY_POINT_GROUP, BrokenPlugin, EntryPointLoader,  # noqa: F401
                            PluginWarning, names_from_env)
 from .errors import InfergraftError, PluginError, UnknownPluginError
+from .layer import LAYER_KINDS
 from .plugin_contract import check_contract
-from .registry import Registry
+from .registry import KINDS, SELECTABLE, Registry, collect
 
 #: Built-ins, registered through the same path as third-party plugins.
 DEFAULT_PLUGINS = (
+    "infergraft.policies.llama_layers",
     "infergraft.policies.llama",
     "infergraft.policies.mistral",
     "infergraft.policies.gpt2",
@@ -46,13 +48,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.pipeline_parallel",
     "infergraft.plugins.structured_output",
 )
-_KINDS = {  # kind -> (hook name, attributes every registered object must have)
-    "policy": ("infergraft_register_policies", ("name", "architectures", "describe", "weight_map")),
-    "cache backend": ("infergraft_register_cache_backends", ("name", "create")),
-    "quantizer": ("infergraft_register_quantizers", ("name", "applies_to")),
-    "planner": ("infergraft_register_planners", ("name", "plan")),
-    "logits processor": ("infergraft_register_logits_processors", ("name", "start")),
-}
+_KINDS = KINDS  # (its old name here)
 
 
 @attrs.frozen
@@ -67,7 +63,8 @@ class PluginInfo:
 def _component_names(name: str, module) -> set[str]:
     """Names a built-in plugin module registers (``int8`` for ``weight_int8``)."""
     names: set[str] = set()
-    for hook, _ in _KINDS.values():
+    # the selectable kinds' names only: "llama" the attention blocks no policy module
+    for hook in dict.fromkeys(KINDS[kind][0] for kind in SELECTABLE):
         fn = getattr(module, hook, None)
         if fn is not None:
             try:
@@ -159,16 +156,8 @@ class PluginManager(EntryPointLoader):
     # -- calling -------------------------------------------------------------------
     def _collect(self) -> dict[str, Registry]:
         if self._registries is None:
-            regs = {}
-            for kind, (hook, required) in _KINDS.items():
-                reg = Registry(kind, hook, required)
-                # load order (not pluggy's LIFO): a name clash blames the later plugin
-                for impl in getattr(self._pm.hook, hook).get_hookimpls():
-                    def register(obj, _p=impl.plugin_name, _r=reg):
-                        _r.add(obj, _p)
-                    self._call_one(impl, hook, register=register)
-                regs[kind] = reg
-            self._registries = regs
+            self._registries = collect(
+                lambda hook: getattr(self._pm.hook, hook).get_hookimpls(), self._call_one)
         return self._registries
 
     def _call_one(self, impl, hook: str, **kwargs: Any) -> Any:
@@ -192,10 +181,17 @@ class PluginManager(EntryPointLoader):
     def planners(self) -> Registry:
         return self._collect()["planner"]
 
+    def layers(self) -> dict[str, Registry]:
+        """The layer implementations (``infergraft_register_layers``) by kind: attention,
+        mlp, norm (core/layer.py)."""
+        return {kind: self._collect()[kind] for kind in LAYER_KINDS}
+
     def logits_processors(self) -> Registry:
         return self._collect()["logits processor"]
 
     def registries(self) -> dict[str, Registry]:
+        """Every kind's registry: the selectable kinds', the layer kinds', then the logits
+        processors'."""
         return dict(self._collect())
 
     def hook_names(self, plugin_name: str) -> list[str]:

@@ -42,7 +42,9 @@ class Policy:
     implement :meth:`describe` and :meth:`weight_map`.
 
     The engine's own fused decoder (``core.runner.model.DecoderModel``) is built from the
-    ``ModelSpec``, so a new family usually needs no modelling code at all.
+    ``ModelSpec``, so a new family usually needs no modelling code at all; one that does
+    registers its layers (``infergraft_register_layers``, core/layer.py) and its spec
+    names them (``ModelSpec.layers``).
     """
 
     name: str = ""

@@ -8,8 +8,9 @@ A quantiser says what it applies to:
   each weight slot it ``quantizes`` is packed as soon as it fills (one tensor at a time:
   no full-precision copy of the model is ever held) and its ``Linear`` becomes a
   ``core.runner.model.QuantizedLinear`` calling ``matmul(x, packed)`` (with ``ops=``, the
-  engine's kernels, when the method takes that keyword). ``packed_bytes_of`` sizes the
-  memory plan before any weight loads. At most one per engine.
+  engine's kernels, when the method takes that keyword), or, on a device where
+  ``dense_on`` says so, the GEMM on its dequantised weight kept beside the packed form.
+  ``packed_bytes_of`` sizes the memory plan before any weight loads. At most one per engine.
 * ``applies_to = "kv"``: it changes how the KV cache stores K and V. It does no work of
   its own: ``core.build`` hands it to the cache backend (``create(..., kv_quantizer=q)``),
   and the backend quantises inside its KV-write kernel and dequantises inside its
@@ -21,6 +22,8 @@ import math
 import re
 import warnings
 from typing import Any
+
+import torch
 
 from ._moved import moved_names
 from .slots import slot_layout
@@ -77,16 +80,38 @@ class Quantizer:
         folded in before packing). None (the default): the plain decode layer runs."""
         return None
 
+    def dense_on(self, device: torch.device, kernels: str) -> bool:
+        """Whether ``core.build`` also keeps each packed projection's dequantised weight
+        (``unpack``, in the model's dtype) on ``device`` and multiplies by that, the dense
+        GEMM, instead of ``matmul``: where ``matmul`` on those ``kernels`` ("torch", the
+        references; "triton") runs slower than the dense GEMM. The memory plan then
+        counts both forms. Default: never."""
+        return False
+
     def packed_bytes_of(self, shape: tuple, element_bytes: int) -> int:
         """Bytes ``pack`` makes of a weight of ``shape`` (default: as dense; override)."""
         return math.prod(shape) * element_bytes
 
-    def weight_bytes(self, spec, element_bytes: int) -> int:
-        """Bytes of all the model's weights with the slots it ``quantizes`` packed."""
+    def held_bytes_of(self, shape: tuple, element_bytes: int, device=None,
+                      kernels: str | None = None) -> int:
+        """Bytes a packed projection of ``shape`` holds on ``device``: the packed form, and
+        the dequantised copy where ``dense_on`` (no device: the packed form; no
+        ``kernels``: the device's default, Triton on CUDA and the references elsewhere)."""
+        if device is not None:
+            device = torch.device(device)
+            kernels = kernels or ("triton" if device.type == "cuda" else "torch")
+        dense = device is not None and self.dense_on(device, kernels)
+        return self.packed_bytes_of(shape, element_bytes) + \
+            (math.prod(shape) * element_bytes if dense else 0)
+
+    def weight_bytes(self, spec, element_bytes: int, device=None,
+                     kernels: str | None = None) -> int:
+        """Bytes of all the model's weights with the slots it ``quantizes`` packed (on
+        ``device``: with the dequantised copies it keeps there, ``held_bytes_of``)."""
         dense = packed = 0
         for slot, (shape, _) in slot_layout(spec).items():
             if self.quantizes(slot):
-                packed += self.packed_bytes_of(shape, element_bytes)
+                packed += self.held_bytes_of(shape, element_bytes, device, kernels)
                 dense += math.prod(shape)
         return packed + (spec.param_count - dense) * element_bytes
 

@@ -10,6 +10,7 @@ import torch
 
 from .errors import PlanError, UnknownPluginError, UnsupportedModelError
 from .plugin_manager import PluginManager
+from .registry import SELECTABLE
 
 DEFAULT_CACHE_BACKEND = "contiguous"
 DEFAULT_PLANNER = "single"
@@ -18,7 +19,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 # Architectures that a package in this repository's contrib/ supports: (its distribution,
 # its plugin's name). A model that no registered policy claims is told where one is.
-CONTRIB_FAMILIES = {"Qwen2ForCausalLM": ("infergraft-qwen2", "qwen2")}
+CONTRIB_FAMILIES = {"Qwen2ForCausalLM": ("infergraft-qwen", "qwen2"),
+                    "Qwen3ForCausalLM": ("infergraft-qwen", "qwen3")}
 
 
 @attrs.define
@@ -66,11 +68,11 @@ def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
     objects = [p for p in plugins if not isinstance(p, str)]
     names = [p for p in plugins if isinstance(p, str)]
     if objects:
-        before = {k: set(r.names()) for k, r in pm.registries().items()}
+        before = {k: set(r.names()) for k, r in _selectable(pm).items()}
         pm = pm.copy_with(objects)
-        for kind, reg in pm.registries().items():  # what the objects brought is selected
+        for kind, reg in _selectable(pm).items():  # what the objects brought is selected
             names += sorted(set(reg.names()) - before[kind])
-    regs = pm.registries()
+    regs = _selectable(pm)
     sel = Selection()
     for name in names:
         kinds = [k for k, r in regs.items() if name in r]
@@ -80,8 +82,6 @@ def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
             raise pm.skipped_error(name) or UnknownPluginError(
                 f"unknown plugin {name!r}. Registered {known}")
         kind = kinds[0]
-        if kind == "logits processor":  # requests name these (SamplingParams), not builds
-            continue
         if kind == "quantizer":
             if name not in sel.quantizers:
                 sel.quantizers.append(name)
@@ -92,6 +92,12 @@ def select_plugins(pm: PluginManager, plugins: Optional[Iterable[Any]]):
                             "choose one")
         setattr(sel, field, name)
     return pm, sel
+
+
+def _selectable(pm: PluginManager) -> dict:
+    """The registries ``plugins=[...]`` picks from (the layer implementations a build
+    takes are the ones its spec names: never selected by name)."""
+    return {kind: reg for kind, reg in pm.registries().items() if kind in SELECTABLE}
 
 
 def choose_policy(pm: PluginManager, config, forced: Optional[str]):

@@ -44,6 +44,8 @@ def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, 
         out[p + "down.weight"] = ((h, i), None)
         if spec.mlp_bias:
             out[p + "down.bias"] = ((h,), None)
+        for name, shape in spec.layer(n).slots:  # what the layer's own parts add
+            out[p + name] = (shape, None)
     out["final_norm.weight"] = ((h,), None)
     if layer_norm:
         out["final_norm.bias"] = ((h,), None)

@@ -6,7 +6,9 @@ would plan negative bytes or build empty tensors.
 """
 from __future__ import annotations
 
+import math
 import numbers
+import re
 from typing import Optional
 
 import attrs
@@ -68,6 +70,62 @@ class RopeSpec:
     rotary_dim: Optional[int] = attrs.field(default=None, validator=_optional_size)
 
 
+#: a layer's own slots, laid out from the spec's sizes (core.slots): a LayerSpec's may not
+#: reuse their names
+LLAMA_LAYER_SLOTS = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "fc_in", "down")
+_SLOT_NAME = re.compile(r"^[a-z_][a-z0-9_]*\.(weight|bias)$")
+
+
+def _as_slots(value):
+    try:  # lists (a JSON spec, a hand-written one) become the tuples a frozen spec hashes
+        return tuple((name, tuple(shape)) for name, shape in value)
+    except (TypeError, ValueError):
+        return value  # the validator names it
+
+
+def _layer_slots(instance, attribute, value) -> None:
+    accepted = ("accepted: (name, shape) pairs, a name such as 'q_norm.weight' (a module and "
+                f"weight or bias, none of the LLaMA layer's own: {', '.join(LLAMA_LAYER_SLOTS)}) "
+                "and a shape of integers >= 1")
+    if not isinstance(value, tuple):
+        raise UnsupportedModelError(f"LayerSpec slots must be a tuple, got {value!r}; {accepted}")
+    names = []
+    for entry in value:
+        ok = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) \
+            and bool(_SLOT_NAME.match(entry[0])) and \
+            entry[0].split(".")[0] not in LLAMA_LAYER_SLOTS and bool(entry[1]) and all(
+                isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
+                for n in entry[1])
+        if not ok:
+            raise UnsupportedModelError(f"LayerSpec slot {entry!r} is not valid; {accepted}")
+        names.append(entry[0])
+    if len(set(names)) != len(names):
+        raise UnsupportedModelError(f"LayerSpec declares a slot twice: {names}")
+
+
+@attrs.frozen
+class LayerSpec:
+    """What one decoder layer runs: the registered implementations of its attention and
+    its MLP (``infergraft_register_layers``, core/layer.py; the norms are the model's,
+    ``ModelSpec.norm``), and the weights those add to the LLaMA layer's slots, each a name
+    under ``layers.{i}.`` and its shape (replicated under tensor parallelism), e.g. the
+    per-head q / k norms of Qwen3: ``slots=(("q_norm.weight", (128,)), ("k_norm.weight",
+    (128,)))``."""
+
+    attention: str = "llama"
+    mlp: Optional[str] = None  # None: "gated" where the spec's gated_mlp, else "plain"
+    slots: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(
+        default=(), converter=_as_slots, validator=_layer_slots)
+
+    @property
+    def param_count(self) -> int:
+        """Elements of the slots it declares."""
+        return sum(math.prod(shape) for _, shape in self.slots)
+
+
+_EVERY_LAYER = LayerSpec()
+
+
 @attrs.frozen
 class ModelSpec:
     """Shape and flavour of a decoder-only transformer, independent of any HF class."""
@@ -82,7 +140,7 @@ class ModelSpec:
     intermediate_size: int = attrs.field(validator=_size)
     vocab_size: int = attrs.field(validator=_size)
     max_position: int = attrs.field(validator=_size)
-    norm: str = "rms"  # rms | layer
+    norm: str = "rms"  # a registered norm (core/layer.py): rms | layer
     norm_eps: float = 1e-6
     activation: str = "silu"  # silu | gelu_tanh | gelu
     gated_mlp: bool = True  # gate_up fused (LLaMA) or a single fc_in (GPT-2)
@@ -96,6 +154,8 @@ class ModelSpec:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: Optional[int] = None
+    #: each layer's parts, one LayerSpec a layer; () (the default): LayerSpec() for every layer
+    layers: tuple[LayerSpec, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self):
         # after the validators: both are integers >= 1 here
@@ -105,6 +165,20 @@ class ModelSpec:
                 f"num_kv_heads={self.num_kv_heads}; accepted: num_key_value_heads dividing "
                 "num_attention_heads (grouped-query attention shares each K/V head among "
                 "num_heads / num_kv_heads query heads)")
+        if self.layers and (len(self.layers) != self.num_layers or
+                            not all(isinstance(x, LayerSpec) for x in self.layers)):
+            raise UnsupportedModelError(
+                f"{self.architecture}: layers holds {len(self.layers)} entries for "
+                f"num_layers={self.num_layers}; accepted: () (LayerSpec() for every layer) "
+                "or one core.spec.LayerSpec a layer")
+
+    def layer(self, i: int) -> LayerSpec:
+        """Layer ``i``'s parts, its MLP named (``gated`` or ``plain`` by ``gated_mlp``
+        where its LayerSpec leaves it None)."""
+        spec = self.layers[i] if self.layers else _EVERY_LAYER
+        if spec.mlp is None:
+            spec = attrs.evolve(spec, mlp="gated" if self.gated_mlp else "plain")
+        return spec
 
     @property
     def q_size(self) -> int:
@@ -126,7 +200,9 @@ class ModelSpec:
         per_layer = attn + mlp + norms + biases
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         pos = self.max_position * h if self.position == "learned" else 0
-        return self.num_layers * per_layer + embed + pos + h * (2 if self.norm == "layer" else 1)
+        declared = sum(x.param_count for x in self.layers)  # the slots LayerSpecs add
+        return self.num_layers * per_layer + declared + embed + pos + \
+            h * (2 if self.norm == "layer" else 1)
 
 
 def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int):

@@ -32,11 +32,13 @@ from .single_device import SingleDevicePlanner
 _LAYER_SLOT = re.compile(r"^layers\.(\d+)\.")
 
 
-def layer_sizes(spec, element_bytes: int, quantizer=None) -> tuple[list[int], list[int]]:
+def layer_sizes(spec, element_bytes: int, quantizer=None, device=None,
+                kernels=None) -> tuple[list[int], list[int]]:
     """(weight bytes of each layer, as the plan counts them; bytes of its packed host
     buffer, each tensor aligned: an upper bound of what ``WeightStreamer`` packs). A
     quantised slot counts ``packed_bytes_of`` and room for two more aligned tensors (int8:
-    its scales; int4: its scales and zero-points)."""
+    its scales; int4: its scales and zero-points), and the dequantised copy the quantiser
+    keeps on ``device`` with ``kernels`` (``held_bytes_of``)."""
     sizes, packed = [0] * spec.num_layers, [0] * spec.num_layers
     for slot, (shape, _) in slot_layout(spec).items():
         m = _LAYER_SLOT.match(slot)
@@ -46,6 +48,9 @@ def layer_sizes(spec, element_bytes: int, quantizer=None) -> tuple[list[int], li
         if quantizer is not None and quantizer.quantizes(slot):
             n = quantizer.packed_bytes_of(shape, element_bytes)
             packed[i] += aligned(n) + 2 * ALIGN
+            dense = quantizer.held_bytes_of(shape, element_bytes, device, kernels) - n
+            packed[i] += aligned(dense) if dense else 0
+            n += dense
         else:
             n = math.prod(shape) * element_bytes
             packed[i] += aligned(n)
@@ -85,7 +90,8 @@ class OffloadWeightsPlanner(SingleDevicePlanner):
         _check(spec, resident_layers, ring_size)
         n = spec.num_layers
         sizes, packed = layer_sizes(spec, getattr(torch, plan.dtype).itemsize,
-                                    weight_quantizer)
+                                    weight_quantizer, getattr(plan, "device", None),
+                                    getattr(plan, "kernels", None))
         fixed = plan.weight_bytes - sum(sizes)  # embeddings, final norm, head
 
         def keep(k: int, why: str) -> WeightPlacement:

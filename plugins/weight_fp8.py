@@ -7,8 +7,11 @@ already in fp8 (``quant_method: fp8``) loads into the same format
 (``core/loading/fp8_checkpoint.py``). Embeddings, the lm_head and norms stay in the model
 dtype. ``ops.fp8_linear`` multiplies: on a GPU with fp8 (sm_89+) decode widens the e4m3
 tiles in registers (half bf16's weight bytes) and prefill runs W8A8 on the fp8 tensor
-cores with a per-token activation scale; elsewhere (the CPU, older GPUs) the reference
-dequantises and runs the float GEMM, and the build warns once (``PerformanceWarning``).
+cores with a per-token activation scale; on older GPUs the reference dequantises and runs
+the float GEMM; on the CPU (``dense_on``) each projection is dequantised once as it loads
+and multiplied by the dense GEMM (widening e4m3 at every call made a token several times
+float32's), its copy beside the packed form. Either way the build warns once
+(``PerformanceWarning``): neither is fp8's speed nor its memory.
 The packed form is 8-bit rows with a scale each (``scaled_rows``), so where the fused
 decode layer runs (Triton, 16-bit) ``core.loading.packing.SlotPacker`` folds each RMSNorm
 weight into its projection before packing (e4m3 rounds each element relative to itself
@@ -54,6 +57,9 @@ class WeightFp8(Quantizer):
     def unpack(self, packed):
         return dequantize_fp8(packed.q, packed.scale).to(packed.dtype)
 
+    def dense_on(self, device, kernels) -> bool:
+        return device.type == "cpu" and kernels == "torch"  # not Triton's interpreter
+
     def matmul(self, x, packed, ops=None):
         # x: [..., K] -> [..., N]; the engine's kernels, else by x's device
         op = ops.fp8_linear if ops is not None else \
@@ -88,8 +94,10 @@ def infergraft_prepare_plan(plan, spec):
         where = f"{plan.kernels} kernels on {plan.device}"
         if torch.device(plan.device).type == "cuda" and plan.kernels == "triton":
             where += " (fp8 needs compute capability 8.9 or above)"
+        how = ("keeps each weight dequantised beside its e4m3 form and multiplies in float "
+               "(more memory than float alone)") if torch.device(plan.device).type == "cpu" \
+            else "dequantises the e4m3 weights at each GEMM and multiplies in float"
         warnings.warn(PerformanceWarning(
-            f"quantizer 'fp8' runs its reference path here ({where}): each GEMM dequantises "
-            "the e4m3 weights and multiplies in float; the results are right, the speed and "
-            "the memory traffic are not fp8's"), stacklevel=2)
+            f"quantizer 'fp8' runs its reference path here ({where}): it {how}; the results "
+            "are right, the speed and the memory traffic are not fp8's"), stacklevel=2)
     return None

@@ -12,6 +12,12 @@ stay in the model dtype. The fused decode layer reads 8-bit rows with a scale ea
 (``scaled_rows`` is None here): an int4 model runs the plain layer, its norms unfolded
 (``core.loading.packing.SlotPacker`` folds norms into 8-bit rows only: W g's groups
 would widen with the norm's outliers).
+
+On the CPU (``dense_on``) each projection is also dequantised once as it loads and
+multiplied by the dense GEMM (``kernels/cpu_linear.py``): the reference's unpacking at
+every call made a token of the demo model take many times float32's. int4 saves no
+memory there: the packed form stays beside its copy in the model's dtype (the plan
+counts both); its kernels are for the GPU.
 """
 from __future__ import annotations
 
@@ -54,6 +60,9 @@ class WeightInt4(Quantizer):
         if packed.perm is None:
             return w
         return torch.empty_like(w).index_copy_(1, packed.perm, w)  # back to the input's
+
+    def dense_on(self, device, kernels) -> bool:
+        return device.type == "cpu" and kernels == "torch"  # not Triton's interpreter
 
     def matmul(self, x, packed, ops=None):
         # x: [..., K] -> [..., N]; the engine's kernels, else by x's device

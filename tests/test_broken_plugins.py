@@ -146,7 +146,7 @@ def test_disabling_qwen2_makes_qwen2_models_unsupported(monkeypatch, infergraft_
                                                     ".*LlamaForCausalLM") as e:
         core.build(hf, max_seq_len=16)
     assert str(e.value).endswith(  # the contrib package that has it, and why it is not used
-        "The installed package infergraft-qwen2 supports Qwen2ForCausalLM, but its plugin "
+        "The installed package infergraft-qwen supports Qwen2ForCausalLM, but its plugin "
         "'qwen2' is not loaded: INFERGRAFT_DISABLE_PLUGINS or INFERGRAFT_LOAD_PLUGINS leaves "
         "it out")
 
@@ -158,14 +158,14 @@ def test_a_family_of_a_contrib_package_not_installed_says_how_to_install_it(
     monkeypatch.setenv("INFERGRAFT_DISABLE_PLUGINS", "qwen2")
     infergraft_reset_plugins()
     monkeypatch.setitem(selection.CONTRIB_FAMILIES, "Qwen2ForCausalLM",
-                        ("infergraft-qwen2-absent", "qwen2"))
+                        ("infergraft-qwen-absent", "qwen2"))
     with pytest.raises(UnsupportedModelError) as e:
         core.build(random_model(tiny_qwen2_config(), seed=1), max_seq_len=16)
-    assert str(e.value).endswith("The package infergraft-qwen2-absent supports "
+    assert str(e.value).endswith("The package infergraft-qwen-absent supports "
                                  "Qwen2ForCausalLM: from a checkout of infergraft, pip install "
-                                 "./contrib/infergraft-qwen2-absent")
+                                 "./contrib/infergraft-qwen-absent")
     other = random_model(tiny_qwen2_config(), seed=1)
-    other.config.architectures = ["Qwen3ForCausalLM"]
+    other.config.architectures = ["FalconForCausalLM"]
     with pytest.raises(UnsupportedModelError) as e:  # a family no package here has
         core.build(other, max_seq_len=16)
     assert "pip install" not in str(e.value) and "package" not in str(e.value)

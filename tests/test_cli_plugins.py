@@ -28,7 +28,7 @@ def test_json_lists_built_ins_and_the_installed_contrib_plugin(capsys):
     assert by["planner", "single"]["module"] == "infergraft.plugins.single_device"
     qwen2 = by["policy", "qwen2"]
     assert (qwen2["origin"], qwen2["version"], qwen2["contract"], qwen2["module"]) == \
-        ("infergraft-qwen2", "0.1.0", ">=1,<2", "infergraft_qwen2")
+        ("infergraft-qwen", "0.2.0", ">=1,<2", "infergraft_qwen.qwen2")
     assert {r["kind"] for r in rows} >= {"policy", "cache backend", "planner"}
 
 
@@ -37,9 +37,9 @@ def test_table_has_one_aligned_line_per_plugin_object(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["KIND", "NAME", "PLUGIN", "VERSION", "CONTRACT", "ORIGIN"]
     qwen2 = next(line for line in lines if " qwen2 " in line)
-    assert qwen2.split()[-3:] == ["0.1.0", ">=1,<2", "infergraft-qwen2"]
+    assert qwen2.split()[-3:] == ["0.2.0", ">=1,<2", "infergraft-qwen"]
     start = lines[0].index("ORIGIN")
-    assert qwen2[start:].strip() == "infergraft-qwen2"  # columns line up
+    assert qwen2[start:].strip() == "infergraft-qwen"  # columns line up
 
 
 def test_inline_and_hook_only_plugins_are_listed(capsys, infergraft_plugin_manager):

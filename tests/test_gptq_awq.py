@@ -164,10 +164,14 @@ def test_plan_sizes_a_prequantized_checkpoint_as_its_build_does(tmp_path, capsys
     hf.save_pretrained(tmp_path / "dense")
     write_quantized(hf, tmp_path / "gptq", "gptq", group_size=32)
     plans = {}
-    for name in ("dense", "gptq"):
-        assert main(["plan", str(tmp_path / name), "--json"]) == 0
-        plans[name] = json.loads(capsys.readouterr().out)
-    built = core.build(str(tmp_path / "gptq"), dtype="float32").plan
-    assert plans["gptq"]["weight_bytes"] == built.weight_bytes < plans["dense"]["weight_bytes"]
+    for name, gpu in (("dense", False), ("gptq", False), ("gptq", True)):
+        flags = ["--device-memory", "80GiB"] if gpu else []  # a GPU's plan, here too
+        assert main(["plan", str(tmp_path / name), "--json", *flags]) == 0
+        plans[name, gpu] = json.loads(capsys.readouterr().out)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    built = core.build(str(tmp_path / "gptq"), dtype="float32", device=device).plan
+    # on the CPU the projections' dequantised copies too (Quantizer.dense_on)
+    assert plans["gptq", False]["weight_bytes"] == built.weight_bytes
+    assert plans["gptq", True]["weight_bytes"] < plans["dense", False]["weight_bytes"]
     assert main(["plan", str(tmp_path / "gptq"), "--weights", "int8"]) == 2
     assert "give --weights int4 or leave it out" in capsys.readouterr().err

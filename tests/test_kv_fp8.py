@@ -79,7 +79,8 @@ def test_plan_prints_the_fp8_kv_memory(tmp_path, capsys):
     per_token = {}
     for kv in ("fp8", "int8", "bfloat16"):
         assert main(["plan", str(tmp_path), "--dtype", "bfloat16", "--kv-dtype", kv,
-                     "--weights", "fp8", "--max-seq-len", "4096", "--json"]) == 0
+                     "--weights", "fp8", "--max-seq-len", "4096", "--json",
+                     "--device-memory", "80GiB"]) == 0  # a GPU's plan, here too
         out = json.loads(capsys.readouterr().out)
         per_token[kv] = out["kv_bytes_per_token"]
         assert out["kv_dtype"] == kv

@@ -9,7 +9,8 @@ import pytest
 
 from infergraft.core import hookspecs
 from infergraft.core.plugin_manager import _KINDS, PluginManager
-from infergraft.core.testing import cache_kit, logits_kit, planner_kit, policy_kit, quant_kit
+from infergraft.core.testing import (cache_kit, layer_kit, logits_kit, planner_kit, policy_kit,
+                                     quant_kit)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = (ROOT / "docs" / "plugins.md").read_text()
@@ -64,6 +65,7 @@ def test_every_hookspec_has_a_facade(hook):
 def test_every_plugin_kind_has_an_aggregate_conformance_class():
     kits = {"policy": policy_kit.PolicyTests, "cache backend": cache_kit.CacheBackendTests,
             "quantizer": quant_kit.QuantizerTests, "planner": planner_kit.PlannerTests,
+            **{kind: layer_kit.LayerTests for kind in ("attention", "mlp", "norm")},
             "logits processor": logits_kit.LogitsProcessorTests}
     assert set(kits) == set(_KINDS)
     for kind, cls in kits.items():
@@ -82,4 +84,5 @@ def test_docs_code_blocks_are_valid():
             compile(code, "docs/plugins.md", "exec")
         else:
             eps = tomllib.loads(code)["project"]["entry-points"]["infergraft"]
-            assert eps == {"qwen2": "infergraft_qwen2"}
+            package = ROOT / "contrib" / "infergraft-qwen" / "pyproject.toml"  # the worked example
+            assert eps == tomllib.loads(package.read_text())["project"]["entry-points"]["infergraft"]

@@ -101,7 +101,7 @@ def resolves(dotted: str) -> bool:
 
 
 def file_exists(path: str) -> bool:
-    # a contrib package's own files are named from its folder (contrib/infergraft-qwen2/)
+    # a contrib package's own files are named from its folder (contrib/infergraft-qwen/)
     return any((base / path).exists() for base in (ROOT, *ROOT.glob("contrib/*/")))
 
 

@@ -58,6 +58,12 @@ class InlinePlugin:
         register(TensorPipelinePlanner())
 
     @hookimpl
+    def infergraft_register_layers(self, register):
+        from infergraft.core.layer import LayerImpl
+        from infergraft.policies.llama_layers import LlamaAttention
+        register(LayerImpl("attention", "inline-attention", LlamaAttention))
+
+    @hookimpl
     def infergraft_prepare_plan(self, plan, spec):
         self.seen_plans.append(plan)
         return attrs.evolve(plan, max_batch_size=3)
@@ -76,6 +82,7 @@ def test_inline_plugin_serves_every_hook(infergraft_plugin_manager):
     assert pm.policies().origin("shout") == "inline"
     assert "inline-cache" in pm.cache_backends() and "test-int8" in pm.quantizers()
     assert "test-tp-pp" in pm.planners()
+    assert pm.layers()["attention"].origin("inline-attention") == "inline"
     # infergraft_prepare_plan: build picks the inline policy from the architecture alone
     engine = core.build(shout_model(), plugins=["inline-cache"], max_seq_len=32)
     assert (engine.plan.policy, engine.plan.cache_backend) == ("shout", "inline-cache")
@@ -178,18 +185,18 @@ def test_declared_contract_range_is_recorded():
     assert pm.info["bare"].contract == "any (undeclared)"
 
 
-# -- the installed contrib package (pip install ./contrib/infergraft-qwen2) -------------
+# -- the installed contrib package (pip install ./contrib/infergraft-qwen) --------------
 def _qwen2_entry_point():
     eps = [ep for ep in md.entry_points(group="infergraft") if ep.name == "qwen2"]
-    assert eps, "infergraft-qwen2 is not installed: pip install ./contrib/infergraft-qwen2"
+    assert eps, "infergraft-qwen is not installed: pip install ./contrib/infergraft-qwen"
     return eps[0]
 
 
 def test_installed_qwen2_entry_point_is_loaded_with_its_distribution():
     ep = _qwen2_entry_point()
-    assert ep.value == "infergraft_qwen2" and ep.dist.metadata["Name"] == "infergraft-qwen2"
+    assert ep.value == "infergraft_qwen.qwen2" and ep.dist.metadata["Name"] == "infergraft-qwen"
     info = core.get_plugin_manager().info["qwen2"]
-    assert (info.origin, info.version, info.contract) == ("infergraft-qwen2", ep.dist.version,
+    assert (info.origin, info.version, info.contract) == ("infergraft-qwen", ep.dist.version,
                                                           ">=1,<2")
 
 

@@ -14,12 +14,13 @@ from infergraft import core
 from infergraft.core.build import _weight_quantizer
 from infergraft.core.cli import main
 from infergraft.core.errors import PerformanceWarning, PlanError
+from infergraft.core.memory import weight_bytes
 from infergraft.core.runner.model import QuantizedLinear
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_gpt2_config,
                                             tiny_llama_config)
 from infergraft.core.testing.parity import relative_error
 from infergraft.core.testing.quant_kit import QuantizerTests
-from infergraft.kernels import gemv
+from infergraft.kernels import fp8_linear, gemv
 from infergraft.kernels._triton import HAVE_TRITON, interpreting
 from infergraft.kernels.fp8_linear import Fp8Weight, dequantize_fp8, quantize_fp8
 from infergraft.plugins import weight_fp8
@@ -90,14 +91,37 @@ def test_fp8_engine_equals_the_float_engine_on_dequantised_weights():
             assert lin.packed.q.dtype == torch.float8_e4m3fn
             q, scale = lin.scaled_rows()  # what the fused decode GEMMs read
             assert q is lin.packed.q and scale is lin.packed.scale
-    # the plan counts what is held: e4m3 projections + a float32 scale a row, the rest as is
-    assert engine.plan.weight_bytes == _held(engine) < 0.55 * plain.plan.weight_bytes
+    # the plan counts what is held: e4m3 projections + a float32 scale a row, the rest as
+    # is; on the CPU each projection's dequantised copy too (the dense GEMM reads it), so
+    # fp8's saving is a GPU's
+    assert engine.plan.weight_bytes == _held(engine)
+    on_gpu = weight_bytes(engine.spec, torch.float32, engine.model.layers[0].qkv.quantizer,
+                          "cuda")
+    assert on_gpu < 0.55 * plain.plan.weight_bytes < engine.plan.weight_bytes
     prompt = random_prompt(12, hf.config.vocab_size, 1)
     got, want = engine.logits(prompt).float(), ref.logits(prompt).float()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert relative_error(got, plain.logits(prompt).float()) > 1e-3  # really quantised
     assert engine.generate(prompt, max_new_tokens=8)[0].token_ids == \
         ref.generate(prompt, max_new_tokens=8)[0].token_ids
+
+
+def test_on_the_cpu_each_projection_is_dequantised_once_as_it_loads(monkeypatch):
+    """Not widened at every call (a token then took several times float32's): the
+    dequantised weight is kept beside the e4m3 rows, and the dense GEMM reads it."""
+    hf = random_model(tiny_llama_config(), seed=4, scale=2.0)
+    engine = core.build(hf, plugins=["paged", "fp8"], **KW)
+    for layer in engine.model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(layer, name)
+            assert torch.equal(lin.dense, dequantize_fp8(lin.packed.q, lin.packed.scale))
+    widened = []
+    real = fp8_linear.int8_linear_cpu
+    monkeypatch.setattr(fp8_linear, "int8_linear_cpu",
+                        lambda *a, **k: widened.append(a[1].shape) or real(*a, **k))
+    prompt = random_prompt(9, hf.config.vocab_size, 3)
+    assert len(engine.generate(prompt, max_new_tokens=4)[0].token_ids) == 4
+    assert widened == []
 
 
 def test_biases_survive_packing_and_gpt2_stays_close_to_float():
@@ -202,14 +226,21 @@ def test_plan_counts_the_packed_bytes(tmp_path, capsys):
     tiny_llama_config(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                       max_position_embeddings=4096).save_pretrained(tmp_path)
+    gpu = ["--device-memory", "80GiB"]  # a GPU's plan, here too
     assert main(["plan", str(tmp_path), "--dtype", "float16", "--weights", "fp8",
-                 "--max-seq-len", "2048", "--json"]) == 0
+                 "--max-seq-len", "2048", "--json", *gpu]) == 0
     packed = 32 * (12288 * 4096 + 4096 * 4096 + 22016 * 4096 + 4096 * 11008)
     rows = 32 * (12288 + 4096 + 22016 + 4096)
     want = packed + 4 * rows + 2 * (6_738_415_616 - packed)
     assert json.loads(capsys.readouterr().out)["weight_bytes"] == want == 7_006_265_344
     assert main(["plan", str(tmp_path), "--dtype", "float16", "--weights", "fp8"]) in (0, 1)
-    assert "weights" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "weights" in out
+    if not torch.cuda.is_available():  # this host's CPU: each projection's float16 copy too
+        assert "fp8 on the CPU" in out
+        assert main(["plan", str(tmp_path), "--dtype", "float16", "--weights", "fp8",
+                     "--max-seq-len", "2048", "--json"]) in (0, 1)
+        assert json.loads(capsys.readouterr().out)["weight_bytes"] == want + 2 * packed
     q = WeightFp8()
     for w in (torch.randn(640, 576), torch.randn(9, 101)):
         assert q.packed_bytes(q.pack(w)) == q.packed_bytes_of(tuple(w.shape), 4)
@@ -221,7 +252,10 @@ def test_demo_model_perplexity_with_fp8_weights_within_two_percent():
     ratio of fp8's perplexity to float's <= 1.02, in < 45% of the float32 weight bytes."""
     ids, p_float, float_bytes = float_reference()
     engine = demo_engine(["paged", "fp8"])
-    ppl, plans = [p_float, perplexity(engine, ids)], [float_bytes, engine.plan.weight_bytes]
+    # the packed form alone, as a GPU holds it (the CPU keeps the dequantised copy too)
+    on_gpu = weight_bytes(engine.spec, torch.float32, engine.model.layers[0].qkv.quantizer,
+                          "cuda")
+    ppl, plans = [p_float, perplexity(engine, ids)], [float_bytes, on_gpu]
     print(f"perplexity over {len(ids)} tokens: float {ppl[0]:.4f}, fp8 weights {ppl[1]:.4f} "
           f"(ratio {ppl[1] / ppl[0]:.4f}); weight bytes {plans[1]} vs {plans[0]}")
     assert 1.0 < ppl[0] < 100.0 and ppl[1] != ppl[0]

@@ -9,11 +9,14 @@ import torch
 from infergraft import core
 from infergraft.core.cli import main
 from infergraft.core.errors import PlanError
+from infergraft.core.memory import weight_bytes
 from infergraft.core.runner.model import QuantizedLinear
+from infergraft.core.testing.gptq_pack import write_quantized
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             with_random_norm_weights)
 from infergraft.core.testing.parity import relative_error
 from infergraft.core.testing.quant_kit import QuantizerTests
+from infergraft.kernels import int4_linear
 from infergraft.kernels._triton import HAVE_TRITON, interpreting
 from infergraft.kernels.int4_linear import Int4Weight, dequantize_int4, quantize_int4
 from infergraft.plugins.weight_int4 import WeightInt4
@@ -78,6 +81,35 @@ def test_int4_engine_equals_the_float_engine_on_dequantised_weights(group_size):
         ref.generate(prompt, max_new_tokens=8)[0].token_ids
 
 
+@pytest.mark.parametrize("source", ["rtn", "gptq"])
+def test_on_the_cpu_each_projection_is_dequantised_once_as_it_loads(tmp_path, monkeypatch,
+                                                                    source):
+    """Not at every call, as the reference op does (a token then took many times
+    float32's): the dequantised weight is kept beside the packed form, from our quantiser
+    or a GPTQ checkpoint alike, and the dense GEMM reads it."""
+    hf = random_model(tiny_llama_config(hidden_size=96, intermediate_size=160), seed=4,
+                      scale=2.0)
+    if source == "rtn":
+        engine = core.build(hf, plugins=["paged", "int4"], group_size=32, **KW)
+    else:
+        write_quantized(hf, tmp_path, "gptq", group_size=32)
+        engine = core.build(str(tmp_path), **KW)
+    assert engine.plan.quantizers == ("int4",)
+    for layer in engine.model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(layer, name)
+            assert isinstance(lin.packed, Int4Weight) and lin.packed.group_size == 32
+            assert lin.dense.dtype == torch.float32
+            assert torch.equal(lin.dense, lin.quantizer.unpack(lin.packed))
+    unpacked = []
+    real = int4_linear.dequantize_float
+    monkeypatch.setattr(int4_linear, "dequantize_float",
+                        lambda *a: unpacked.append(a[0].shape) or real(*a))
+    prompt = random_prompt(9, hf.config.vocab_size, 3)
+    assert len(engine.generate(prompt, max_new_tokens=4)[0].token_ids) == 4
+    assert unpacked == []
+
+
 def test_bad_group_size_is_refused_naming_the_accepted_ones():
     hf = random_model(tiny_llama_config(), seed=1)
     for bad in (100, 256, True, "128"):
@@ -99,16 +131,23 @@ def test_plan_counts_the_packed_bytes(tmp_path, capsys):
     assert WeightInt4(32).packed_bytes_of((10, 100), 2) == 10 * 50 + 10 * 4 * 5
     for w in (torch.randn(640, 576), torch.randn(9, 101)):
         assert q.packed_bytes(q.pack(w)) == q.packed_bytes_of(tuple(w.shape), 4)
-    assert main(["plan", str(tmp_path), "--json"]) == 0
+    gpu = ["--device-memory", "80GiB"]  # a GPU's plan, here too
+    assert main(["plan", str(tmp_path), "--json", *gpu]) == 0
     dense = json.loads(capsys.readouterr().out)["weight_bytes"]
-    assert main(["plan", str(tmp_path), "--weights", "int4", "--json"]) == 0
+    assert main(["plan", str(tmp_path), "--weights", "int4", "--json", *gpu]) == 0
     got = json.loads(capsys.readouterr().out)["weight_bytes"]
     layer = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]  # qkv o gu down
     packed = sum(q.packed_bytes_of(s, 2) for s in layer) * cfg.num_hidden_layers
     elements = sum(r * c for r, c in layer) * cfg.num_hidden_layers
     assert got == dense - 2 * elements + packed
-    assert main(["plan", str(tmp_path), "--weights", "int4"]) == 0
-    assert "weights" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path), "--weights", "int4", *gpu]) == 0
+    out = capsys.readouterr().out
+    assert "weights" in out and "int4 on the CPU" not in out
+    if not torch.cuda.is_available():  # this host's CPU: the dequantised copies as well
+        assert main(["plan", str(tmp_path), "--weights", "int4", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["weight_bytes"] == dense + packed
+        assert main(["plan", str(tmp_path), "--weights", "int4"]) == 0
+        assert "int4 on the CPU" in capsys.readouterr().out
     # the engine holds what the plan counts
     hf = random_model(tiny_llama_config(hidden_size=96, intermediate_size=160), seed=2)
     engine = core.build(hf, plugins=["int4"], group_size=64, **KW)
@@ -160,4 +199,7 @@ def test_demo_model_with_int4_weights_answers_paris_in_a_third_of_the_bytes():
     answer = demo_answer(engine)
     assert "Paris" in answer, answer
     dense = float_reference()[2]  # float32
-    assert engine.plan.weight_bytes < 0.35 * dense
+    # the packed form alone, as a GPU holds it (the CPU keeps the dequantised copy too)
+    quantizer = engine.model.layers[0].qkv.quantizer
+    assert weight_bytes(engine.spec, torch.float32, quantizer, "cuda") < 0.35 * dense
+    assert engine.plan.weight_bytes > dense

@@ -96,8 +96,8 @@ def test_norm_weights_fold_in_before_packing(monkeypatch, order):
     if order != "checkpoint":
         real = B.resolve_source
 
-        def reordered_source(model, tokenizer=None, checkpoint=None):
-            src = real(model, tokenizer, checkpoint=checkpoint)
+        def reordered_source(model, tokenizer=None, checkpoint=None, **kw):
+            src = real(model, tokenizer, checkpoint=checkpoint, **kw)  # kw: revision=
             items = list(src.tensors())
             if order == "shuffled":
                 perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(1))

@@ -76,7 +76,8 @@ class PipelineStage:
 
 
 def stage_spec(spec, stage: PipelineStage):
-    return attrs.evolve(spec, num_layers=stage.layers[1] - stage.layers[0])
+    first, end = stage.layers  # each layer keeps its parts (LayerSpec), renumbered from 0
+    return attrs.evolve(spec, num_layers=end - first, layers=spec.layers[first:end])
 
 
 def _kept_outside_layers(spec, stage: PipelineStage) -> set[str]:

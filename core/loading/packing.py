@@ -6,10 +6,17 @@ import re
 
 import torch
 
-from ..runner.model import DecoderLayer, Linear, QuantizedLinear, folded
+from ..runner.model import Linear, QuantizedLinear, folded
 from ..runner.weight_stream import map_tensors
 
 _LAYER_SLOT = re.compile(r"^layers\.(\d+)\.(\w+)\.weight$")
+
+
+def packed_device(packed) -> torch.device:
+    """Where a packed form's tensors are (the CPU if it holds none)."""
+    found = []
+    map_tensors(packed, lambda t: found.append(t.device) or t)
+    return found[0] if found else torch.device("cpu")
 
 
 class SlotPacker:
@@ -27,8 +34,6 @@ class SlotPacker:
             fold_norms = quantizer.scaled_rows(quantizer.pack(torch.ones(1, 128))) is not None
         self.quantizer, self.ops, self.net, self.fold_norms = quantizer, ops, net, fold_norms
         self.device = device  # where packing runs: the build's device (None: the weight's)
-        self.feeds = dict(DecoderLayer.NORM_FEEDS)  # norm -> the projection it feeds
-        self.fed_by = {p: n for n, p in self.feeds.items()}
         self.norms, self.waiting = {}, set()  # (layer, norm) -> weight; (layer, projection)
         self.folded = set()  # (layer, norm) whose weight lives in its packed projection
 
@@ -40,19 +45,29 @@ class SlotPacker:
         packed = self.quantizer.pack(weight if self.device is None else weight.to(self.device))
         if self.device is not None and home != torch.device(self.device):
             packed = map_tensors(packed, lambda t: t.to(home))
-        return QuantizedLinear(self.quantizer, packed, bias, self.ops)
+        return self._linear(packed, bias)
+
+    def _linear(self, packed, bias) -> QuantizedLinear:
+        lin = QuantizedLinear(self.quantizer, packed, bias, self.ops)
+        # where the quantiser's matmul is slower than the dense GEMM (int4 on the CPU),
+        # its weight dequantised once, here, rather than at every call
+        on = packed_device(packed) if self.device is None else torch.device(self.device)
+        return lin.keep_dense() if self.quantizer.dense_on(on, self.ops.backend) else lin
 
     def __call__(self, slot, module, weight):
         if getattr(weight, "prequantized", False):  # GPTQ / AWQ / fp8: its norm stays
-            return QuantizedLinear(self.quantizer, weight.packed(), module.bias, self.ops)
+            return self._linear(weight.packed(), module.bias)
         m = _LAYER_SLOT.match(slot) if self.fold_norms else None
         name = m and m[2]  # a norm, its projection, or another slot
-        proj = self.feeds.get(name, name if name in self.fed_by else None)
+        # norm -> the projection it feeds, as the layer's parts say (DecoderLayer.norm_feeds)
+        feeds = dict(self.net.layers[int(m[1])].norm_feeds) if m else {}
+        fed_by = {p: n for n, p in feeds.items()}
+        proj = feeds.get(name, name if name in fed_by else None)
         if proj is None or not self.quantizer.quantizes(f"layers.{m[1]}.{proj}.weight"):
             quantized = self.quantizer.quantizes(slot) and type(module) is Linear
             return self._packed(weight, module.bias) if quantized else None
         i = int(m[1])
-        if name in self.feeds:  # a norm (installed as loaded until ``finish``)
+        if name in feeds:  # a norm (installed as loaded until ``finish``)
             self.norms[(i, name)] = weight
             if (i, proj) in self.waiting:  # its projection came first: pack it now
                 self.waiting.discard((i, proj))
@@ -60,7 +75,7 @@ class SlotPacker:
                 setattr(self.net.layers[i], proj, self._packed(folded(lin.weight, weight), lin.bias))
                 self.folded.add((i, name))
             return None
-        norm = self.fed_by[name]
+        norm = fed_by[name]
         if (i, norm) not in self.norms:
             self.waiting.add((i, name))
             return None  # installed unpacked until the norm arrives

@@ -1,12 +1,15 @@
 """The model's building blocks: projections (our own ``Linear`` or a quantiser's
-``QuantizedLinear``), what the fused decode GEMMs read of each (``gemm_operands``), and
-the norms (RMSNorm / LayerNorm, with the residual add)."""
+``QuantizedLinear``) and what the fused decode GEMMs read of each (``gemm_operands``).
+The layers made of them (attention, MLPs, norms) are registered implementations
+(core/layer.py; the LLaMA ones: ``infergraft.policies.llama_layers``)."""
 from __future__ import annotations
 
 import inspect
 
 import torch
 from torch import nn
+
+from .._moved import moved_names
 
 
 class Linear(nn.Module):
@@ -26,15 +29,24 @@ class Linear(nn.Module):
 
 class QuantizedLinear(nn.Module):
     """y = quantizer.matmul(x, packed) (+ b): a weight quantiser's packed projection
-    (core/quant.py); ``core.build`` swaps it in for a ``Linear`` as the weight loads."""
+    (core/quant.py); ``core.build`` swaps it in for a ``Linear`` as the weight loads.
+    ``keep_dense()``: the dequantised weight kept beside the packed form, and the dense
+    GEMM on it instead (where the quantiser's ``dense_on`` the device)."""
 
     def __init__(self, quantizer, packed, bias, ops):
         super().__init__()
-        self.quantizer, self.packed = quantizer, packed
+        self.quantizer, self.packed, self.linear = quantizer, packed, ops.linear
         self._kw = {"ops": ops} if "ops" in inspect.signature(quantizer.matmul).parameters else {}
         self.register_buffer("bias", bias)
+        self.register_buffer("dense", None)
+
+    def keep_dense(self) -> "QuantizedLinear":
+        self.dense = self.quantizer.unpack(self.packed).contiguous()  # [N, K], packed.dtype
+        return self
 
     def forward(self, x):
+        if self.dense is not None:
+            return self.linear(x, self.dense, self.bias)
         y = self.quantizer.matmul(x, self.packed, **self._kw)  # [T, K] -> [T, N]
         return y if self.bias is None else y + self.bias
 
@@ -53,26 +65,9 @@ def gemm_operands(lin):
     return None if rows is None else (rows[0], lin.bias, rows[1])
 
 
-class Norm(nn.Module):
-    """RMSNorm or LayerNorm, optionally fused with the residual add."""
-
-    def __init__(self, kind: str, eps: float, ops):
-        super().__init__()
-        self.kind, self.eps, self.ops = kind, eps, ops
-        self.register_buffer("weight", None)
-        self.register_buffer("bias", None)
-
-    def forward(self, x, residual=None):
-        """Returns (normed, new residual); the residual is x (+ residual)."""
-        if self.kind == "rms":
-            if residual is None:
-                return self.ops.rms_norm(x, self.weight, self.eps), x
-            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is None:
-            return self.ops.layer_norm(x, self.weight, self.bias, self.eps), x
-        return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
-
-
 def row_sum_sq(h: torch.Tensor) -> torch.Tensor:
     # h: [T, H] -> the sum of squares of each row [1, T] float32 (the next norm's statistic)
     return h.float().square().sum(-1)[None]
+
+
+__getattr__ = moved_names(__name__)  # names that moved out, for one release

@@ -1,4 +1,6 @@
-"""Our own small module tree of fused layers, built from a ModelSpec.
+"""Our own small module tree of fused layers, built from a ModelSpec: embeddings, the
+decoder layers (each composed from the registered parts its spec names: core/layer.py),
+the final norm and the LM head.
 
 Slot names (``layers.3.qkv.weight``) are what policies' weight maps point at; weights
 arrive later through ``core.loading.weights.load_weights``. Hot path shapes: T = tokens in the
@@ -12,44 +14,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._moved import moved_names
 from ..distributed.vocab import VocabParallel
 from ..rope import rope_cos_sin
 from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
-from ..spec import ModelSpec, split_qkv
+from ..spec import ModelSpec, split_qkv  # noqa: F401  (split_qkv: imported from here too)
 # (Linear, QuantizedLinear, gemm_operands: imported from here too)
-from .layers import Linear, Norm, QuantizedLinear, gemm_operands, row_sum_sq  # noqa: F401
+from .layers import Linear, QuantizedLinear, gemm_operands, row_sum_sq  # noqa: F401
+from .parts import check_slots_built, layer_parts
 
 # the weight streamer of a model whose layers all stay on the device: nothing to copy
 _RESIDENT = types.SimpleNamespace(begin=lambda: None, before=lambda i: None, after=lambda i: None)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, ops):
+    """One pre-norm decoder layer composed from registered parts (core/layer.py): norm ->
+    attention -> add -> norm -> MLP -> add. The parts' projections are this module's
+    children under slot names (``layers.3.qkv``: what weight maps fill); the parts run
+    them with the layer passed in. ``parts``: (attention, mlp, norm) ``LayerImpl``s."""
+
+    def __init__(self, spec: ModelSpec, ops, parts):
         super().__init__()
+        attention, mlp, norm = parts
         self.spec, self.ops = spec, ops
-        self.attn_norm = Norm(spec.norm, spec.norm_eps, ops)
-        partials = spec.norm == "rms"  # o and down feed an add+RMSNorm
-        self.qkv = Linear(ops)
-        self.o = Linear(ops, partials)
-        self.mlp_norm = Norm(spec.norm, spec.norm_eps, ops)
-        if spec.gated_mlp:
-            self.gate_up = Linear(ops)
-        else:
-            self.fc_in = Linear(ops)
-        self.down = Linear(ops, partials)
+        self.attn_norm = norm.build(spec, ops)
+        self.attention = attention.build(self, spec, ops)  # adds qkv, o (and its own)
+        self.mlp_norm = norm.build(spec, ops)
+        self.mlp = mlp.build(self, spec, ops)  # adds gate_up / fc_in, down (and its own)
+
+    @property
+    def norm_feeds(self) -> tuple[tuple[str, str], ...]:
+        """(norm, the projection it feeds): where the fused decode layer folds its weight."""
+        return (("attn_norm", self.attention.input_projection),
+                ("mlp_norm", self.mlp.input_projection))
+
+    def will_fuse(self) -> bool:
+        """Whether the parts run in the fused decode layer (known before weights load)."""
+        return bool(getattr(self.attn_norm, "folds", False) and self.attention.fuses
+                    and self.mlp.fuses)
 
     def fusable(self) -> bool:
-        """RMSNorm + SwiGLU, every projection our own Linear or 8-bit rows (other quantised
-        forms have their own forward), and norms the fused layer can drop: a Linear
-        takes them at ``fold_norm_weights``, packed weights only before packing
+        """Parts that fuse, every projection our own Linear or 8-bit rows (other
+        quantised forms have their own forward), and norms the fused layer can drop: a
+        Linear takes them at ``fold_norm_weights``, packed weights only before packing
         (``core.loading.packing.SlotPacker``). The shape ``forward_fused`` knows."""
-        s = self.spec
-        return s.norm == "rms" and s.gated_mlp and all(
-            gemm_operands(m) is not None for m in (self.qkv, self.o, self.gate_up, self.down)) \
+        return self.will_fuse() and self.attention.fusable(self) and self.mlp.fusable(self) \
             and all(n in self.folded_norms or type(getattr(self, p)) is Linear
-                    for n, p in self.NORM_FEEDS)
+                    for n, p in self.norm_feeds)
 
-    NORM_FEEDS = (("attn_norm", "qkv"), ("mlp_norm", "gate_up"))
     # core.distributed.collectives.TensorParallelGroup: o and down outputs summed over ranks
     tp = None
     folded_norms = frozenset()  # norms whose weights already live in their projection
@@ -57,9 +69,9 @@ class DecoderLayer(nn.Module):
     @torch.no_grad()
     def fold_norm_weights(self) -> None:
         """rms_norm(x, g) W^T == rms_norm(x, 1) (W g)^T: the norm weights move into the
-        qkv and gate_up columns, so the fused layer runs no norm kernel (the plain
-        layer's norms then multiply by ones)."""
-        for name, proj in self.NORM_FEEDS:
+        projections they feed (qkv, gate_up), so the fused layer runs no norm kernel (the
+        plain layer's norms then multiply by ones)."""
+        for name, proj in self.norm_feeds:
             if name not in self.folded_norms:
                 lin = getattr(self, proj)
                 lin.weight = folded(lin.weight, getattr(self, name).weight)
@@ -73,75 +85,38 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, stream, layer_idx, positions, rope, cache, meta, sum_sq,
                       want_next: bool):
-        """The layer at few tokens, norms folded into the GEMMs, SwiGLU and the residual
-        adds inside them (kernels/fused_linear.py): stream [T, H] (the residual stream)
-        and its sum of squares per row (partials [P, T]) -> (the next stream, its sums
-        or None without ``want_next``)."""
-        s, ops = self.spec, self.ops
-        (wqkv, bqkv, sqkv), (wo, bo, so), (wgu, bgu, sgu), (wd, bd, sd) = (
-            gemm_operands(m) for m in (self.qkv, self.o, self.gate_up, self.down))
-        slots_of = getattr(cache, "decode_kv_slots", None)  # third-party caches may lack it
-        slots = None if rope is None or slots_of is None else slots_of(layer_idx, meta)
-        if slots is not None:  # RoPE and the K/V write in the qkv GEMM's epilogue
-            q = ops.normed_qkv_rope(stream, wqkv, bqkv, sum_sq, s.norm_eps, rope[0], rope[1],
-                                    positions, s.num_heads, *slots, scale=sqkv)  # [T, Hq, D]
-            attn = cache.attention(layer_idx, q, None, None, meta).reshape(-1, s.q_size)
-        else:
-            qkv = ops.normed_linear(stream, wqkv, bqkv, sum_sq, s.norm_eps,
-                                    scale=sqkv)  # [T, q + 2kv]
-            attn = self._attend(qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
-        stream, sum_sq = self._add_to_stream(attn, wo, bo, so, stream, True)  # [T, H], [P, T]
-        act = ops.normed_swiglu(stream, wgu, bgu, sum_sq, s.norm_eps, scale=sgu)  # [T, I]
-        return self._add_to_stream(act, wd, bd, sd, stream, want_next)
-
-    def _add_to_stream(self, x, weight, bias, scale, stream, sum_sq: bool):
-        """(stream + x W^T + b, its sum of squares per row or None). Under tp each rank's
-        heads / columns give a share: summed over the group, the residual added once (by
-        the group's rank 0, which holds the bias too), the statistic taken after the sum."""
-        if self.tp is None:
-            out = self.ops.linear_residual(x, weight, bias, stream, sum_sq=sum_sq, scale=scale)
-            return out if sum_sq else (out, None)  # [T, H] (, [P, T])
-        base = stream if self.tp.rank == 0 else torch.zeros_like(stream)
-        out = self.tp.all_reduce(self.ops.linear_residual(x, weight, bias, base, scale=scale))
-        return out, (row_sum_sq(out) if sum_sq else None)  # [T, H], [1, T]
+        """The layer at few tokens, norms folded into the GEMMs (the parts'
+        ``forward_fused``): stream [T, H] (the residual stream) and its sum of squares
+        per row (partials [P, T]) -> (the next stream, its sums or None without
+        ``want_next``)."""
+        stream, sum_sq = self.attention.forward_fused(self, stream, sum_sq, layer_idx,
+                                                      positions, rope, cache, meta)
+        return self.mlp.forward_fused(self, stream, sum_sq, want_next)
 
     def forward(self, h, residual, layer_idx, positions, rope, cache, meta):
         x, residual = self.attn_norm(h, residual)  # [T, H]
-        attn = self._attend(self.qkv(x), layer_idx, positions, rope, cache, meta)  # [T, q]
-        h = self.o(attn)  # [T, H] or partials [S, T, H]
+        h = self.attention.forward(self, x, layer_idx, positions, rope, cache, meta)  # [T, H]
         if self.tp is not None:  # each rank's heads contributed a share of o's output
             h = self.tp.all_reduce(h)
         x, residual = self.mlp_norm(h, residual)
-        if self.spec.gated_mlp:
-            x = self.ops.silu_mul(self.gate_up(x))  # [T, 2I] -> [T, I]
-        else:
-            x = self.ops.gelu(self.fc_in(x), self.spec.activation)
-        out = self.down(x)  # [T, H] or partials [S, T, H]
+        out = self.mlp.forward(self, x)  # [T, H] or partials [S, T, H]
         return (out if self.tp is None else self.tp.all_reduce(out)), residual
-
-    def _attend(self, qkv, layer_idx, positions, rope, cache, meta):
-        """qkv [T, q + 2kv] -> attention output [T, q] (the cache writes K/V, RoPE first)."""
-        s = self.spec
-        t = qkv.shape[0]
-        q, k, v = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim)
-        if rope is None:
-            attn = cache.attention(layer_idx, q, k, v, meta)  # [T, Hq, D]
-        elif getattr(cache, "fuses_rotary", False):  # the cache rotates q, k (with its K/V write)
-            attn = cache.attention(layer_idx, q, k, v, meta, rope=(rope[0], rope[1], positions))
-        else:
-            q, k = self.ops.rotary(q, k, rope[0], rope[1], positions)
-            attn = cache.attention(layer_idx, q, k, v, meta)
-        return attn.reshape(t, s.q_size)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, ops, device, max_position: int | None = None,
-                 tp=None, stage=None):
+                 tp=None, stage=None, layers=None):
         """``spec``: what this process runs: one rank's share under ``tp`` (a
         ``core.distributed.collectives.TensorParallelGroup``), one stage's layers under
         ``stage`` (a ``core.distributed.stages.PipelineStage``: the stream comes from and goes
-        to its neighbours)."""
+        to its neighbours). ``layers``: the registered layer implementations by kind that
+        the spec's names are looked up in (``PluginManager.layers()``; None: the
+        process-wide manager's)."""
         super().__init__()
+        if layers is None:
+            from ..plugin_manager import get_plugin_manager
+            layers = get_plugin_manager().layers()
+        parts, final_norm = layer_parts(spec, layers)  # unknown names refused here
         self.spec, self.ops, self.tp, self.stage = spec, ops, tp, stage
         # tp: the embeddings and head hold this rank's rows of the vocab (spec: the whole's)
         self.vocab = None if tp is None else VocabParallel(spec.vocab_size, tp)
@@ -153,12 +128,13 @@ class DecoderModel(nn.Module):
         if spec.position == "learned":
             self.pos_embed = nn.Module()
             self.pos_embed.register_buffer("weight", None)
-        self.layers = nn.ModuleList(DecoderLayer(spec, ops) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, ops, p) for p in parts)
         for layer in self.layers:
             layer.tp = tp
-        self.final_norm = Norm(spec.norm, spec.norm_eps, ops)
+        self.final_norm = final_norm.build(spec, ops)
         if not spec.tie_embeddings:
             self.lm_head = Linear(ops)
+        check_slots_built(self, spec)
         self.norms_folded = False  # fold_norm_weights() turns the fused decode layer on
         self.streamer = None  # runner.weight_stream.WeightStreamer: layers in host memory
         self.rope = None
@@ -170,12 +146,14 @@ class DecoderModel(nn.Module):
         return self.norms_folded and tokens <= getattr(self.ops, "fuse_max_rows", 0)
 
     def will_fuse(self, dtype) -> bool:
-        """Whether the fused decode layer can run for this spec, ops and weight dtype
-        (known before any weight loads): RMSNorm + SwiGLU, ops that fuse, 16-bit weights
-        (float32 GEMMs stay on cuBLAS: the plain layer is the fast one)."""
-        s = self.spec  # (tp: the residual joins o's and down's shares on the group's rank 0)
-        return s.norm == "rms" and s.gated_mlp and bool(getattr(self.ops, "fuse_max_rows", 0)) \
-            and dtype in (torch.float16, torch.bfloat16)
+        """Whether the fused decode layer can run for these layers, ops and weight dtype
+        (known before any weight loads): parts that fuse (RMSNorm, the LLaMA attention,
+        SwiGLU), ops that fuse, 16-bit weights (float32 GEMMs stay on cuBLAS: the plain
+        layer is the fast one). Under tp the residual joins o's and down's shares on the
+        group's rank 0."""
+        return bool(getattr(self.ops, "fuse_max_rows", 0)) and \
+            dtype in (torch.float16, torch.bfloat16) and all(
+            layer.will_fuse() for layer in self.layers)
 
     def fold_norm_weights(self) -> bool:
         """Move each layer's norm weights into its GEMMs (after the weights are loaded)
@@ -250,3 +228,6 @@ class DecoderModel(nn.Module):
             return y.float()
         # float32 [n, V]; argmax -> greedy_out (split rows merge on this model's counters)
         return self.ops.logits_argmax(y, greedy_out, counters=self.counters)
+
+
+__getattr__ = moved_names(__name__)  # names that moved out, for one release

@@ -25,6 +25,7 @@ import itertools
 import threading
 import time
 
+from ..cpu_threads import use_cores
 from ..distributed.failure import CENSUS_S, group_timeout
 from ..errors import InfergraftError, InvalidRequestError
 from ..request import SamplingParams, check_request
@@ -55,6 +56,8 @@ class AsyncEngine:
         self._inbox = Inbox()
         self._loop = EngineThread(engine, self._inbox, link)
         self._thread: threading.Thread | None = None
+        # on the CPU: one core for the callers' event loop, beside the thread stepping
+        use_cores(engine.plan.device, busy_threads=2)
 
     @classmethod
     def build(cls, model, *, max_waiting: int = 256, **build_kwargs) -> "AsyncEngine":

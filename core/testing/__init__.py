@@ -7,6 +7,7 @@ plugin's own suite subclasses, providing a few fixtures:
 * ``cache_kit.CacheBackendTests``     (fixture ``backend``; runs ``cache_machine``)
 * ``quant_kit.QuantizerTests``        (fixture ``quantizer``, weight quantisers)
 * ``planner_kit.PlannerTests``        (fixture ``planner``)
+* ``layer_kit.LayerTests``            (fixtures ``layer_impl``, ``spec``: an attention, MLP or norm)
 * ``logits_kit.LogitsProcessorTests`` (fixtures ``processor``, ``processor_arg``, ``bad_arg``)
 
 ``strategies`` holds the public hypothesis strategies, ``models`` tiny random HF models,

@@ -83,6 +83,20 @@ def tiny_qwen2_config(**overrides):
     return cfg
 
 
+def tiny_qwen3_config(**overrides):
+    """Qwen3 (GQA, per-head q/k norms, a head_dim that is not hidden / heads, no biases)."""
+    from transformers import Qwen3Config
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              use_sliding_window=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Qwen3Config(**kw)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    return cfg
+
+
 def byte_tokenizer(vocab_size: int = 256):
     """A byte-level tokenizer of 256 tokens (one a byte, no merges) for the tiny models,
     built offline: what a tiny model's directory needs where a tool reads text."""

@@ -195,11 +195,15 @@ def run(args) -> int:
         if budget is None:
             budget, source = host_memory(), "host RAM"
     weight_quant = _weight_quantizer(args.weights, config, args.group_size)
+    # a GPU's plan where one is here or its memory is given, else this host's CPU (where
+    # int4 and fp8 also keep their weights dequantised: Quantizer.dense_on)
+    cuda = args.device_memory is not None or torch.cuda.is_available()
+    device, kernels = ("cuda", "triton") if cuda else ("cpu", "torch")
     mem = plan_memory(spec, model=name, dtype=dtype, kv_quantizer=kv_quant,
                       weight_quantizer=weight_quant,
                       max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      budget=budget, budget_source=source)
+                      budget=budget, budget_source=source, device=device)
     mem = attrs.evolve(mem, weight_bytes=mem.weight_bytes - not_held * element_bytes(dtype))
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights
         kv = plan_memory(spec, dtype=kv_dtype, max_seq_len=mem.max_seq_len)
@@ -209,7 +213,9 @@ def run(args) -> int:
         mem, rows, extra = plan_offload.offload_plan(mem, spec, args, weight_quant, budget)
     elif args.resident_layers is not None or args.ring_size != 2:
         raise PlanError("--resident-layers and --ring-size plan --offload-weights; give it too")
-    cuda = args.device_memory is not None or torch.cuda.is_available()
+    if weight_quant is not None and weight_quant.dense_on(torch.device(device), kernels):
+        rows.append((f"{weight_quant.name} on the CPU", "the packed weights and their "
+                     f"dequantised {mem.dtype} copies (the GEMM reads those)"))
     pool, pool_json = pool_rows(mem, args, cuda)
     rows += pool
     # the contiguous cache reserves max_batch_size x max_seq_len; the paged one admits by

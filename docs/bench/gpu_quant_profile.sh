@@ -20,7 +20,7 @@ if has int4; then
   echo "quant_mma_sweep rc $?"; grep -vE "^    " "$OUT/quant_mma.txt" | tail -60
 fi
 if has profile; then
-  timeout "${PROFILE_TIMEOUT:-330}" python3 docs/bench/quant_profile.py --batches 1,32 \
+  timeout "${PROFILE_TIMEOUT:-330}" python3 docs/bench/quant_profile.py --batches "${PROFILE_BATCHES:-1,32}" \
     > "$OUT/profile.txt" 2>&1
   grep -E "^\[|sum of kernel" "$OUT/profile.txt"
 fi

@@ -1,16 +1,15 @@
 """infergraft injection policy for Qwen2 (``Qwen2ForCausalLM``).
 
 Qwen2 is LLaMA-shaped (RMSNorm, RoPE, GQA, SiLU-gated MLP) with a bias on the q, k and v
-projections only, so the engine's fused decoder serves it from a ModelSpec and the
-LLaMA weight map; no modelling code is needed. Registered through the ``infergraft``
-entry-point group, exactly like any third-party plugin.
+projections only, so the LLaMA layers serve it from a ModelSpec and the LLaMA weight
+map; no modelling code is needed. Registered through the ``infergraft`` entry-point
+group (plugin ``qwen2``), exactly like any third-party plugin.
 """
 from infergraft.core.errors import UnsupportedModelError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.core.policy import Policy
 from infergraft.policies.llama import llama_like_spec, llama_like_weight_map
 
-__version__ = "0.1.0"
 #: hook contract versions this plugin is written against
 INFERGRAFT_CONTRACT = ">=1,<2"
 
@@ -29,6 +28,25 @@ def sliding_layers(config) -> list[int]:
     return []
 
 
+def sliding_window(config, policy: str, architecture: str):
+    """The window every layer slides over, or None for full attention; a window on only
+    some layers is refused (the spec's sliding window is the whole model's)."""
+    sliding, layers = sliding_layers(config), config.num_hidden_layers
+    if not sliding:
+        return None
+    window = getattr(config, "sliding_window", None)
+    if len(sliding) != layers or not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(
+            f"policy {policy!r}: {architecture} with sliding-window attention on "
+            f"layers {sliding} of 0..{layers - 1} (use_sliding_window="
+            f"{getattr(config, 'use_sliding_window', None)}, sliding_window={window!r}, "
+            f"max_window_layers={getattr(config, 'max_window_layers', None)}) is not "
+            "supported; supported: full attention on every layer "
+            "(use_sliding_window=False, as released Qwen checkpoints ship) or one "
+            "positive sliding_window on every layer (max_window_layers=0)")
+    return window
+
+
 class Qwen2Policy(Policy):
     name = "qwen2"
     architectures = ("Qwen2ForCausalLM",)
@@ -36,20 +54,7 @@ class Qwen2Policy(Policy):
 
     def describe(self, config):
         self.check(config)
-        sliding, layers = sliding_layers(config), config.num_hidden_layers
-        window = None
-        if sliding:
-            window = getattr(config, "sliding_window", None)
-            # the engine's ModelSpec has one attention kind for every layer
-            if len(sliding) != layers or not isinstance(window, int) or window < 1:
-                raise UnsupportedModelError(
-                    f"policy {self.name!r}: Qwen2ForCausalLM with sliding-window attention on "
-                    f"layers {sliding} of 0..{layers - 1} (use_sliding_window="
-                    f"{getattr(config, 'use_sliding_window', None)}, sliding_window={window!r}, "
-                    f"max_window_layers={getattr(config, 'max_window_layers', None)}) is not "
-                    "supported; supported: full attention on every layer "
-                    "(use_sliding_window=False, as released Qwen2 checkpoints ship) or one "
-                    "positive sliding_window on every layer (max_window_layers=0)")
+        window = sliding_window(config, self.name, "Qwen2ForCausalLM")
         return llama_like_spec(config, architecture="Qwen2ForCausalLM", qkv_bias=True,
                                sliding_window=window)
 
