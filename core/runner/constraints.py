@@ -16,6 +16,7 @@ it is queued), and each step:
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -24,13 +25,27 @@ from ..errors import InvalidRequestError
 from ..logits_processor import Vocabulary, bitmask_words
 
 
+def _timed(method):
+    """Adds the method's wall time to ``self.host_seconds``."""
+    @functools.wraps(method)
+    def timed(self, *args):
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args)
+        finally:
+            self.host_seconds += time.perf_counter() - t0
+    return timed
+
+
 class RowConstraints:
     def __init__(self, vocab: Vocabulary, device, processors=None):
         self.vocab, self.device = vocab, torch.device(device)
         self._processors = processors  # a Registry (core.build's); None: the process-wide
         self._host = None  # [rows, words] int32 bitmask, pinned on CUDA, grown as needed
         self._op = None
-        self.mask_seconds = 0.0  # host time filling bitmasks and launching (CPU: running) the op
+        # host time on constraints: masks filled and applied (on the CPU the op runs here),
+        # tokens accepted, forced tokens found
+        self.host_seconds = 0.0
 
     @property
     def processors(self):
@@ -54,13 +69,13 @@ class RowConstraints:
             states.append(self.processors.get(name).start(arg, self.vocab))
         seq.constraints = states
 
+    @_timed
     def mask(self, logits: torch.Tensor, seqs) -> list[int]:
         """Mask the constrained rows of ``logits`` [B, V] in place; returns the rows that
         failed (``seq.error`` says why), to be sampled as -1."""
         rows = [i for i, s in enumerate(seqs) if s.params.constrained]
         if not rows:
             return []
-        t0 = time.perf_counter()
         bitmask = self._bitmask(len(rows))  # [R, words], all ones
         failed = []
         for j, i in enumerate(rows):
@@ -72,7 +87,6 @@ class RowConstraints:
                 failed.append(i)
         index = torch.tensor(rows, dtype=torch.long)
         self.op(logits, bitmask.to(self.device, non_blocking=True), index.to(self.device))
-        self.mask_seconds += time.perf_counter() - t0
         return failed
 
     def _fill(self, seq, bitmask, j: int) -> None:
@@ -87,6 +101,7 @@ class RowConstraints:
         if not bitmask[j].any():
             raise ValueError("its constraint allows no token here")
 
+    @_timed
     def advance(self, seq, token: int) -> str | None:
         """Each of ``seq``'s states takes ``token``: "error" if one refuses it (seq.error
         says why), "stop" if a constraint is complete, else None."""
@@ -107,6 +122,7 @@ class RowConstraints:
         """A constraint of ``seq`` allows nothing but a stop token now."""
         return any(s.is_complete() for s in seq.constraints or ())
 
+    @_timed
     def forced(self, seq, limit: int) -> list[int]:
         """The tokens ``seq``'s constraint forces next (at most ``limit``), already taken
         by its state; [] without jump-forward (off, logprobs asked, several processors)."""

@@ -15,9 +15,9 @@ round, and the median over rounds of each round's ratio to its unconstrained run
 Out tok/s: generated tokens / wall time from the first request added to the last
 finished. CPU ms / token: this process's CPU time (every thread) over the same span.
 Compile: each schema's compilation against the tokenizer (xgrammar,
-core/structured/grammar.py), P50 / P99 over every schema of every round. Masks: the host
-time filling the bitmasks and masking the logits (on the CPU the op runs there), per
-step, and its share of the step.
+core/structured/grammar.py), P50 / P99 over every schema of every round. Constraints'
+host time (``RowConstraints.host_seconds``): bitmasks filled and applied (on the CPU the
+op runs there), tokens accepted, forced tokens found, per step, and its share of the step.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def schema(request: int, round_: int) -> dict:
 
 
 def run(engine, prompts, params) -> dict:
-    steps, mask0 = 0, engine.constraints.mask_seconds
+    steps, host0 = 0, engine.constraints.host_seconds
     t0, cpu0 = time.perf_counter(), time.process_time()
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
@@ -52,7 +52,7 @@ def run(engine, prompts, params) -> dict:
     assert all(s.finish_reason == "length" for s in seqs), [s.finish_reason for s in seqs]
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "steps": steps,
             "cpu_ms_per_token": cpu / tokens * 1e3,
-            "mask_ms_per_step": (engine.constraints.mask_seconds - mask0) / steps * 1e3}
+            "host_ms_per_step": (engine.constraints.host_seconds - host0) / steps * 1e3}
 
 
 def main(argv=None) -> int:
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     for kind, s in summary.items():
         step_ms = s["seconds"] / s["steps"] * 1e3
         print(f"  {kind:<14} {s['tok_s']:8.1f} out tok/s  ({ratios[kind]:6.1%} of the round's "
-              f"unconstrained)  {s['steps']:4d} steps  masks {s['mask_ms_per_step']:.2f} "
-              f"ms/step ({s['mask_ms_per_step'] / step_ms:.1%})  "
+              f"unconstrained)  {s['steps']:4d} steps  constraints' host time "
+              f"{s['host_ms_per_step']:.2f} ms/step ({s['host_ms_per_step'] / step_ms:.1%})  "
               f"{s['cpu_ms_per_token']:.1f} CPU ms/token")
     q = percentiles(compile_ms, (50, 99))
     print(f"  compile per new schema: P50 {q['p50']:.1f} ms, P99 {q['p99']:.1f} ms "
