@@ -57,7 +57,7 @@ class Engine:
         self.lookahead = DecodeLookahead(self)  # greedy graph decode, one step ahead
         # requests' logits processors (structured output); build() gives its plugins'
         self.constraints = RowConstraints(Vocabulary(spec.vocab_size, self.eos_token_ids,
-                                                     tokenizer), self.device)
+                                                     tokenizer, self.device.type), self.device)
         # distributed.collectives.TensorParallelGroup or distributed.stages.PipelineStage:
         # every rank takes the tokens sampled where the logits are
         self.ranks = None

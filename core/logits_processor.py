@@ -68,6 +68,9 @@ class Vocabulary:
     size: int  # the logits' width: token ids are 0 .. size - 1
     eos_token_ids: frozenset  # the engine's stop tokens (config and tokenizer)
     tokenizer: Any = None  # the engine's Hugging Face tokenizer (None: token ids only)
+    # where the logits are: work a processor could do on a thread of its own (compiling)
+    # only competes with the model for the host's cores where this is "cpu"
+    device: str = "cpu"
 
 
 class ConstraintState:

@@ -94,7 +94,7 @@ class SamplingParams:
     regex: Optional[str] = None
     grammar: Optional[str] = None  # EBNF (GBNF: "root ::= ...") or Lark ("start: ...")
     choice: Optional[tuple[str, ...]] = attrs.field(default=None, converter=choices)
-    jump_forward: bool = True  # tokens a constraint forces: appended, fed in one step
+    jump_forward: bool = False  # tokens a constraint forces: appended, fed in one step
     # registered logits processors (core/logits_processor.py): name -> argument
     logits_processors: tuple = attrs.field(default=(), converter=named_processors)
     #: the structured-output fields as one checked Constraint (None: none given)

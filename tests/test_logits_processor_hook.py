@@ -126,12 +126,16 @@ class TestThirdPartyProcessor:
     def test_complete_finishes_with_stop_masked_or_forced(self, engine):
         prompt = random_prompt(4, 256, 6)
         masked = engine.generate(prompt, max_new_tokens=20, logits_processors={"script": "mask"})
-        forced = engine.generate(prompt, max_new_tokens=20, logits_processors={"script": "force"})
-        for done in masked + forced:
+        forced = engine.generate(prompt, max_new_tokens=20, logits_processors={"script": "force"},
+                                 jump_forward=True)
+        off = engine.generate(prompt, max_new_tokens=20, logits_processors={"script": "force"})
+        for done in masked + forced + off:
             assert done.token_ids == Script.tokens and done.finish_reason == "stop"
-        # forced after the first token: one step for the first, none for the rest
+        # forced after the first token: one step for the first, none for the rest; without
+        # jump_forward (the default) a step each
         assert len(forced[0].metrics.token_times) == 5
         assert len(set(forced[0].metrics.token_times)) == 1
+        assert len(set(off[0].metrics.token_times)) == 5
 
     def test_forced_tokens_are_fed_before_the_next_sample(self, engine):
         # 40 sampled under a mask, 41..44 forced, then the model is free: what it says next
@@ -139,12 +143,13 @@ class TestThirdPartyProcessor:
         prompt = random_prompt(4, 256, 8)
         then = engine.generate(prompt + Script.tokens, max_new_tokens=4)[0].token_ids
         for how in ("mask-then-free", "force-then-free"):
-            done = engine.generate(prompt, max_new_tokens=9, logits_processors={"script": how})
+            done = engine.generate(prompt, max_new_tokens=9, logits_processors={"script": how},
+                                   jump_forward=True)
             assert done[0].token_ids == Script.tokens + then, how
 
     def test_forced_tokens_stop_at_max_new_tokens(self, engine):
         done = engine.generate(random_prompt(4, 256, 12), max_new_tokens=3,
-                               logits_processors={"script": "force"})[0]
+                               logits_processors={"script": "force"}, jump_forward=True)[0]
         assert done.token_ids == Script.tokens[:3] and done.finish_reason == "length"
 
     def test_unknown_names_and_bad_arguments_are_refused_before_queueing(self, engine):

@@ -4,6 +4,7 @@ and regexes, several constraints in one batch), unconstrained requests beside th
 their own tokens, a constraint that cannot finish in time ends with "length", and the
 compiled vocabulary and grammars are cached."""
 import json
+import threading
 
 import pytest
 from hypothesis import HealthCheck, assume, given
@@ -171,18 +172,24 @@ def test_the_vocabulary_and_each_grammar_compile_once(engine):
     assert compiler._compiler is vocabulary and len(processor._compilers) == compilers
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # compiled at once / in the background
 @pytest.mark.parametrize("limit", ["count", "bytes"])
-def test_compiled_grammars_are_dropped_least_recently_asked_first(monkeypatch, limit):
+def test_compiled_grammars_are_dropped_least_recently_asked_first(monkeypatch, limit, device):
     from infergraft.core.logits_processor import Vocabulary
     from infergraft.core.structured import grammar
     from structured_support import EOS, VOCAB, ascii_tokenizer
 
     if limit == "count":
         monkeypatch.setattr(grammar, "CACHED", 2)
-    compiler = grammar.Compiler(Vocabulary(VOCAB, frozenset({EOS}), ascii_tokenizer()))
+    compiler = grammar.Compiler(Vocabulary(VOCAB, frozenset({EOS}), ascii_tokenizer(), device))
     a, b, c = (core.SamplingParams(regex=r).constraint for r in ("a+", "b+", "c+"))
+    threads, compile_one = [], compiler._compile
+    compiler._compile = lambda *args, **kw: threads.append(
+        threading.current_thread().name) or compile_one(*args, **kw)
     first = compiler.compile(a)
     compiler.compile(b).result()
+    # on the CPU in the caller's thread, beside a GPU in the background
+    assert all(t.startswith("infergraft-grammar") == (device == "cuda") for t in threads)
     assert compiler.compile(a) is first and first.result()  # a asked again: the newest
     if limit == "bytes":  # what a and b hold: a third one goes past it
         monkeypatch.setattr(grammar, "CACHED_BYTES", sum(compiler._bytes.values()))

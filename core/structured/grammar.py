@@ -1,15 +1,18 @@
 """The built-in ``grammar`` logits processor: a request's Constraint run by xgrammar.
 
-Why xgrammar (docs/bench/structured_backends.md has the measurements beside llguidance's):
+Why xgrammar (docs/bench/structured.md has the measurements beside llguidance's):
 its token masks cost microseconds a row, and a mask is on every constrained step's path,
 while a grammar's compilation, the slower part, runs once per schema, off that path.
 
 * The tokenizer's vocabulary (byte-level BPE, SentencePiece, added tokens: xgrammar reads
   them from the Hugging Face tokenizer) is compiled once per (tokenizer, vocabulary size,
   stop tokens) and kept: ``Compiler``.
-* Each Constraint is compiled once per (kind, text) and kept (the newest ``CACHED``), in a
-  background thread: ``start`` returns at once and the request's prompt is prefilled
-  meanwhile; its first mask waits for the compilation if it has not finished.
+* Each Constraint is compiled once per (kind, text) and kept (the newest ``CACHED``). For
+  an engine on a GPU, in a background thread: ``start`` returns at once and the request's
+  prompt is prefilled meanwhile (its first mask waits for the compilation if it has not
+  finished). For an engine on the CPU, at once in ``start``: there a compiling thread
+  would take a core from the model's threads, which then wait for it at every barrier
+  (docs/bench/structured.md has what that cost).
 * ``GrammarState`` holds one request's matcher: its masks, the tokens it accepts, whether
   the grammar is complete (then the request stops without sampling its stop token) and
   the text the grammar forces next (jump-forward: tokenised and appended at once).
@@ -54,7 +57,8 @@ class GrammarProcessor(LogitsProcessor):
         return GrammarState(self.compiler(vocab).compile(arg), vocab)
 
     def compiler(self, vocab: Vocabulary) -> "Compiler":
-        key = (id(vocab.tokenizer), vocab.size, tuple(sorted(vocab.eos_token_ids)))
+        key = (id(vocab.tokenizer), vocab.size, tuple(sorted(vocab.eos_token_ids)),
+               vocab.device)
         with self._lock:
             if key not in self._compilers:
                 self._compilers[key] = Compiler(vocab)
@@ -80,7 +84,7 @@ class Compiler:
         with self._lock:
             future = self._futures.get(key)
             if future is None:
-                future = self._futures[key] = self._pool.submit(self._compile, constraint)
+                future = self._futures[key] = self._submit(constraint)
             self._futures.move_to_end(key)
             while len(self._futures) > 1 and (len(self._futures) > CACHED or
                                               sum(self._bytes.values()) > CACHED_BYTES):
@@ -88,7 +92,17 @@ class Compiler:
                 self._bytes.pop(old, None)
         return future
 
-    def _compile(self, constraint: Constraint):
+    def _submit(self, constraint: Constraint) -> Future:
+        if self.vocab.device != "cpu":
+            return self._pool.submit(self._compile, constraint)
+        future = Future()  # here and now (see the module's docstring)
+        try:
+            future.set_result(self._compile(constraint, locked=True))
+        except Exception as e:  # raised where the state first needs it, as in the background
+            future.set_exception(e)
+        return future
+
+    def _compile(self, constraint: Constraint, locked: bool = False):
         t0 = time.perf_counter()
         compiler = self._grammar_compiler()
         kind, text = constraint.kind, constraint.text
@@ -104,6 +118,9 @@ class Compiler:
         else:  # ebnf, choice
             out = compiler.compile_grammar(text)
         self.compile_seconds.append(time.perf_counter() - t0)
+        if locked:  # (compiled in compile(), which holds the lock)
+            self._bytes[(kind, text)] = out.memory_size_bytes
+            return out
         with self._lock:
             if (kind, text) in self._futures:  # (not dropped meanwhile)
                 self._bytes[(kind, text)] = out.memory_size_bytes

@@ -1,6 +1,6 @@
 """xgrammar against llguidance on the same constraints and the same tokenizer (the demo
 model's, SmolLM2's 49,152-token byte-level BPE): which one the ``grammar`` processor
-runs on (core/structured/grammar.py; the verdict is in structured_backends.md).
+runs on (core/structured/grammar.py; the verdict is in structured.md).
 
 ``python docs/bench/structured_backends.py [--repeats 5] [--out FILE.json]``
 
