@@ -6,6 +6,7 @@ import torch
 
 from infergraft import core
 from infergraft.core import InvalidRequestError, RequestFailedError, hookimpl
+from infergraft.core.cli import plugin_rows
 from infergraft.core.logits_processor import ConstraintState, LogitsProcessor, pack_bitmask
 from infergraft.core.testing.logits_kit import LogitsProcessorTests
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
@@ -199,6 +200,9 @@ def test_registered_on_the_process_wide_manager_it_serves_any_engine(
         infergraft_plugin_manager, tiny_llama):
     infergraft_plugin_manager.register(TestThirdPartyProcessor.Plugin(), name="toy")
     assert "ban-tokens" in infergraft_plugin_manager.logits_processors()
+    rows = {(r["kind"], r["name"], r["plugin"]) for r in plugin_rows(infergraft_plugin_manager)}
+    assert {("logits processor", "ban-tokens", "toy"),  # what `infergraft plugins` lists
+            ("logits processor", "grammar", "structured_output")} <= rows
     engine = core.build(tiny_llama, max_seq_len=32)
     done = engine.generate(random_prompt(3, 256, 11), max_new_tokens=6,
                            logits_processors={"ban-tokens": list(range(128))})[0]
