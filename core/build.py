@@ -12,11 +12,12 @@ import torch
 from .cpu_threads import use_cores
 from .distributed.ranks import agreed, rank_device, rank_setup, world_size_for
 from .engine import Engine
-from .errors import PlanError
+from .errors import PlanError, UnsupportedModelError
 from .loading.packing import SlotPacker
 from .loading.gptq import checkpoint_quantizers, weight_quantizer_names
 from .loading.source import resolve_source
 from .loading.weights import load_weights
+from .long_rope import long_rope_mode
 from .memory import (activation_bytes, check_fits, device_budget, step_token_budget,
                      resolve_sizes, weight_bytes)
 from .plan import Plan
@@ -118,6 +119,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     default_dtype = source.dtype if source.dtype in DTYPES.values() else torch.float32
     dtype = resolve_dtype(dtype, default_dtype)
     backend = pm.cache_backends().get(sel.cache_backend or DEFAULT_CACHE_BACKEND)
+    _check_attention(pm, backend, spec)
     planner = pm.planners().get(sel.planner or DEFAULT_PLANNER)
     # a GPTQ / AWQ checkpoint's projections arrive as int4 (loading/gptq.py)
     names = weight_quantizer_names(source.prequantized, sel.quantizers, pm.quantizers())
@@ -134,6 +136,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     use_cores(device)  # torch's threads on the CPU, from the cores left to this process
     preempt = policy_for(preemption, run_spec, device, dtype, parallel.world_size)
     max_seq_len, max_batch_size = resolve_sizes(spec, max_seq_len, max_batch_size)
+    long_rope, opts[0] = long_rope_mode(spec.rope, max_seq_len, backend, opts[0])
     step_tokens = step_token_budget(max_num_batched_tokens)
     from infergraft.kernels import switches  # here, not at import: it imports triton
     from infergraft.kernels.dispatch import get_ops
@@ -150,7 +153,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         - rank.not_held * element_bytes(dtype),
         kv_bytes_per_token=backend.bytes_per_token(run_spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(run_spec, dtype),
-        options=tuple(sorted(plugin_options.items())), sliding_window=spec.sliding_window,
+        options=tuple(sorted(plugin_options.items())), sliding_window=spec.kv_window,
         max_num_batched_tokens=step_tokens,
         activation_bytes=activation_bytes(run_spec, dtype, step_tokens, max_batch_size))
     plan = _with_activations(pm.prepare_plan(plan, spec), plan, run_spec, dtype)
@@ -190,6 +193,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     cache = backend.create(run_spec, plan, device=device, dtype=dtype, ops=ops, **opts[0])
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_num_batched_tokens)
     engine.ranks, engine.scheduler.preemption = rank.ranks, preempt
+    engine.scheduler.long_rope = engine.runner.long_rope = long_rope  # LongRoPE's per sequence
     engine.constraints.processors = pm.logits_processors()  # inline plugins' too
     engine.schedule_ahead = device.type == "cuda" and rank.ranks is None \
         and switches.value("INFERGRAFT_SCHEDULE_AHEAD")
@@ -200,6 +204,23 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
                                                 plan.max_num_batched_tokens, step_graphs)
     engine.build_seconds = time.perf_counter() - t0
     return engine
+
+
+def _check_attention(pm, backend, spec) -> None:
+    """UnsupportedModelError where the model's attention asks for what the cache backend
+    does not declare it honours (``CacheBackend.attention_features``), naming both."""
+    from .spec import ATTENTION_FEATURES
+
+    has = set(getattr(backend, "attention_features", ()))
+    missing = [f for f in spec.attention_features if f not in has]
+    if missing:
+        able = [n for n in pm.cache_backends().names()
+                if set(missing) <= set(getattr(pm.cache_backends().get(n),
+                                               "attention_features", ()))]
+        raise UnsupportedModelError(
+            f"{spec.architecture} needs {'; '.join(ATTENTION_FEATURES[f] for f in missing)}, "
+            f"which cache backend {backend.name!r} does not declare it implements "
+            f"(CacheBackend.attention_features); backends that do: {', '.join(able) or 'none'}")
 
 
 def _budget_alias(budget, old):

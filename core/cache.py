@@ -3,6 +3,11 @@
 A cache owns K/V storage for every layer, hands out room to sequences, and implements
 the attention that reads its own layout. The engine drives it per forward step:
 ``prepare`` (where the new tokens go) -> per layer ``attention`` -> ``free`` at the end.
+
+Layer ``i``'s attention follows ``spec.layer_attention(i)`` (core/spec.py): its scale,
+sliding window and softcap. A backend written before those could vary lists in
+``attention_features`` what it honours beyond LLaMA's (head_dim ** -0.5, one model-wide
+window, no softcap); ``core.build`` refuses a spec that asks for more.
 """
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ class CacheBackend:
     #: quantised K/V formats it can store (``Quantizer.kv_dtype``, e.g. "int8"); when a
     #: K/V quantiser is chosen, ``create`` receives it as ``kv_quantizer=``
     quantized_kv: tuple[str, ...] = ()
+    #: what its attention honours of ``spec.layer_attention(i)`` beyond LLaMA's: any of
+    #: ``core.spec.ATTENTION_FEATURES`` ("scale", "softcap", "layer_windows")
+    attention_features: tuple[str, ...] = ()
 
     def create(self, spec, plan, *, device, dtype, ops, **options) -> "KVCache":
         raise NotImplementedError

@@ -1,7 +1,7 @@
 """The ``infergraft`` command: generate, chat, plugins (and plan, bench, quantize, serve).
 
-This module parses the arguments and dispatches; ``generate`` and ``plugins`` live here,
-``chat``, ``plan``, ``bench``, ``quantize`` and ``serve`` in ``core/tools``. Bad input exits
+This module parses the arguments and dispatches; ``generate`` lives here, ``chat``,
+``plugins``, ``plan``, ``bench``, ``quantize`` and ``serve`` in ``core/tools``. Bad input exits
 2 with what was wrong, Ctrl-C exits 130 without a traceback, a reader gone (``| head``)
 exits 141 without one. ``DESCRIPTION`` is what ``infergraft --help`` tells a user."""
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
-import json
 import os
 import signal
 import sys
@@ -18,9 +17,8 @@ import threading
 from .build import build
 from .errors import InfergraftError, InvalidRequestError
 from .memory import MAX_SEQ_LEN_DEFAULT
-from .plugin_manager import get_plugin_manager
 from .request import SamplingParams
-from .tools import chat, structured_cli
+from .tools import chat, plugins_cli, structured_cli
 from .tools.config_cli import REVISION_HELP, add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -29,7 +27,7 @@ DEFAULT_MODEL = "smollm2-135m"
 READER_GONE = 141
 
 DESCRIPTION = """\
-infergraft runs LLMs (LLaMA, Mistral, GPT-2; more families through plugins) on a CUDA GPU
+infergraft runs LLMs (LLaMA, Mistral, Phi-3/4, GPT-2; more through plugins) on a CUDA GPU
 or the CPU: one prompt, a chat in the terminal, or an OpenAI-compatible server. A model is
 a local Hugging Face directory (config.json and *.safetensors), a hub id already in the
 Hugging Face cache (org/name), or the demo alias smollm2-135m (downloaded once).
@@ -111,45 +109,6 @@ def cmd_chat(args) -> int:
     return chat.run(args, make_engine=_build)
 
 
-def plugin_rows(pm=None) -> list[dict]:
-    """One row per registered object (kind, name) and per plugin that registers none
-    (kind "hooks", e.g. a prepare_plan-only plugin), with where it came from."""
-    pm = pm or get_plugin_manager()
-    rows, seen = [], set()
-    for kind, reg in pm.registries().items():
-        for name in reg.names():
-            seen.add(reg.origin(name))
-            rows.append(_row(pm, kind, name, reg.origin(name)))
-    rows += [_row(pm, "hooks", p, p) for p in pm.info if p not in seen]
-    rows += [b.row() for b in pm.broken.values()]  # skipped at load, with why
-    return rows
-
-
-def _row(pm, kind: str, name: str, plugin: str) -> dict:
-    info = pm.info[plugin]
-    return {"kind": kind, "name": name, "plugin": plugin, "version": info.version,
-            "contract": info.contract, "origin": info.origin, "module": info.module,
-            "hooks": pm.hook_names(plugin)}
-
-
-def cmd_plugins(args) -> int:
-    rows = plugin_rows()
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    cols = ("kind", "name", "plugin", "version", "contract", "origin")
-    widths = {c: max([len(c)] + [len(str(r[c])) for r in rows]) for c in cols}
-    print("  ".join(c.upper().ljust(widths[c]) for c in cols).rstrip())
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols).rstrip())
-    if not rows:
-        print("(no plugins registered)")
-    for r in rows:  # why each skipped plugin was skipped: the table has no room for it
-        if r["kind"] == "broken":
-            print(f"\n{r['name']}: {r['error']}")
-    return 0
-
-
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"HF model directory, hub id in the Hugging Face cache (org/name) or "
@@ -193,7 +152,7 @@ def make_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
     p = sub.add_parser("plugins", help="list registered plugins")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_plugins)
+    p.set_defaults(func=plugins_cli.run)
     b = sub.add_parser("bench", help="decode/prefill benchmark beside HF transformers")
     from .tools.bench_cli import add_arguments, run as run_bench
     add_arguments(b)

@@ -1,8 +1,9 @@
 """The layer-replacement contract: what ``infergraft_register_layers`` registers.
 
 The runner composes each decoder layer (``core.runner.model.DecoderLayer``: norm ->
-attention -> add -> norm -> MLP -> add, the pre-norm residual stream) from registered
-parts that the policy's ModelSpec names: the attention and the MLP of each layer
+attention -> add -> norm -> MLP -> add, the pre-norm residual stream; with
+``LayerSpec.post_norms`` a norm on each output before its add) from registered parts that
+the policy's ModelSpec names: the attention and the MLP of each layer
 (``LayerSpec.attention`` / ``.mlp``), the norm of the whole model (``ModelSpec.norm``).
 The LLaMA parts every family reuses (``infergraft.policies.llama_layers``: attention
 ``llama``, MLPs ``gated`` and ``plain``, norms ``rms`` and ``layer``) register through
@@ -13,10 +14,15 @@ policy's weight map fills, what quantisers, planners and the weight streamer see
 part adds them to the layer and runs them with the layer passed in, as vLLM's
 ``AttentionImpl.forward(layer, ...)`` does. What ``build`` returns:
 
+``layer.layer_spec`` is the layer's own ``LayerSpec`` (set before its parts build: a
+mixture-of-experts MLP reads its ``experts`` there).
+
 * attention: ``build(layer, spec, ops)`` adds its projections to ``layer`` and returns an
   object with ``forward(layer, x, layer_idx, positions, rope, cache, meta) -> [T, H]``
-  (x: the normed stream [T, H]; the output before the tensor-parallel all-reduce, which
-  the layer does), ``input_projection`` (the slot name of the projection its input norm
+  (x: the normed stream [T, H]; ``rope``: (cos, sin) tables, ``positions`` [T] the rows of
+  them each token reads: its position, LongRoPE's table row past its boundary,
+  core/rope.py ``table_rows``; where K/V go is the cache's ``meta``; the output before the
+  tensor-parallel all-reduce, which the layer does), ``input_projection`` (the slot name of the projection its input norm
   feeds: the fused decode layer folds the norm's weight into it), ``fuses`` (whether it
   runs in the fused decode layer) and, if it does, ``fusable(layer) -> bool`` (after
   loading: its projections in a form the fused GEMMs read) and ``forward_fused(layer,
@@ -25,7 +31,11 @@ part adds them to the layer and runs them with the layer passed in, as vLLM's
   sum_sq, want_next) -> (stream, sum_sq or None)``.
 * norm: ``build(spec, ops) -> nn.Module`` with buffers ``weight`` (and ``bias``) and
   ``forward(x, residual=None) -> (normed, x + residual)``; ``folds = True`` where it is
-  an RMSNorm whose weight the fused decode layer may fold into the next projection.
+  an RMSNorm whose weight the fused decode layer may fold into the next projection;
+  ``adds_partials`` where, given a residual, it also takes x as split-K partials.
+
+An attention's or MLP's output projection may return split-K partials [S, T, H] only where
+``layer.sums_partials`` (the norm after it adds them up: not before a post norm).
 
 Weights a part adds beyond the LLaMA layer's slots are declared in the spec
 (``LayerSpec.slots``), so that plans, planners and weight maps see them from the config

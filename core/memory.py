@@ -19,21 +19,13 @@ import torch
 
 from ._moved import moved_names
 from .errors import PlanError
+from .rope import check_rope_range
 from .scheduler import DEFAULT_BATCHED_TOKENS
 from .units import (KVSizes, activations_label, both_units, element_bytes,  # noqa: F401
                     fmt_bytes, kv_bytes_per_token, parse_bytes, rows_table)
 from .budget import (as_bytes, check_utilization, device_budget, host_memory,  # noqa: F401
                      pool_blocks)
-
-
-def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None, device=None,
-                 kernels: Optional[str] = None) -> int:
-    """Bytes of all the model's weights (the quantised slots packed when quantised; on
-    ``device`` with ``kernels``, with the dequantised copies the quantiser keeps there:
-    ``Quantizer.dense_on``)."""
-    if weight_quantizer is not None:
-        return weight_quantizer.weight_bytes(spec, element_bytes(dtype), device, kernels)
-    return spec.param_count * element_bytes(dtype)
+from .weight_bytes import active_weight_bytes, expert_counts, weight_bytes  # noqa: F401
 
 
 def positive_int(name: str, value, hint: str = "") -> int:
@@ -61,6 +53,7 @@ def resolve_sizes(spec, max_seq_len, max_batch_size) -> tuple[int, int]:
     if spec.position == "learned" and seq > spec.max_position:
         raise PlanError(f"max_seq_len={seq} exceeds the model's {spec.max_position} "
                         "learned positions")
+    check_rope_range(spec.rope, seq, spec.max_position)  # dynamic NTK: where it is HF's
     if seq > spec.max_position:  # RoPE runs on, but the model never saw those positions
         warnings.warn(f"max_seq_len={seq} exceeds the model's max_position_embeddings="
                       f"{spec.max_position}: output past that position may degrade",
@@ -94,6 +87,10 @@ def activation_bytes(spec, dtype: torch.dtype, step_tokens: int, max_batch_size:
     positive_int("max_batch_size", max_batch_size)
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
     mlp = 3 * spec.intermediate_size if spec.gated_mlp else 2 * spec.intermediate_size
+    # a mixture of experts: the router's logits, each (token, expert) pair's activation
+    # and weighted output (k I + k H: ops.fused_moe's), their sum
+    for x in (layer.experts for layer in spec.layers if layer.experts is not None):
+        mlp = max(mlp, x.num_experts + x.top_k * (x.intermediate_size + h) + h)
     # Per row: the layer's input stream and residual, the new residual and the normed
     # input (4H), and the largest of what the three phases add to them: attention (qkv,
     # rotated q and k, its output: 3q + 3kv), the second norm (o output, the new residual
@@ -125,6 +122,12 @@ class MemoryPlan(KVSizes):
     max_num_batched_tokens: Optional[int] = None  # that step's tokens
     weight_placement: Optional[object] = None  # plan.WeightPlacement: layers in host memory
     device: Optional[str] = None  # where the weights are held ("cpu", "cuda"), when known
+    # a mixture of experts: the parameters, those one token runs through (its top_k
+    # experts a layer) and their bytes (active_weight_bytes); None without experts
+    param_count: int = 0
+    active_param_count: int = 0
+    active_weight_bytes: Optional[int] = None
+    experts: str = ""  # e.g. "top-2 of 8 experts a layer"
 
     @property
     def device_weight_bytes(self) -> int:
@@ -182,6 +185,7 @@ class MemoryPlan(KVSizes):
             ("model", self.model),
             ("dtype / K/V dtype", f"{self.dtype} / {self.kv_dtype}"),
             ("weights", fmt_bytes(self.weight_bytes)),
+            *self.expert_rows(),
             *(self.weight_placement.rows(self.weight_bytes) if self.weight_placement else ()),
             ("KV per token", f"{both_units(self.kv_bytes_per_token)} "
                              f"({self.kv_bytes_per_token} B)"),
@@ -204,6 +208,16 @@ class MemoryPlan(KVSizes):
                 rows.append(("largest batch with windows", f"{self.max_batch_with_window} "
                              "(one prompt at full length, the rest at their window)"))
         return rows
+
+    def expert_rows(self) -> list[tuple[str, str]]:
+        """A mixture of experts: its parameters, total and active, and the active ones'
+        bytes, which bound a batch-1 decode step (it reads no other expert)."""
+        if self.active_weight_bytes is None:
+            return []
+        return [("parameters", f"{self.param_count / 1e9:.3g}B, {self.active_param_count / 1e9:.3g}B "
+                               f"active ({self.experts})"),
+                ("active weights", f"{fmt_bytes(self.active_weight_bytes)} (what a batch-1 "
+                                   "decode step reads: the routed experts, the rest whole)")]
 
     def __str__(self) -> str:
         return rows_table(self.rows())
@@ -244,9 +258,10 @@ def plan_memory(spec, *, model: str = "", dtype: torch.dtype = torch.float32,
                       kv_bytes_per_token=kv_bytes_per_token(spec, dtype, kv_quantizer),
                       max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                       budget=budget, budget_source=budget_source,
-                      sliding_window=getattr(spec, "sliding_window", None),
+                      sliding_window=getattr(spec, "kv_window", None),
                       activation_bytes=activation_bytes(spec, dtype, step, max_batch_size),
-                      max_num_batched_tokens=step, device=None if device is None else str(device))
+                      max_num_batched_tokens=step, device=None if device is None else str(device),
+                      **expert_counts(spec, dtype, weight_quantizer))
 
 
 def check_fits(plan, kv_device_bytes: int, budget: Optional[int], source: str) -> None:

@@ -32,9 +32,13 @@ from .registry import KINDS, SELECTABLE, Registry, collect
 #: Built-ins, registered through the same path as third-party plugins.
 DEFAULT_PLUGINS = (
     "infergraft.policies.llama_layers",
+    "infergraft.policies.moe_layers",
     "infergraft.policies.llama",
     "infergraft.policies.mistral",
+    "infergraft.policies.mixtral",
+    "infergraft.policies.phi3",
     "infergraft.policies.gpt2",
+    "infergraft.policies.gemma",
     "infergraft.plugins.contiguous",
     "infergraft.plugins.paged",
     "infergraft.plugins.offload",

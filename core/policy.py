@@ -16,12 +16,16 @@ class WeightRule:
 
     ``part`` indexes the slot's fused parts (q, k, v -> qkv: 0, 1, 2); None means the
     tensor fills the whole slot. ``transpose`` is for HF ``Conv1D`` ([in, out]) weights.
+    ``stacked``: the tensor holds the slot's parts stacked along a leading dim (transformers
+    5's experts in one tensor, [E, 2I, H], for the slot [E * 2I, H]); its first two dims
+    are merged.
     """
 
     source: str
     slot: str
     part: Optional[int] = None
     transpose: bool = False
+    stacked: bool = False
 
     def pattern(self) -> re.Pattern:
         return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(\d+)") + "$")
@@ -35,6 +39,11 @@ class WeightMap:
     #: (alias, key): the alias may stand in for key, e.g. a tied LM head saved in place of
     #: the embedding; whichever arrives first is used, the other is skipped
     aliases: tuple[tuple[str, str], ...] = ()
+    #: rules for another layout of the same weights, each filling a whole slot in place of
+    #: the ``rules`` that fill it: a model in memory under transformers 5 holds its experts
+    #: stacked in one tensor (``mlp.experts.gate_up_proj``) where its checkpoint has one
+    #: tensor an expert (``mlp.experts.3.gate_proj.weight``)
+    alternatives: tuple[WeightRule, ...] = ()
 
 
 class Policy:

@@ -100,9 +100,11 @@ def recompute_flops(spec, tokens: int) -> float:
     """FLOPs of prefilling ``tokens`` tokens again: the layers' matmuls and attention."""
     h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
     layer_weights = h * (q + 2 * kv) + q * h + h * i * (3 if spec.gated_mlp else 2)
-    w = min(tokens, spec.sliding_window or tokens)
-    keys = w * (w + 1) // 2 + (tokens - w) * w  # each position attends min(pos + 1, W)
-    return 2.0 * spec.num_layers * (layer_weights * tokens + 2 * q * keys)
+    keys = 0  # over the layers, each its own window: a position attends min(pos + 1, W)
+    for n in range(spec.num_layers):
+        w = min(tokens, spec.layer_attention(n).window or tokens)
+        keys += w * (w + 1) // 2 + (tokens - w) * w
+    return 2.0 * (spec.num_layers * layer_weights * tokens + 2 * q * keys)
 
 
 class PreemptionPolicy:

@@ -29,7 +29,8 @@ from ._moved import moved_names
 from .slots import slot_layout
 
 QUANTIZER_TARGETS = ("weights", "kv")
-_PROJECTION = re.compile(r"^layers\.\d+\.(qkv|o|gate_up|fc_in|down)\.weight$")
+_PROJECTION = re.compile(r"^layers\.\d+\.(qkv|o|gate_up|fc_in|down|experts_gate_up|experts_down)"
+                         r"\.weight$")
 
 
 class Quantizer:
@@ -61,7 +62,8 @@ class Quantizer:
     # -- weight quantisers (see core.testing.quant_kit for pack / unpack / matmul) -------
     def quantizes(self, slot: str) -> bool:
         """Whether ``core.build`` packs this weight slot: by default every decoder layer's
-        projection (qkv, o, gate_up or fc_in, down); embeddings, lm_head and norms stay."""
+        projection (qkv, o, gate_up or fc_in, down; a mixture of experts' stacked expert
+        matrices, each row an expert's); embeddings, lm_head, norms and routers stay."""
         return bool(_PROJECTION.search(slot))
 
     def __init_subclass__(cls, **kw):

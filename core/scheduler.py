@@ -23,11 +23,12 @@ from __future__ import annotations
 import collections
 import itertools
 
-import attrs
-
 from .cache import CacheFullError, KVCache
 from .errors import InfergraftError
+from .long_rope import recompute_at_boundary, recompute_due
 from .request import Sequence, Status
+# (Step, step_tokens: imported from here too)
+from .step import Step, step_of, step_tokens, tokens_of  # noqa: F401
 from .swap_schedule import RECOMPUTE, can_swap_in_now, drop_waiting, preempt_newest, swap_in_ready
 
 #: tokens one step carries at most when ``max_num_batched_tokens`` is not given (the
@@ -38,38 +39,6 @@ DEFAULT_BATCHED_TOKENS = 2048
 
 class SchedulerError(InfergraftError, RuntimeError):
     """The cache refuses a sequence even with nothing else running (a backend bug)."""
-
-
-@attrs.frozen
-class Step:
-    kind: str  # "prefill" (some sequence feeds prompt tokens) | "decode" (none does)
-    seqs: list
-    # tokens each sequence feeds: 1 for a decoding sequence (one that is not
-    # ``prefilling``), the next chunk of its prompt for a prefilling one
-    counts: list
-
-
-def step_of(seqs: list[Sequence], counts: list[int]) -> Step:
-    """The step feeding ``counts`` tokens to ``seqs``, its kind from theirs."""
-    return Step("prefill" if any(s.prefilling for s in seqs) else "decode", seqs, counts)
-
-
-def tokens_of(seq: Sequence) -> list[int]:
-    """What a prefill of ``seq`` feeds: its prompt, plus its output after a preemption."""
-    return seq.prompt_ids + seq.output_ids
-
-
-def step_tokens(step: Step) -> list[int]:
-    """The token ids ``step`` feeds, sequence after sequence: a prefilling sequence's next
-    ``count`` tokens, a decoding one's last sampled token."""
-    tokens = []
-    for s, n in zip(step.seqs, step.counts):
-        if s.prefilling:
-            done = s.num_computed_tokens
-            tokens += tokens_of(s)[done:done + n]
-        else:
-            tokens.append(s.output_ids[-1])
-    return tokens
 
 
 class Scheduler:
@@ -90,6 +59,7 @@ class Scheduler:
         self._ticks = itertools.count()
         self._last_ran: dict[int, int] = {}
         self._last_kind = None
+        self.long_rope = None  # core.long_rope.LongRopeSwitch: LongRoPE's two tables (build())
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -121,7 +91,7 @@ class Scheduler:
         sampled), or None where the cache is short or a swapped sequence could come back:
         pausing, preempting, swapping in see the step's outcome. Admits as ``schedule``
         does; ``resume`` takes the step once this one is done."""
-        if can_swap_in_now(self):  # its step must run ``schedule``'s swap-in first
+        if can_swap_in_now(self) or recompute_due(self):  # ``schedule`` must run those first
             return None
         seqs, counts, short = self._running_part()
         return None if short or not seqs else self._take(seqs, counts, admit=not self.swapped)
@@ -142,6 +112,7 @@ class Scheduler:
 
     def _schedule(self) -> Step | None:
         swap_in_ready(self)  # swapped sequences come back first, where there is room
+        recompute_at_boundary(self)  # LongRoPE: short sequences reaching it prefilled again
         while True:
             seqs, counts, short = self._running_part()
             # a cache that refused a running sequence, or owes a swapped one, takes no prompt
@@ -254,8 +225,9 @@ class Scheduler:
                 "num_running": len(self.running),
                 "num_waiting": len(self.waiting) + len(self.swapped)}
 
-    def preempt(self, seq: Sequence, failed: bool = False) -> None:
-        """Recompute preemption: free the cache (``failed``: none of it reused), requeue."""
+    def preempt(self, seq: Sequence, failed: bool = False, counted: bool = True) -> None:
+        """Recompute preemption: free the cache (``failed``: none of it reused), requeue
+        (``counted`` as a preemption: LongRoPE's recompute at its boundary is none)."""
         self.running.remove(seq)
         free = getattr(self.cache, "discard", self.cache.free) if failed else self.cache.free
         free(seq.id)
@@ -263,8 +235,9 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_prefill_tokens = seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-        self.num_recomputed += 1
+        if counted:
+            self.num_preemptions += 1
+            self.num_recomputed += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)  # first: a sequence that is not running stays as it was

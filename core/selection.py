@@ -2,7 +2,9 @@
 the model, and the dtype and device asked for, each refused with what is accepted."""
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
+import re
 from typing import Any, Iterable, Optional
 
 import attrs
@@ -20,7 +22,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
 # Architectures that a package in this repository's contrib/ supports: (its distribution,
 # its plugin's name). A model that no registered policy claims is told where one is.
 CONTRIB_FAMILIES = {"Qwen2ForCausalLM": ("infergraft-qwen", "qwen2"),
-                    "Qwen3ForCausalLM": ("infergraft-qwen", "qwen3")}
+                    "Qwen3ForCausalLM": ("infergraft-qwen", "qwen3"),
+                    "Qwen3MoeForCausalLM": ("infergraft-qwen", "qwen3_moe")}
 
 
 @attrs.define
@@ -111,13 +114,50 @@ def choose_policy(pm: PluginManager, config, forced: Optional[str]):
     if not claimants:
         supported = sorted({a for p in registry for a in p.architectures})
         raise UnsupportedModelError(
-            f"no registered policy supports {', '.join(archs)}; supported architectures: "
-            f"{', '.join(supported) or '(none)'}{contrib_hint(pm, archs)}")
+            f"no registered policy supports {', '.join(archs)}"
+            f"{closest_hint(registry, archs, getattr(config, 'model_type', None))}; supported "
+            f"architectures: {', '.join(supported) or '(none)'}{contrib_hint(pm, archs)}")
     if len(claimants) > 1:
         names = ", ".join(repr(p.name) for p in claimants)
         raise UnsupportedModelError(f"policies {names} (plugins {', '.join(registry.origin(p.name) for p in claimants)}) "
                                     f"all claim {', '.join(archs)}; pick one with plugins=[name]")
     return claimants[0]
+
+
+def closest_supported(registry, archs, model_type=None, n: int = 3) -> list[str]:
+    """The supported architectures nearest to ``archs`` and ``model_type`` by spelling,
+    nearest first, each ``Arch (policy)``: those of the registered policies and those a
+    contrib package has (``CONTRIB_FAMILIES``). Names are compared without their head
+    (``Phi3SmallForCausalLM`` as ``phi3small``: near ``phi3``), model types with model
+    types and those stems (difflib's ratio, at least 0.6)."""
+    owners = {a: p.name for p in registry for a in p.architectures}
+    for arch, (_, plugin) in CONTRIB_FAMILIES.items():
+        owners.setdefault(arch, plugin)
+    keys = [(_stem(a), a) for a in owners]  # (what is compared, the architecture it names)
+    keys += [(t, a) for p in registry for t in p.model_types for a in p.architectures]
+    words = [_stem(a) for a in archs] + ([model_type.lower()] if isinstance(model_type, str)
+                                         else [])
+    scored = {}
+    for word in words:
+        for key, arch in keys:
+            score = difflib.SequenceMatcher(None, word, key).ratio()
+            if score >= 0.6 and arch not in archs:
+                scored[arch] = max(score, scored.get(arch, 0.0))
+    best = sorted(scored, key=lambda a: (-scored[a], a))[:n]
+    return [f"{a} ({owners[a]})" for a in best]
+
+
+_HEADS = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration|Model)$")
+
+
+def _stem(arch: str) -> str:
+    """``Phi3ForCausalLM`` -> ``phi3``: the family part of an architecture's name."""
+    return _HEADS.sub("", str(arch)).lower() or str(arch).lower()
+
+
+def closest_hint(registry, archs, model_type=None) -> str:
+    near = closest_supported(registry, archs, model_type)
+    return f" (closest supported by name: {', '.join(near)})" if near else ""
 
 
 def contrib_hint(pm: PluginManager, archs) -> str:

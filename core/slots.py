@@ -14,6 +14,19 @@ def folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
     return weight * norm_weight.to(weight.dtype)[None, :]
 
 
+def expert_slots(experts, hidden: int) -> dict:
+    """The slots of a mixture-of-experts layer (``core.spec.ExpertSpec``): the router
+    [E, H], and the experts' projections stacked as one matrix each, an expert's rows after
+    another's, so that a checkpoint's per-expert tensors fill them part by part (and tensor
+    parallelism cuts every part, as it cuts gate_up's): ``experts_gate_up`` [E * 2I, H]
+    (parts gate_0, up_0, gate_1, ...: I rows each), ``experts_down`` [E * H, I] (parts:
+    H rows an expert)."""
+    e, i, h = experts.num_experts, experts.intermediate_size, hidden
+    return {"router.weight": ((e, h), None),
+            "experts_gate_up.weight": ((e * 2 * i, h), (i,) * (2 * e)),
+            "experts_down.weight": ((e * h, i), (h,) * e)}
+
+
 def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
     """slot -> (shape, sizes of its fused parts along dim 0, or None if unfused)."""
     h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
@@ -23,7 +36,8 @@ def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, 
         out["pos_embed.weight"] = ((spec.max_position, h), None)
     for n in range(spec.num_layers):
         p = f"layers.{n}."
-        for norm in ("attn_norm", "mlp_norm"):
+        post = ("attn_post_norm", "mlp_post_norm") if spec.layer(n).post_norms else ()
+        for norm in ("attn_norm", "mlp_norm") + post:
             out[p + norm + ".weight"] = ((h,), None)
             if layer_norm:
                 out[p + norm + ".bias"] = ((h,), None)
@@ -33,7 +47,10 @@ def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, 
         out[p + "o.weight"] = ((h, q), None)
         if spec.o_bias:
             out[p + "o.bias"] = ((h,), None)
-        if spec.gated_mlp:
+        layer = spec.layer(n)
+        if layer.experts is not None:  # a mixture of experts in place of the dense MLP
+            out.update({p + name: slot for name, slot in expert_slots(layer.experts, h).items()})
+        elif spec.gated_mlp:
             out[p + "gate_up.weight"] = ((2 * i, h), (i, i))
             if spec.mlp_bias:
                 out[p + "gate_up.bias"] = ((2 * i,), (i, i))
@@ -41,10 +58,11 @@ def slot_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, 
             out[p + "fc_in.weight"] = ((i, h), None)
             if spec.mlp_bias:
                 out[p + "fc_in.bias"] = ((i,), None)
-        out[p + "down.weight"] = ((h, i), None)
-        if spec.mlp_bias:
-            out[p + "down.bias"] = ((h,), None)
-        for name, shape in spec.layer(n).slots:  # what the layer's own parts add
+        if layer.experts is None:
+            out[p + "down.weight"] = ((h, i), None)
+            if spec.mlp_bias:
+                out[p + "down.bias"] = ((h,), None)
+        for name, shape in layer.slots:  # what the layer's own parts add
             out[p + name] = (shape, None)
     out["final_norm.weight"] = ((h,), None)
     if layer_norm:

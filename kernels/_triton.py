@@ -68,8 +68,17 @@ if HAVE_TRITON:
     def pdl_release(PDL: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def soft_cap(s, cap):
+        """cap * tanh(s / cap) (Gemma 2's attention logit softcap), s float32. tl has no
+        tanh: tanh(x) = 2 sigmoid(2x) - 1, 2x clamped where sigmoid has long saturated so
+        that exp() stays finite."""
+        x = tl.minimum(tl.maximum(2.0 * s / cap, -80.0), 80.0)
+        return cap * (2.0 * tl.sigmoid(x) - 1.0)
 else:
     load_row_add_residual = last_to_arrive = pdl_enter = pdl_wait = pdl_release = None
+    soft_cap = None
 
 
 _PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}

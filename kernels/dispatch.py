@@ -23,6 +23,7 @@ OPS = {
     "rotary_kv_write": "rotary",
     "rotary_kv_write_quant": "rotary_quant",
     "silu_mul": "silu_mul",
+    "gelu_mul": "gelu_mul",
     "kv_write": "kv_write",
     "linear": "linear",
     "linear_partials": "linear",
@@ -42,6 +43,7 @@ OPS = {
     "fp8_linear": "fp8_linear",
     "embed_sum_sq": "embedding",
     "logits_argmax": "greedy",
+    "fused_moe": "fused_moe",
     "apply_token_bitmask": "token_bitmask",
 }
 BACKENDS = ("auto", "torch", "triton")

@@ -11,13 +11,13 @@ Byte j of word w is column 4w + j, so a K tile's dot is 4 dots (byte j of every 
 against x's columns 4w + j, split from x's tile in registers); the row scale is applied
 once, in the epilogue. fp16 x takes the same path, the bf16 values widened to fp16 after.
 
-Split-K as ``int4_mma``: partials [S, M, N] summed by the last split of a column tile.
+Split-K: ``split_k.py`` (partials [S, M, N] summed by the last split of a column tile).
 """
 import torch
 
-from ._triton import HAVE_TRITON, interpreting, last_to_arrive, next_pow2, pdl_launch, \
-    pdl_release, pdl_wait, tl, triton
-from .int4_gemv import reduce_partials
+from ._triton import HAVE_TRITON, interpreting, next_pow2, pdl_launch, pdl_release, \
+    pdl_wait, tl, triton
+from .split_k import auto_split, finish, outputs, splits, store_tile
 
 BLOCK_K = 128  # bytes of a row a K step reads: 32 words, four dots of K = 32
 MAX_ROWS = 64
@@ -92,22 +92,8 @@ if HAVE_TRITON:
         acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[:, None]
         ymask = nmask[:, None] & mmask[None, :]
         y_off = rm[None, :] * stride_ym + rn[:, None]                           # [BN, BM]
-        if SPLIT > 1:
-            tl.store(p_ptr + pid_s * stride_ys + y_off, acc, mask=ymask)
-            if FIXUP:
-                if last_to_arrive(cnt_ptr + pid_n, SPLIT):
-                    acc = tl.load(p_ptr + y_off, mask=ymask, other=0.0)
-                    for s2 in tl.static_range(1, SPLIT):
-                        acc += tl.load(p_ptr + s2 * stride_ys + y_off, mask=ymask, other=0.0)
-                    if HAS_BIAS:
-                        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-                    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=ymask)
-                    tl.atomic_xchg(cnt_ptr + pid_n, 0)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=ymask)
-
+        store_tile(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rn, nmask, y_off, ymask, stride_ys,
+                   SPLIT, FIXUP, HAS_BIAS)
 
 def takes_fp8_mma(x2: torch.Tensor, in_features: int) -> bool:
     """Whether ``fp8_mma`` takes this GEMM: 1..MAX_ROWS rows of 16-bit x, K a multiple of 4
@@ -119,11 +105,7 @@ def takes_fp8_mma(x2: torch.Tensor, in_features: int) -> bool:
 def fp8_mma_config(m: int, n: int, k: int) -> dict:
     """Tiles and split-K: 64 rows of W a program, x padded to 16 rows or more, K split
     until about two programs an SM (untuned)."""
-    tiles = -(-k // BLOCK_K)
-    programs = -(-n // 64)
-    split = 1
-    while split < 8 and programs * split < 2 * 132 and tiles >= 4 * split:
-        split *= 2
+    split = auto_split(-(-n // 64), -(-k // BLOCK_K))
     return dict(BLOCK_N=64, BLOCK_M=max(16, next_pow2(m)), SPLIT=split, num_warps=4,
                 num_stages=3)
 
@@ -133,8 +115,6 @@ def fp8_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias=No
     """x2 [M, K] (unit column stride, ``takes_fp8_mma``), weight float8_e4m3fn [N, K]
     (contiguous), scale float32 [N] -> y [M, N] = x (weight * scale)^T + bias in x's dtype.
     ``asm``: the inline-assembly widening (default: unless interpreting)."""
-    from .paged_plan import counters_for
-
     m, k = x2.shape
     n = weight.shape[0]
     assert takes_fp8_mma(x2, k) and weight.shape == (n, k) and weight.is_contiguous(), \
@@ -142,17 +122,9 @@ def fp8_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias=No
         f"e4m3; got x {tuple(x2.shape)} {x2.dtype}, weight {tuple(weight.shape)}"
     words = weight.view(torch.int32)  # [N, K / 4]
     cfg = dict(config or fp8_mma_config(m, n, k))
-    split = cfg.pop("SPLIT")
     tiles = -(-k // BLOCK_K)
-    per = -(-tiles // split)
-    split = -(-tiles // per)  # no empty split
-    if y is None:
-        y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    assert y.is_contiguous() and y.shape == (m, n), f"y must be contiguous [{m}, {n}]"
-    parts, cnt = y, None
-    if split > 1:
-        parts = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
-        cnt = counters_for(counters, x2.device, -(-n // cfg["BLOCK_N"]))
+    per, split = splits(tiles, cfg.pop("SPLIT"))
+    y, parts, cnt = outputs(m, n, split, cfg["BLOCK_N"], x2, y, counters)
     if asm is None:
         asm = not interpreting()
     _fp8_mma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
@@ -160,6 +132,4 @@ def fp8_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias=No
         parts if cnt is None else cnt, m, n, k, words.shape[1], tiles, per, x2.stride(0),
         words.stride(0), y.stride(0), m * n, SPLIT=split, FIXUP=cnt is not None,
         HAS_BIAS=bias is not None, ASM=asm, **cfg, **pdl_launch(x2.device))
-    if split > 1 and cnt is None:
-        reduce_partials(parts, bias, y)
-    return y
+    return finish(y, parts, cnt, bias)

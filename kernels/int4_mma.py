@@ -16,16 +16,14 @@ is 8 dots of 16 words each: W_j [BN, 16] (nibble j of every word) against x's co
 group of 128 columns, so its dot is scaled by the group's scale and the zero-point leaves
 the products: sum (q - z) x = sum q x - z sum x.
 
-Split-K (SPLIT > 1, for the narrow outputs whose column tiles alone leave SMs idle): each
-split writes float32 partials [S, M, N]; the last split of a column tile to finish sums
-them in split order (deterministic) and stores y, through a counter (``last_to_arrive``)
-where the caller's ``CounterPool`` has one, else ``int4_gemv.reduce_partials`` does it.
+Split-K (SPLIT > 1, for the narrow outputs whose column tiles alone leave SMs idle):
+``split_k.py`` (partials [S, M, N] summed by the last split of a column tile).
 """
 import torch
 
-from ._triton import HAVE_TRITON, interpreting, last_to_arrive, next_pow2, pdl_launch, \
-    pdl_release, pdl_wait, tl, triton
-from .int4_gemv import reduce_partials
+from ._triton import HAVE_TRITON, interpreting, next_pow2, pdl_launch, pdl_release, \
+    pdl_wait, tl, triton
+from .split_k import auto_split, finish, outputs, splits, store_tile
 
 GROUP = 128  # the group size this kernel takes: a K tile is one group
 MAX_ROWS = 64
@@ -124,22 +122,8 @@ if HAVE_TRITON:
         pdl_release(PDL)
         ymask = nmask[:, None] & mmask[None, :]
         y_off = rm[None, :] * stride_ym + rn[:, None]                           # [BN, BM]
-        if SPLIT > 1:
-            tl.store(p_ptr + pid_s * stride_ys + y_off, acc, mask=ymask)
-            if FIXUP:
-                if last_to_arrive(cnt_ptr + pid_n, SPLIT):
-                    acc = tl.load(p_ptr + y_off, mask=ymask, other=0.0)
-                    for s2 in tl.static_range(1, SPLIT):
-                        acc += tl.load(p_ptr + s2 * stride_ys + y_off, mask=ymask, other=0.0)
-                    if HAS_BIAS:
-                        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-                    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=ymask)
-                    tl.atomic_xchg(cnt_ptr + pid_n, 0)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=ymask)
-
+        store_tile(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rn, nmask, y_off, ymask, stride_ys,
+                   SPLIT, FIXUP, HAS_BIAS)
 
 def takes_mma(x2: torch.Tensor, group_size: int, in_features: int) -> bool:
     """Whether ``int4_mma`` takes this GEMM: 1..MAX_ROWS rows of 16-bit x, groups of 128,
@@ -151,13 +135,8 @@ def takes_mma(x2: torch.Tensor, group_size: int, in_features: int) -> bool:
 def mma_config(m: int, n: int, k: int) -> dict:
     """Tiles and split-K of an M x N x K GEMM: 64 rows of W a program (the MMA's M side),
     x padded to 16 rows or more, split K until about two programs an SM (untuned)."""
-    bn = 64
-    tiles = -(-k // GROUP)
-    programs = -(-n // bn)
-    split = 1
-    while split < 8 and programs * split < 2 * 132 and tiles >= 4 * split:
-        split *= 2
-    return dict(BLOCK_N=bn, BLOCK_M=max(16, next_pow2(m)), SPLIT=split, num_warps=4,
+    split = auto_split(-(-n // 64), -(-k // GROUP))
+    return dict(BLOCK_N=64, BLOCK_M=max(16, next_pow2(m)), SPLIT=split, num_warps=4,
                 num_stages=3)
 
 
@@ -167,8 +146,6 @@ def int4_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """x2 [M, K] (unit column stride, ``takes_mma``), qweight / scales / zeros as
     ``int4_linear`` takes them (group 128) -> y [M, N] in x's dtype (into ``y`` if given,
     contiguous). ``asm``: the inline-assembly nibbles (default: unless interpreting)."""
-    from .paged_plan import counters_for
-
     m, k = x2.shape
     n = qweight.shape[0]
     assert k == in_features and takes_mma(x2, group_size, k), \
@@ -176,18 +153,9 @@ def int4_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         f"{tuple(x2.shape)} {x2.dtype}, group {group_size}, K {in_features}"
     words = qweight.view(torch.int32)  # [N, K / 8]: contiguous rows of K / 2 bytes
     cfg = dict(config or mma_config(m, n, k))
-    split = cfg.pop("SPLIT")
     tiles = -(-k // GROUP)
-    per = -(-tiles // split)
-    split = -(-tiles // per)  # no empty split
-    if y is None:
-        y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    assert y.is_contiguous() and y.shape == (m, n), f"y must be contiguous [{m}, {n}]"
-    parts = y
-    cnt = None
-    if split > 1:
-        parts = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
-        cnt = counters_for(counters, x2.device, -(-n // cfg["BLOCK_N"]))
+    per, split = splits(tiles, cfg.pop("SPLIT"))
+    y, parts, cnt = outputs(m, n, split, cfg["BLOCK_N"], x2, y, counters)
     if asm is None:
         asm = not interpreting()
     _int4_mma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
@@ -196,6 +164,4 @@ def int4_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x2.stride(0), words.stride(0), y.stride(0), m * n, SPLIT=split,
         FIXUP=cnt is not None, HAS_BIAS=bias is not None, ASM=asm, **cfg,
         **pdl_launch(x2.device))
-    if split > 1 and cnt is None:
-        reduce_partials(parts, bias, y)
-    return y
+    return finish(y, parts, cnt, bias)

@@ -3,6 +3,7 @@
 Token ``p`` of sequence ``b`` lives at ``cache[block_tables[b, p // BS], p % BS]``.
 GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)`` (HF ``repeat_kv`` order).
 Sliding window ``W``: the query at position ``p = len - 1`` sees keys in ``(p - W, p]``.
+Softcap ``c`` (Gemma 2): each score ``s = q.k * scale`` becomes ``c * tanh(s / c)``.
 int8 or e4m3 K/V carry float32 scales per (token, head): ``k = k_q * k_scale``.
 
 Flash-decoding: the Triton path splits each sequence's visible keys over S programs per
@@ -13,10 +14,11 @@ the last program of each (sequence, kv head) to finish (a semaphore), or a secon
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import switches
-from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, tl, triton
+from ._triton import (HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, soft_cap,
+                      tl, triton)
+from .attention_ref import sdpa
 from .kv_write import QUANT_KV_DTYPES
 from .paged_plan import (_sm_count, check_cache_args, counters_for, launch_plan,  # noqa: F401
                          split_len, split_plan)
@@ -27,7 +29,8 @@ MERGE_ELEMS = 8192
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                          window: int | None = None, k_scale=None, v_scale=None, *, counters=None):
+                          window: int | None = None, k_scale=None, v_scale=None, *,
+                          softcap: float | None = None, counters=None):
     # q: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, MB] int;
     # context_lens: [B] int (>= 1); k_scale, v_scale: [NB, BS, Hkv] float32 for int8 / e4m3
     bsz, bs = q.shape[0], k_cache.shape[1]
@@ -50,9 +53,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale
         mask = None  # every row full: the same call the contiguous cache makes
     if mask is not None:
         mask = mask[:, None, None, :]                                   # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=True)                  # [B, Hq, 1, D]
+    out = sdpa(q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+               attn_mask=mask, scale=scale, softcap=softcap)            # [B, Hq, 1, D]
     return out.squeeze(2).to(q.dtype)
 
 
@@ -91,11 +93,11 @@ if HAVE_TRITON:
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
         stride_btb, stride_ob, stride_oh,
-        scale, window, BS, GROUP, D,
+        scale, window, softcap, BS, GROUP, D,
         QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-        K_T: tl.constexpr = False):
+        K_T: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
         pdl_enter(PDL)
         # One program per (sequence, kv head, split) serves the GROUP query heads sharing
         # the kv head over its split's tokens. SPLIT=False: one split, normalised output;
@@ -145,7 +147,10 @@ if HAVE_TRITON:
                 ksc = tl.load(ks_ptr + blk * stride_ksb + off * stride_kss + hkv * stride_ksh,
                               mask=valid, other=0.0)
                 s = s * ksc[None, :]
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            s = s * scale
+            if SOFTCAP:  # Gemma 2: c * tanh(s / c), before the mask
+                s = soft_cap(s, softcap)
+            s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])                                # [G, N]
@@ -197,6 +202,7 @@ if HAVE_TRITON:
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                            window: int | None = None, k_scale=None, v_scale=None, *,
+                           softcap: float | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            fused_combine: bool = True, counters=None):
@@ -220,6 +226,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     assert context_lens.shape == (bsz,) and context_lens.dtype in (torch.int32, torch.int64), \
         f"context_lens must be int [{bsz}], got {tuple(context_lens.shape)} {context_lens.dtype}"
     assert window is None or (isinstance(window, int) and window >= 1), f"window {window!r}"
+    assert softcap is None or softcap > 0, f"softcap {softcap!r}"
     assert num_splits is None or (isinstance(num_splits, int) and num_splits >= 1), \
         f"num_splits {num_splits!r}"
     assert block_n is None or (block_n >= 16 and block_n & (block_n - 1) == 0), \
@@ -261,11 +268,11 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
         block_tables.stride(0), out.stride(0), out.stride(1),
-        float(scale), int(window or 0), bs, group, d,
+        float(scale), int(window or 0), float(softcap or 1.0), bs, group, d,
         QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1, FUSED=sems is not None,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_H=block_h, BLOCK_S=block_s, **tune, **pdl_launch(q.device),
-        K_T=quant and switches.value("INFERGRAFT_KV_LOAD_T"))
+        K_T=quant and switches.value("INFERGRAFT_KV_LOAD_T"), SOFTCAP=softcap is not None)
     if nsplit > 1 and sems is None:
         _paged_combine_kernel[(bsz, hq)](
             acc, m, l, out, out.stride(0), out.stride(1), nsplit, d,

@@ -4,7 +4,8 @@ Sequence ``b`` owns query rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q (q
 them, 0 for a padding sequence); rows from ``cu_seqlens_q[B]`` to T are padding (CUDA-graph
 buckets) and come out zero. ``context_lens[b]`` counts its tokens after this step, whose
 K/V are already in the cache, so its row i sits at position ``context_lens[b] - q_len_b + i``
-and sees keys at positions ``<= `` its own (and ``> pos - W`` with a sliding window ``W``).
+and sees keys at positions ``<= `` its own (and ``> pos - W`` with a sliding window ``W``);
+with a softcap ``c`` (Gemma 2) each score ``s = q.k * scale`` becomes ``c * tanh(s / c)``.
 Cache layout, GQA and int8 / e4m3 K/V as ``paged_attention``: token ``p`` at
 ``cache[block_tables[b, p // BS], p % BS]``, query head ``h`` reads kv head
 ``h // (Hq // Hkv)``, ``k = k_q * k_scale``.
@@ -21,10 +22,10 @@ sequences of a few tokens (decode) in 16-row ones, all in the one launch
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
 from .paged_attention import MERGE_ELEMS, _merge_splits
+from .attention_ref import sdpa
 from .paged_plan import _sm_count, counters_for
 from .varlen_plan import check_args, tile_counts, varlen_plan
 from .varlen_tile import _attend_tile, _find_seq
@@ -32,7 +33,7 @@ from .varlen_tile import _attend_tile, _find_seq
 
 def varlen_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                            scale: float, window: int | None = None, k_scale=None, v_scale=None,
-                           *, counters=None):
+                           *, softcap: float | None = None, counters=None):
     # q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, MB] int;
     # cu_seqlens_q: [B + 1] int32; context_lens: [B] int; k_scale, v_scale: [NB, BS, Hkv]
     quant = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, window,
@@ -66,10 +67,9 @@ def varlen_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
             mask = kpos <= qpos
             if window:
                 mask = mask & (kpos > qpos - window)                   # [Q, L]
-        o = F.scaled_dot_product_attention(
-            q[q0:q0 + qlen].float().transpose(0, 1), k.float().transpose(0, 1),
-            v.float().transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=True)                                           # [Hq, Q, D]
+        o = sdpa(q[q0:q0 + qlen].float().transpose(0, 1), k.float().transpose(0, 1),
+                 v.float().transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale,
+                 softcap=softcap)                                      # [Hq, Q, D]
         out[q0:q0 + qlen] = o.transpose(0, 1).to(q.dtype)
     return out
 
@@ -83,11 +83,12 @@ if HAVE_TRITON:
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
         stride_btb, stride_ot, stride_oh,
-        scale, window, num_tokens, nseq, n_long, short_max, BS, D,
+        scale, window, softcap, num_tokens, nseq, n_long, short_max, BS, D,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SHORT_Q: tl.constexpr, SHORT_M: tl.constexpr, SHORT_N: tl.constexpr,
         QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+        SOFTCAP: tl.constexpr = False):
         pdl_enter(PDL)
         # The first n_long programs take BLOCK_M-row tiles, the longest first (a sequence's
         # last tiles see the most keys); with SHORT_M > 0, B more take one sequence of 1
@@ -107,9 +108,10 @@ if HAVE_TRITON:
                         q_ptr, kc, vc, ks, vs, bt_ptr + b.to(tl.int64) * stride_btb, out_ptr,
                         acc_ptr, m_ptr, l_ptr, sem_ptr, stride_qt, stride_qh, stride_kb,
                         stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb,
-                        stride_vss, stride_ot, stride_oh, scale, window, BS, D, hkv, tile, q0,
-                        qlen, 0, tl.load(lens_ptr + b).to(tl.int32), GROUP, SHORT_Q,
-                        SHORT_M, SHORT_N, BLOCK_D, BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED)
+                        stride_vss, stride_ot, stride_oh, scale, window, softcap, BS, D, hkv,
+                        tile, q0, qlen, 0, tl.load(lens_ptr + b).to(tl.int32), GROUP, SHORT_Q,
+                        SHORT_M, SHORT_N, BLOCK_D, BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED,
+                        SOFTCAP)
                 return
         # the BLOCK_M tiles: sequence b's start at cu[b] // BLOCK_Q + b; the padding rows
         # after cu[B] take the tiles past the last sequence's
@@ -136,8 +138,9 @@ if HAVE_TRITON:
             q_ptr, kc, vc, ks, vs, bt_ptr + b.to(tl.int64) * stride_btb, out_ptr, acc_ptr,
             m_ptr, l_ptr, sem_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_vb,
             stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, stride_ot, stride_oh,
-            scale, window, BS, D, hkv, tile, q0, qlen, j, tl.load(lens_ptr + b).to(tl.int32),
-            GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED)
+            scale, window, softcap, BS, D, hkv, tile, q0, qlen, j,
+            tl.load(lens_ptr + b).to(tl.int32), GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D,
+            BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED, SOFTCAP)
 
     @triton.jit
     def _varlen_combine_kernel(acc_ptr, m_ptr, l_ptr, cu_ptr, out_ptr, stride_ot, stride_oh,
@@ -157,7 +160,8 @@ if HAVE_TRITON:
 
 def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                             scale: float, window: int | None = None, k_scale=None, v_scale=None,
-                            *, num_splits: int | None = None, block_m: int | None = None,
+                            *, softcap: float | None = None,
+                            num_splits: int | None = None, block_m: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None, fused_combine: bool = True,
                             counters=None):
@@ -174,6 +178,7 @@ def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     and ``num_stages`` are tuning knobs."""
     quant = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, window,
                        k_scale, v_scale)
+    assert softcap is None or softcap > 0, f"softcap {softcap!r}"
     ntok, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     bsz, group = block_tables.shape[0], hq // hkv
@@ -211,13 +216,14 @@ def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
         block_tables.stride(0), out.stride(0), out.stride(1),
-        float(scale), int(window or 0), ntok, bsz, tiles - (bsz if short else 0),
+        float(scale), int(window or 0), float(softcap or 1.0), ntok, bsz,
+        tiles - (bsz if short else 0),
         plan["short_q"], bs, d,
         GROUP=group, BLOCK_Q=plan["block_q"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
         SHORT_Q=plan["short_q"], SHORT_M=plan["short_m"], SHORT_N=plan["short_n"],
         QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1, FUSED=sems is not None,
         BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_S=block_s, **plan["tune"],
-        **pdl_launch(q.device))
+        **pdl_launch(q.device), SOFTCAP=softcap is not None)
     if nsplit > 1 and sems is None:
         _varlen_combine_kernel[(ntok, hkv)](
             acc, m, l, cu_seqlens_q, out, out.stride(0), out.stride(1), bsz, nsplit, d,

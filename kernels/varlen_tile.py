@@ -3,7 +3,7 @@ sequence a program's query tile belongs to, and one tile's online softmax over i
 Beside the kernel so that each file stays readable; only ``varlen_attention`` uses them."""
 from __future__ import annotations
 
-from ._triton import HAVE_TRITON, last_to_arrive, tl, triton
+from ._triton import HAVE_TRITON, last_to_arrive, soft_cap, tl, triton
 from .paged_attention import _merge_splits
 
 if HAVE_TRITON:
@@ -27,13 +27,15 @@ if HAVE_TRITON:
         q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, sem_ptr,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_vb, stride_vs,
         stride_ksb, stride_kss, stride_vsb, stride_vss, stride_ot, stride_oh,
-        scale, window, BS, D, hkv, tile, q0, qlen, j, length,
+        scale, window, softcap, BS, D, hkv, tile, q0, qlen, j, length,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-        QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr):
+        QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+        SOFTCAP: tl.constexpr):
         """Tokens j * BLOCK_Q ... of one sequence (rows from q0, qlen of them, length tokens
         after this step) x the GROUP query heads of kv head hkv, over this split's keys.
-        kc/vc/ks/vs point at kv head hkv, bt at the sequence's table row."""
+        kc/vc/ks/vs point at kv head hkv, bt at the sequence's table row. SOFTCAP: each
+        score s becomes softcap * tanh(s / softcap) before the mask (Gemma 2)."""
         sp, nsplit = tl.program_id(2), tl.num_programs(2)
         hq = tl.num_programs(1) * GROUP
         r = tl.arange(0, BLOCK_M)
@@ -83,7 +85,10 @@ if HAVE_TRITON:
                                 other=0.0)[None, :]
             seen = valid[None, :] & (pos[None, :] <= qpos[:, None]) \
                 & (pos[None, :] > wlo[:, None])                               # [M, N]
-            s = tl.where(seen, s * scale, float("-inf"))
+            s = s * scale
+            if SOFTCAP:
+                s = soft_cap(s, softcap)
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_use)

@@ -1,6 +1,7 @@
-"""Block bookkeeping for paged KV caches: a ref-counted allocator of block ids, and the
-validated pool size (block size, block count) the paged and offload backends share; the
-paged one's default sized to the memory budget (``gpu_memory_utilization``)."""
+"""Block bookkeeping for paged KV caches: a ref-counted allocator of block ids, the
+validated pool size (block size, block count) the paged and offload backends share (the
+paged one's default sized to the memory budget, ``gpu_memory_utilization``), and the
+window behind which blocks go back to the pool."""
 from __future__ import annotations
 
 # blocks_for and held_blocks live with the pool's size (core/budget.py); also named here
@@ -9,6 +10,16 @@ from infergraft.core.budget import (blocks_for, check_utilization,  # noqa: F401
 from infergraft.core.cache import CacheFullError
 from infergraft.core.errors import PlanError
 from infergraft.core.units import fmt_bytes
+
+
+def drop_window(spec, model_window):
+    """The window behind which a block may go back to the pool: the model's (every
+    layer's, ``spec.kv_window`` of the whole model: ``Plan.sliding_window``) where this
+    spec's layers all have one, so that every pipeline stage drops the same blocks and
+    schedules alike; never less than this spec's own. None: keep every block."""
+    if spec.kv_window is None or model_window is None:
+        return None
+    return max(spec.kv_window, model_window)
 
 
 class BlockAllocator:

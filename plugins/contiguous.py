@@ -5,21 +5,25 @@ row for its whole life, and token ``p`` lives at column ``p``. With ``kv-int8`` 
 ``kv-fp8`` they are int8 / e4m3 plus float32 scales ``[max_batch_size, Hkv, max_seq_len]``
 (``contiguous_store``).
 
-Sliding-window models (``spec.sliding_window = W < max_seq_len``) get a rolling buffer
+Sliding-window models (every layer's window ``W < max_seq_len``) get a rolling buffer
 instead: rows are ``W`` columns wide and token ``p`` lives at column ``p % W``, so memory
 stops growing at the window. The query at ``p`` sees keys ``p-W+1 .. p`` (HF's
-convention), which is exactly what the ring holds once ``p`` is written.
+convention), which is exactly what the ring holds once ``p`` is written. Where only some
+layers have a window (Gemma's local layers between global ones) rows stay full width and
+those layers mask what is behind it. Each layer's scale, window and softcap:
+``spec.layer_attention(layer)``.
 """
 from __future__ import annotations
 
 import numbers
 
 import torch
-import torch.nn.functional as F
 
 from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
+from infergraft.core.spec import ATTENTION_FEATURES
+from infergraft.kernels.attention_ref import sdpa
 from infergraft.kernels.kv_write import KV_STORAGE_DTYPES
 
 from .contiguous_graph import ContiguousGraphInputs, ContiguousMeta, DeviceDecodeMeta
@@ -30,7 +34,9 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
     def __init__(self, spec, max_batch_size, max_seq_len, device, dtype, ops, kv_quantizer=None):
         self.spec, self.ops, self.device = spec, ops, torch.device(device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        w = spec.sliding_window
+        self.layer_attn = [spec.layer_attention(i) for i in range(spec.num_layers)]
+        windows = {a.window for a in self.layer_attn}
+        w = windows.pop() if len(windows) == 1 else None  # a ring: one window for all
         # a window at least max_seq_len long never hides anything: plain full attention
         self.window = w if w is not None and w < max_seq_len else None
         self.width = self.window or max_seq_len  # columns per row
@@ -39,7 +45,6 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
         shape = (max_batch_size, spec.num_kv_heads, self.width, spec.head_dim)
         self.kv = RowStore(spec.num_layers, shape, dtype=dtype, device=self.device, ops=ops,
                            kv_dtype=kv_quantizer and KV_STORAGE_DTYPES[kv_quantizer.kv_dtype])
-        self.scale = spec.head_dim ** -0.5
         self._free_rows = list(range(max_batch_size))
         self._row: dict = {}
         self._len: dict = {}
@@ -130,7 +135,7 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
             return self._ring_attention(layer, q, k, v, meta)
         self.kv.write(layer, k, v, meta.row_index, meta.positions)  # (row, position)
         if meta.decode and meta.row_span is not None:
-            return self._decode_batched(layer, q, meta)
+            return self._decode_batched(layer, q, meta, window=self.layer_attn[layer].window)
         out = torch.empty_like(q)
         off = 0
         for j, (start, n) in enumerate(zip(meta.starts, meta.counts)):
@@ -141,31 +146,41 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
             else:  # [1, Hkv, start+n, D] each, in the model dtype
                 row = meta.rows[j]
                 kj, vj = self.kv.load(layer, slice(row, row + 1), slice(0, start + n))
-            out[off:off + n] = self._sdpa(qj, kj, vj, start, n)[0].transpose(0, 1)
+            out[off:off + n] = self._attend(layer, qj, kj, vj, 0, start, n)[0].transpose(0, 1)
             off += n
         return out
 
-    def _decode_batched(self, layer, q, meta, rows=None, lens=None):
+    def _decode_batched(self, layer, q, meta, rows=None, lens=None, window=None):
+        """One query a row over the first ``lens[b]`` columns of rows ``rows``; ``window``
+        (full-width rows): only keys at positions > length - 1 - window."""
         rows = meta.row_span if rows is None else rows  # a slice, or [B] row ids (a gather)
         lens = [s + 1 for s in meta.starts] if lens is None else lens
         longest = max(lens)
         kb, vb = self.kv.load(layer, rows, slice(0, longest))  # [B, Hkv, L, D]
         mask = None
-        if min(lens) != longest:  # ragged: hide each row's unused tail
-            mask = torch.arange(longest, device=q.device) < torch.tensor(lens, device=q.device)[:, None]
+        if min(lens) != longest or (window is not None and window < longest):
+            pos, ends = torch.arange(longest, device=q.device), torch.tensor(lens, device=q.device)
+            mask = pos < ends[:, None]  # ragged: hide each row's unused tail
+            if window is not None:
+                mask &= pos > ends[:, None] - 1 - window
             mask = mask[:, None, None, :]  # [B, 1, 1, L]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=mask,
-                                             scale=self.scale, enable_gqa=True)
+        a = self.layer_attn[layer]
+        out = sdpa(q.unsqueeze(2), kb, vb, attn_mask=mask, scale=a.scale, softcap=a.softcap)
         return out.squeeze(2)  # [B, Hq, D]
 
-    def _sdpa(self, q, k, v, start, n):
-        if start == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                  enable_gqa=True)
+    def _attend(self, layer, q, k, v, first, start, n):
+        """Queries at start .. start+n-1 over keys at first .. start+n-1: causal, and
+        banded where the layer has a window."""
+        a = self.layer_attn[layer]
+        w = a.window
+        if first == 0 and start == 0 and (w is None or n <= w):  # plain causal
+            return sdpa(q, k, v, is_causal=True, scale=a.scale, softcap=a.softcap)
         qpos = torch.arange(start, start + n, device=q.device)[:, None]
-        mask = torch.arange(start + n, device=q.device)[None, :] <= qpos  # [n, start+n]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                              enable_gqa=True)
+        kpos = torch.arange(first, start + n, device=q.device)[None, :]
+        mask = kpos <= qpos  # [n, start-first+n]
+        if w is not None:
+            mask &= kpos > qpos - w
+        return sdpa(q, k, v, attn_mask=mask, scale=a.scale, softcap=a.softcap)
 
     # -- rolling buffer (sliding window) ----------------------------------------
     def _ring_attention(self, layer, q, k, v, meta):
@@ -189,22 +204,11 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
                 cols = torch.arange(first, start, device=q.device) % w  # oldest first
                 kr, vr = self.kv.load(layer, slice(row, row + 1), cols)  # [1, Hkv, start-first, D]
                 kj, vj = torch.cat([kr, kj], dim=2), torch.cat([vr, vj], dim=2)
-            out[off:off + n] = self._sdpa_window(qj, kj, vj, first, start, n)[0].transpose(0, 1)
+            out[off:off + n] = self._attend(layer, qj, kj, vj, first, start, n)[0].transpose(0, 1)
             off += n
         i = slice(None) if meta.keep is None else meta.keep
         self.kv.write(layer, k[i], v[i], meta.row_index[i], meta.slots[i])
         return out
-
-    def _sdpa_window(self, q, k, v, first, start, n):
-        """Queries at start .. start+n-1 over keys at first .. start+n-1, banded causal."""
-        if start == 0 and n <= self.window:  # the band never cuts: plain causal
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                  enable_gqa=True)
-        qpos = torch.arange(start, start + n, device=q.device)[:, None]
-        kpos = torch.arange(first, start + n, device=q.device)[None, :]
-        mask = (kpos <= qpos) & (kpos > qpos - self.window)  # [n, start-first+n]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                              enable_gqa=True)
 
     # -- inspection ------------------------------------------------------------
     def _held(self, seq_id) -> int:
@@ -232,6 +236,7 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
 class ContiguousBackend(CacheBackend):
     name = "contiguous"
     options = {}
+    attention_features = tuple(ATTENTION_FEATURES)  # layer_attention's scale, window, softcap
     quantized_kv = tuple(KV_STORAGE_DTYPES)  # bytes_per_token (base class) counts them + scales
 
     def create(self, spec, plan, *, device, dtype, ops, kv_quantizer=None):

@@ -80,8 +80,10 @@ class ContiguousGraphInputs:
         kview, vview, k_scale, v_scale = self.kv.views(layer)
         blocks = -(-self.max_seq_len // self.width)
         tables = meta.rows[:, None].expand(-1, blocks)  # [B, blocks]
-        return self.ops.paged_attention(q, kview, vview, tables, meta.context_lens, self.scale,
-                                        self.window, k_scale, v_scale, counters=self.counters)
+        a = self.layer_attn[layer]  # a ring: its one window (p % W); else the layer's own
+        return self.ops.paged_attention(q, kview, vview, tables, meta.context_lens, a.scale,
+                                        a.window, k_scale, v_scale, softcap=a.softcap,
+                                        counters=self.counters)
 
     # -- prefill: one fresh prompt, padded to its length bucket -------------------------------
     @property

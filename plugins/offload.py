@@ -220,7 +220,7 @@ class OffloadBackend(PagedBackend):
         check_kv_quantizer(self.name, kv_quantizer)
         return OffloadCache(spec, max_seq_len=plan.max_seq_len, block_size=bs, num_blocks=nb,
                             fast_blocks=fast, device=device, dtype=dtype, ops=ops,
-                            kv_quantizer=kv_quantizer)
+                            kv_quantizer=kv_quantizer, window=plan.sliding_window)
 
     def device_bytes(self, plan, block_size=16, num_blocks=None, fast_blocks=None, **_):
         bs, _, fast = self._sizes(plan, block_size, num_blocks, fast_blocks)

@@ -5,14 +5,13 @@ Per layer K and V are ``[num_blocks, block_size, Hkv, D]`` (int8 or e4m3 K/V add
 ``(table[p // block_size], p % block_size)``. A sequence takes blocks as it grows and
 returns them when freed, so the only waste is its last, partial block. ``fork`` shares
 a parent's full blocks (ref-counted) and copies its partial one, so shared blocks are
-never written (copy-on-write done eagerly, at the fork). With a sliding window W, a
-block whose tokens no later query can see (all before ``start - W + 1`` of a step) goes
-back to the pool: its table entry becomes ``HOLE`` (storage block 0 in the tables the
-kernels get; the decode kernel starts at ``length - W`` and never reads it).
+never written (copy-on-write done eagerly, at the fork). With a sliding window W on
+every layer (``spec.layer_attention``), a block no later query can see (all before
+``start - W + 1`` of a step) goes back to the pool: its table entry becomes ``HOLE``
+(storage block 0 in the tables the kernels get; the decode kernel starts at ``length -
+W`` and never reads it); with global layers too (Gemma) none leaves every window.
 """
 from __future__ import annotations
-
-import itertools
 
 import torch
 
@@ -20,7 +19,7 @@ from infergraft.core.cache import CacheBackend, CacheFullError, KVCache
 from infergraft.core.hookspecs import hookimpl
 from infergraft.kernels.kv_write import KV_STORAGE_DTYPES
 
-from .block_allocator import BlockAllocator, blocks_for, cache_sizes
+from .block_allocator import BlockAllocator, blocks_for, cache_sizes, drop_window
 from .kv_swap import SwapSpace
 from .paged_checks import HOLE, check_kv_quantizer, check_tables
 from .paged_graph import PagedGraphInputs, PagedMeta
@@ -31,11 +30,11 @@ from .table_rows import TableRows
 class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
     def __init__(self, spec, *, max_seq_len, block_size, num_blocks, device, dtype, ops,
                  kv_quantizer=None, storage_blocks=None, prefix_caching=False,
-                 swap_space=None):
+                 swap_space=None, window=None):  # window: the model's (drop_window)
         self.spec, self.ops, self.device, self.dtype = spec, ops, torch.device(device), dtype
         self.max_seq_len, self.block_size = max_seq_len, block_size
-        self.window = spec.sliding_window
-        self.scale = spec.head_dim ** -0.5
+        self.window = drop_window(spec, window)
+        self.layer_attn = [spec.layer_attention(i) for i in range(spec.num_layers)]
         self.quant = kv_quantizer is not None
         self.kv_dtype = KV_STORAGE_DTYPES[kv_quantizer.kv_dtype] if self.quant else dtype
         self._init_prefix(PrefixIndex(block_size) if prefix_caching else None)
@@ -166,21 +165,9 @@ class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
         return starts
 
     def prepare(self, seq_ids, counts):
-        bs, starts = self.block_size, self._advance(seq_ids, counts)
+        starts = self._advance(seq_ids, counts)
         phys = [self._physical(self._tables[s]) for s in seq_ids]
-        width = max(map(len, phys))
-        tables = torch.tensor([p + [0] * (width - len(p)) for p in phys], dtype=torch.int32)
-        positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, counts)])
-        rows = torch.repeat_interleave(torch.arange(len(phys)), torch.tensor(counts))  # [T]
-        decode = all(n == 1 for n in counts)
-        cu = None if decode else torch.tensor([0, *itertools.accumulate(counts)],
-                                              dtype=torch.int32)  # [B + 1]
-        dev = self.device
-        return PagedMeta(positions.to(dev), tables[rows, positions // bs].to(dev),
-                         (positions % bs).to(dev), tables.to(dev),  # [B, max_blocks]
-                         torch.tensor([st + n for st, n in zip(starts, counts)],
-                                      dtype=torch.int32).to(dev),  # [B]
-                         decode, None if cu is None else cu.to(dev))
+        return PagedMeta.of(phys, starts, counts, self.block_size, self.device)
 
     fuses_rotary = True  # RoPE and the K/V write in one kernel
 
@@ -205,13 +192,14 @@ class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
             self.ops.kv_write_quant(k, v, kc, vc, ks, vs, *slots)
         else:
             self.ops.kv_write(k, v, kc, vc, *slots)
+        a = self.layer_attn[layer]  # its window never reaches before the dropped blocks
+        kw = dict(softcap=a.softcap, counters=self.counters)
         if meta.decode:  # q: [B, Hq, D], one token per sequence
             return self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.context_lens,
-                                            self.scale, self.window, ks, vs, counters=self.counters)
+                                            a.scale, a.window, ks, vs, **kw)
         # any mix of prompt chunks and decode tokens: q [T, Hq, D], one launch
         return self.ops.varlen_attention(q, kc, vc, meta.block_tables, meta.cu_seqlens_q,
-                                         meta.context_lens, self.scale, self.window, ks, vs,
-                                         counters=self.counters)
+                                         meta.context_lens, a.scale, a.window, ks, vs, **kw)
 
     # -- hooks for backends built on this one (offload) -----------------------------------
     def _physical(self, blocks: list[int]) -> list[int]:
@@ -278,6 +266,7 @@ class PagedBackend(CacheBackend):
     options = {"block_size": 16, "num_blocks": None, "gpu_memory_utilization": 0.9,
                "prefix_caching": True, "swap_space": None}
     quantized_kv = tuple(KV_STORAGE_DTYPES)
+    attention_features = ("scale", "softcap", "layer_windows")  # all of spec.layer_attention
 
     def create(self, spec, plan, *, device, dtype, ops, block_size=16, num_blocks=None,
                gpu_memory_utilization=0.9, prefix_caching=True, swap_space=None,
@@ -286,7 +275,8 @@ class PagedBackend(CacheBackend):
         check_kv_quantizer(self.name, kv_quantizer)
         return PagedCache(spec, max_seq_len=plan.max_seq_len, block_size=bs, num_blocks=nb,
                           device=device, dtype=dtype, ops=ops, kv_quantizer=kv_quantizer,
-                          prefix_caching=prefix_caching, swap_space=swap_space)
+                          prefix_caching=prefix_caching, swap_space=swap_space,
+                          window=plan.sliding_window)
 
     def device_bytes(self, plan, block_size=16, num_blocks=None, gpu_memory_utilization=0.9,
                      **_):  # the pool create makes: sized to the budget (cache_sizes)

@@ -13,6 +13,8 @@ repeat the last one and must attend as it does).
 """
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import torch
 
@@ -33,6 +35,24 @@ class PagedMeta:
     decode: bool  # every sequence adds exactly one token
     # other steps: each sequence's first row in the step's token dimension, [B + 1] int32
     cu_seqlens_q: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, phys: list, starts: list, counts: list, block_size: int, device) -> "PagedMeta":
+        """An eager step's metadata: sequence b's storage blocks ``phys[b]``, its tokens
+        before the step ``starts[b]``, its new ones ``counts[b]``."""
+        bs, width = block_size, max(map(len, phys))
+        tables = torch.tensor([p + [0] * (width - len(p)) for p in phys], dtype=torch.int32)
+        positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, counts)])
+        rows = torch.repeat_interleave(torch.arange(len(phys)), torch.tensor(counts))  # [T]
+        decode = all(n == 1 for n in counts)
+        cu = None if decode else torch.tensor([0, *itertools.accumulate(counts)],
+                                              dtype=torch.int32)  # [B + 1]
+        dev = device
+        return cls(positions.to(dev), tables[rows, positions // bs].to(dev),
+                   (positions % bs).to(dev), tables.to(dev),  # [B, max_blocks]
+                   torch.tensor([st + n for st, n in zip(starts, counts)],
+                                dtype=torch.int32).to(dev),  # [B]
+                   decode, None if cu is None else cu.to(dev))
 
 
 class PagedGraphInputs:

@@ -5,8 +5,11 @@ torch.distributed world, one pipeline stage (``core/distributed/ranks.py`` runs 
 
 Column-parallel (dim 0 cut inside each fused part, so q, k and v are each split by
 heads; with fewer kv heads than ranks each rank holds a copy of the one kv head its query
-heads read, ``kv_replicas``): qkv, gate_up, fc_in and their biases. Row-parallel (dim 1):
-o, down. Vocab-parallel (dim 0, the vocab padded with zero rows to a multiple of tp:
+heads read, ``kv_replicas``): qkv, gate_up, fc_in and their biases, and a mixture of
+experts' ``experts_gate_up`` (every expert's gate and up rows cut). Row-parallel (dim 1):
+o, down, ``experts_down``: each rank computes every expert on its share of the
+intermediate rows, the router whole on every rank (expert parallelism, whole experts on
+each rank, is not offered: docs/architecture.md says what it would need). Vocab-parallel (dim 0, the vocab padded with zero rows to a multiple of tp:
 ``core/distributed/vocab.py``): the embeddings and the LM head (one matrix when tied).
 Everything else (positions, norms, o / down biases) is replicated.
 """
@@ -21,13 +24,18 @@ from infergraft.core.slots import slot_layout
 
 
 def check_divides(planner: str, spec, tp: int) -> None:
-    """PlanError unless ``tp`` ranks split the heads and the MLP evenly, and the kv heads
-    either split evenly or, fewer than the ranks, each go whole to tp / kv_heads ranks."""
-    for what, n in (("num_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)):
+    """PlanError unless ``tp`` ranks split the heads and the MLP evenly (each expert's
+    rows too: experts are cut as the dense MLP is, every rank holding a share of each),
+    and the kv heads either split evenly or, fewer than the ranks, each go whole to
+    tp / kv_heads ranks."""
+    experts = sorted({x.experts.intermediate_size for x in spec.layers if x.experts})
+    for what, n in (("num_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size),
+                    *(("the experts' intermediate_size", n) for n in experts)):
         if n % tp:
             raise PlanError(f"planner {planner!r}: {tp} ranks do not divide {what}={n}; use a "
                             f"tensor-parallel size that divides {spec.num_heads} heads, "
-                            f"{spec.num_kv_heads} kv heads and {spec.intermediate_size}")
+                            f"{spec.num_kv_heads} kv heads and "
+                            f"{', '.join(map(str, [spec.intermediate_size, *experts]))}")
     kv = spec.num_kv_heads
     if kv % tp and tp % kv:
         raise PlanError(f"planner {planner!r}: {tp} ranks neither divide num_kv_heads={kv} nor "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from infergraft.core.errors import UnsupportedModelError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.core.layer import LayerImpl
 from infergraft.core.runner.layers import Linear, gemm_operands, row_sum_sq
@@ -33,7 +34,7 @@ class LlamaAttention:
     def __init__(self, layer, spec, ops):
         self.spec, self.ops = spec, ops
         layer.qkv = Linear(ops)
-        layer.o = Linear(ops, spec.norm == "rms")  # o feeds an add+RMSNorm: split-K partials
+        layer.o = Linear(ops, _partials(layer, spec))  # o feeds an add+RMSNorm: split-K partials
 
     def fusable(self, layer) -> bool:
         return all(gemm_operands(m) is not None for m in (layer.qkv, layer.o))
@@ -81,23 +82,36 @@ class LlamaAttention:
         return attn.reshape(t, s.q_size)
 
 
+#: ModelSpec.activation values the gated MLP runs (act(gate) * up)
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
 class GatedMLP:
-    """gate_up GEMM -> SiLU(gate) * up -> down GEMM. Slots: ``gate_up`` (gate | up rows),
-    ``down``."""
+    """gate_up GEMM -> act(gate) * up -> down GEMM, act the spec's ``activation``: SiLU
+    (SwiGLU; it also runs in the fused decode layer) or GELU (Gemma's GeGLU, the tanh
+    approximation or the erf form: the plain layer only). Slots: ``gate_up`` (gate | up
+    rows), ``down``."""
 
     input_projection = "gate_up"
-    fuses = True
 
     def __init__(self, layer, spec, ops):
+        if spec.activation not in GATED_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"{spec.architecture}: the gated MLP runs activations "
+                f"{', '.join(GATED_ACTIVATIONS)}, not {spec.activation!r}")
         self.spec, self.ops = spec, ops
+        self.fuses = spec.activation == "silu"  # the fused GEMM's epilogue is SwiGLU's
         layer.gate_up = Linear(ops)
-        layer.down = Linear(ops, spec.norm == "rms")  # down feeds the next add+RMSNorm
+        layer.down = Linear(ops, _partials(layer, spec))  # down feeds the next add+RMSNorm
 
     def fusable(self, layer) -> bool:
         return all(gemm_operands(m) is not None for m in (layer.gate_up, layer.down))
 
     def forward(self, layer, x):
-        return layer.down(self.ops.silu_mul(layer.gate_up(x)))  # [T, 2I] -> [T, I] -> [T, H]
+        gate_up = layer.gate_up(x)  # [T, 2I] -> [T, I] -> [T, H]
+        if self.spec.activation == "silu":
+            return layer.down(self.ops.silu_mul(gate_up))
+        return layer.down(self.ops.gelu_mul(gate_up, self.spec.activation))
 
     def forward_fused(self, layer, stream, sum_sq, want_next: bool):
         """stream [T, H], its sums [P, T] -> (stream + MLP, its sums or None without
@@ -118,10 +132,17 @@ class PlainMLP:
     def __init__(self, layer, spec, ops):
         self.spec, self.ops = spec, ops
         layer.fc_in = Linear(ops)
-        layer.down = Linear(ops, spec.norm == "rms")
+        layer.down = Linear(ops, _partials(layer, spec))
 
     def forward(self, layer, x):
         return layer.down(self.ops.gelu(layer.fc_in(x), self.spec.activation))
+
+
+def _partials(layer, spec) -> bool:
+    """Whether the layer's output projections may return split-K partials: the norm after
+    them adds the partials up (``DecoderLayer.sums_partials``; a layer built outside the
+    runner: the spec's norm is RMSNorm)."""
+    return bool(getattr(layer, "sums_partials", spec.norm == "rms"))
 
 
 def add_to_stream(layer, x, weight, bias, scale, stream, sum_sq: bool):
@@ -138,26 +159,33 @@ def add_to_stream(layer, x, weight, bias, scale, stream, sum_sq: bool):
 
 
 class Norm(nn.Module):
-    """RMSNorm or LayerNorm, optionally fused with the residual add."""
+    """RMSNorm or LayerNorm, optionally fused with the residual add. ``unit_offset``: an
+    RMSNorm scaling by 1 + weight in float32 (Gemma's; ``kernels/rms_norm.py``)."""
 
-    def __init__(self, kind: str, eps: float, ops):
+    def __init__(self, kind: str, eps: float, ops, unit_offset: bool = False):
         super().__init__()
-        self.kind, self.eps, self.ops = kind, eps, ops
+        self.kind, self.eps, self.ops, self.unit_offset = kind, eps, ops, unit_offset
         self.register_buffer("weight", None)
         self.register_buffer("bias", None)
 
     @property
     def folds(self) -> bool:
-        """An RMSNorm: the fused decode layer takes its statistic in the next GEMM's
+        """A (LLaMA) RMSNorm: the fused decode layer takes its statistic in the next GEMM's
         prologue and its weight in that GEMM's columns."""
+        return self.kind == "rms" and not self.unit_offset
+
+    @property
+    def adds_partials(self) -> bool:
+        """An RMSNorm: with a residual it also takes x as split-K partials [S, T, H]."""
         return self.kind == "rms"
 
     def forward(self, x, residual=None):
         """Returns (normed, new residual); the residual is x (+ residual)."""
         if self.kind == "rms":
+            offset = {"unit_offset": True} if self.unit_offset else {}
             if residual is None:
-                return self.ops.rms_norm(x, self.weight, self.eps), x
-            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+                return self.ops.rms_norm(x, self.weight, self.eps, **offset), x
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **offset)
         if residual is None:
             return self.ops.layer_norm(x, self.weight, self.bias, self.eps), x
         return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)

@@ -179,13 +179,12 @@ def test_each_timed_run_prefills_its_prompts_whole():
 
 
 def test_random_shapes_read_as_their_config_says():
-    from transformers import LlamaConfig
-
+    from infergraft.core.tools.bench import shape_config
     from infergraft.core.tools.bench_cli import SHAPES
     from infergraft.core.rope import rope_from_config
 
     for name, shape in SHAPES.items():
-        cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        cfg = shape_config(name)
         assert cfg.num_attention_heads % cfg.num_key_value_heads == 0, name
         rope = rope_from_config(cfg, cfg.hidden_size // cfg.num_attention_heads)
         assert rope.theta == shape.get("rope_theta", 10000.0), name

@@ -18,7 +18,8 @@ def rows_from_json(capsys):
 
 def test_json_lists_built_ins_and_the_installed_contrib_plugin(capsys):
     rows = rows_from_json(capsys)
-    assert all(set(r) == KEYS for r in rows)
+    assert all(set(r) == KEYS | ({"architectures", "model_types"} if r["kind"] == "policy"
+                                 else set()) for r in rows)
     by = {(r["kind"], r["name"]): r for r in rows}
     llama = by["policy", "llama"]
     assert (llama["plugin"], llama["origin"], llama["version"], llama["contract"]) == \
@@ -30,6 +31,21 @@ def test_json_lists_built_ins_and_the_installed_contrib_plugin(capsys):
     assert (qwen2["origin"], qwen2["version"], qwen2["contract"], qwen2["module"]) == \
         ("infergraft-qwen", "0.2.0", ">=1,<2", "infergraft_qwen.qwen2")
     assert {r["kind"] for r in rows} >= {"policy", "cache backend", "planner"}
+
+
+def test_each_policy_is_listed_with_the_architectures_it_is_picked_for(capsys):
+    by = {r["name"]: r for r in rows_from_json(capsys) if r["kind"] == "policy"}
+    assert (by["phi3"]["architectures"], by["phi3"]["model_types"]) == \
+        (["Phi3ForCausalLM"], ["phi3"])
+    assert by["qwen3"]["architectures"] == ["Qwen3ForCausalLM"]  # an installed plugin's too
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("\nPOLICY"):].splitlines()[1:]
+    assert section[0].split() == ["POLICY", "ARCHITECTURES", "(MODEL", "TYPES)"]
+    lines = {line.split()[0]: line.split()[1:] for line in section[1:] if line.strip()}
+    assert lines["phi3"] == ["Phi3ForCausalLM", "(phi3)"]
+    assert lines["llama"] == ["LlamaForCausalLM", "(llama)"]
+    assert set(lines) == set(by)
 
 
 def test_table_has_one_aligned_line_per_plugin_object(capsys):

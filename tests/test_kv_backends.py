@@ -189,9 +189,9 @@ def test_contiguous_quantised_kv_device_decode_matches_host_path(cfg, kv, stored
     dev.cache.device_decode = True
     scales, real = [], dev.cache.ops.paged_attention
 
-    def spy(q, k, v, tables, lens, scale, window, k_scale, v_scale, *, counters):
+    def spy(q, k, v, tables, lens, scale, window, k_scale, v_scale, *, softcap, counters):
         scales.append((k.dtype, v.dtype, k_scale.dtype, v_scale.shape == k.shape[:3]))
-        assert counters is dev.cache.counters  # the cache's own merge counters
+        assert counters is dev.cache.counters and softcap is None  # the cache's own counters
         return real(q, k, v, tables, lens, scale, window, k_scale, v_scale, counters=counters)
     monkeypatch.setattr(dev.cache, "ops", types.SimpleNamespace(**{**vars(dev.cache.ops),
                                                                   "paged_attention": spy}))

@@ -90,7 +90,7 @@ def test_an_unknown_layer_name_is_refused_at_build_naming_the_registered_ones(
                                        name="layered-plugin")
     with pytest.raises(UnsupportedModelError, match=r"LayeredForCausalLM: layer 1 names the "
                        r"attention implementation 'nope', which no loaded plugin registers; "
-                       r"registered attention implementations: counting, llama"):
+                       r"registered attention implementations: counting, gemma3, llama"):
         core.build(layered_model(), max_seq_len=32)
 
 

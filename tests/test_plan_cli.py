@@ -76,6 +76,27 @@ def test_a_config_without_architectures_is_planned_by_its_model_type(tmp_path, c
     assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
 
 
+def test_the_policy_is_picked_from_config_json_and_shown(tmp_path, capsys):
+    from infergraft.core.testing.models import tiny_phi3_config
+
+    tiny_phi3_config().save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split() == ["policy", "phi3", "(for", "Phi3ForCausalLM)"]
+    assert main(["plan", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"] == "phi3"
+    assert main(["plan", str(_config_dir(tmp_path / "llama", {"architectures": DROP})),
+                 "--json"]) == 0  # no architectures: its model_type picks
+    assert json.loads(capsys.readouterr().out)["policy"] == "llama"
+
+
+def test_an_unknown_architecture_is_one_line_naming_the_closest_supported(tmp_path, capsys):
+    edit = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text"}
+    line = _refused(capsys, _config_dir(tmp_path, edit))
+    assert "no registered policy supports Llama4ForCausalLM (closest supported by name: " \
+           "LlamaForCausalLM (llama)); supported architectures: " in line
+
+
 @pytest.mark.parametrize("key,value,field", [
     ("num_hidden_layers", -1, "num_layers"), ("num_hidden_layers", 0, "num_layers"),
     ("num_attention_heads", -4, "num_heads"), ("num_key_value_heads", 0, "num_kv_heads"),

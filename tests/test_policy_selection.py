@@ -8,7 +8,8 @@ from infergraft.core.build import choose_policy
 from infergraft.core.errors import UnknownPluginError, UnsupportedModelError
 from infergraft.core.policy import Policy
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_gpt2_config,
-                                            tiny_llama_config, tiny_mistral_config)
+                                            tiny_llama_config, tiny_mistral_config,
+                                            tiny_phi3_config)
 from infergraft.policies.llama import llama_like_spec, llama_like_weight_map
 
 
@@ -38,7 +39,7 @@ class OtherLlamaPlugin:
 def models():
     return {name: random_model(make(), seed=0) for name, make in
             (("llama", tiny_llama_config), ("mistral", tiny_mistral_config),
-             ("gpt2", tiny_gpt2_config))}
+             ("gpt2", tiny_gpt2_config), ("phi3", tiny_phi3_config))}
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def _build(model, plugins=None):
     return core.build(model, plugins, max_seq_len=32, max_batch_size=1)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "phi3"])
 def test_architecture_picks_the_policy(models, family):
     engine = _build(models[family])
     assert engine.plan.policy == family
@@ -64,7 +65,7 @@ def test_architecture_picks_the_policy(models, family):
 
 def test_model_type_is_the_fallback():
     pm = core.get_plugin_manager()
-    for model_type in ("llama", "mistral", "gpt2"):
+    for model_type in ("llama", "mistral", "gpt2", "phi3"):
         config = types.SimpleNamespace(architectures=None, model_type=model_type)
         assert choose_policy(pm, config, None).name == model_type
 
@@ -75,6 +76,29 @@ def test_unknown_architecture_lists_the_supported_ones():
         choose_policy(core.get_plugin_manager(), config, None)
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel"):
         assert arch in str(err.value)
+
+
+@pytest.mark.parametrize("archs,model_type,closest", [
+    (["Phi3SmallForCausalLM"], "phi3small", "Phi3ForCausalLM (phi3)"),
+    (["Phi3VForCausalLM"], "phi3_v", "Phi3ForCausalLM (phi3)"),
+    (["LLaMAForCausalLM"], None, "LlamaForCausalLM (llama)"),  # case aside
+    (["Llama4ForConditionalGeneration"], "llama4", "LlamaForCausalLM (llama)"),
+    (["MistralModel"], "mistral3", "MistralForCausalLM (mistral)"),  # a head we do not run
+    (["Qwen3MoeForCausalLM"], "qwen3_moe", "Qwen3ForCausalLM (qwen3)")])  # a contrib family's
+def test_an_unknown_architecture_names_the_closest_supported_ones(archs, model_type, closest):
+    config = types.SimpleNamespace(architectures=archs, model_type=model_type)
+    with pytest.raises(UnsupportedModelError) as err:
+        choose_policy(core.get_plugin_manager(), config, None)
+    assert str(err.value).startswith(f"no registered policy supports {archs[0]} (closest "
+                                     f"supported by name: {closest}")
+    assert "; supported architectures: GPT2LMHeadModel, LlamaForCausalLM" in str(err.value)
+
+
+def test_nothing_close_adds_no_guess():
+    config = types.SimpleNamespace(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
+    with pytest.raises(UnsupportedModelError, match=r"^no registered policy supports "
+                                                    r"GPTNeoXForCausalLM; supported "):
+        choose_policy(core.get_plugin_manager(), config, None)
 
 
 def test_forced_policy_is_used(models):

@@ -122,12 +122,12 @@ class StepExchange:
 
 
 def forward_groups(model, cache, seq_ids, counts, tokens: torch.Tensor, micro_batches: int,
-                   last_rows: bool):
+                   last_rows: bool, long_rows=None):
     """The eager step of ``ModelRunner`` in micro-batches: tokens [T] of sequences
     ``seq_ids`` (``counts`` each) -> logits [B or T, V] float32 in the step's order (the
     last token's row of each sequence with ``last_rows``, else every row), or None where
     this rank has none (a stage before the last; a rank of the last stage's tp group
-    that is not its rank 0)."""
+    that is not its rank 0). ``long_rows``: [T], LongRoPE's (``DecoderModel.forward``)."""
     stage = model.stage
     groups = split_step(counts, micro_batches)
     exchange = StepExchange(stage, [g.tokens for g in groups], model.spec.hidden_size,
@@ -143,7 +143,9 @@ def forward_groups(model, cache, seq_ids, counts, tokens: torch.Tensor, micro_ba
             index = None if rows is None else torch.tensor(
                 rows or [g.tokens - 1], dtype=torch.long, device=tokens.device)
             exchange.log("compute", k)
-            out = model(tokens[g.offset:g.offset + g.tokens], cache, meta, index)
+            piece = slice(g.offset, g.offset + g.tokens)
+            out = model(tokens[piece], cache, meta, index,
+                        long_rows=None if long_rows is None else long_rows[piece])
             outs.append(out if out is None or rows is None or rows else out[:0])
             exchange.log("computed", k)
         exchange.finish()

@@ -27,10 +27,12 @@ from .stages import PipelineStage, not_held_elements, stage_slot, stage_spec
 from .vocab import VOCAB_SLOTS, rank_layout, vocab_not_held
 
 ROW_BIASES = (".o.bias", ".down.bias")  # added once, after the all-reduce (rank 0 keeps them)
-# the splits the model runs (all-reduce after o and down): a planner must shard so
+# the splits the model runs (all-reduce after o and down): a planner must shard so. The
+# experts of a mixture of experts as the dense MLP: each expert's gate and up rows cut
+# (the stacked slot's every part), its down's columns
 COLUMN = (".qkv.weight", ".qkv.bias", ".gate_up.weight", ".gate_up.bias", ".fc_in.weight",
-          ".fc_in.bias")
-ROW = (".o.weight", ".down.weight")
+          ".fc_in.bias", ".experts_gate_up.weight")
+ROW = (".o.weight", ".down.weight", ".experts_down.weight")
 
 
 def runtime_style(slot: str) -> str:
@@ -137,8 +139,8 @@ def check_styles(planner, spec) -> None:
         if style != runtime_style(slot):
             raise PlanError(f"planner {planner.name!r} shards {slot!r} {style}, but the "
                             f"tensor-parallel runtime runs it {runtime_style(slot)} (column: "
-                            "qkv, gate_up, fc_in; row: o, down; vocab: embed, lm_head; the rest "
-                            "replicated)")
+                            "qkv, gate_up, fc_in, experts_gate_up; row: o, down, experts_down; "
+                            "vocab: embed, lm_head; the rest replicated)")
 
 
 def _placed(spec, tp, stage, shard) -> RankSetup:
@@ -175,14 +177,18 @@ def rank_spec(spec, stage, tp: int):
 
 
 def local_spec(spec, tp: int):
-    """What one rank runs: its share of the heads and of the MLP's rows (the vocab
-    whole: its rows of the embeddings and head are ``vocab.rank_layout``'s)."""
+    """What one rank runs: its share of the heads and of the MLP's rows, every expert's
+    too (the vocab whole: its rows of the embeddings and head are ``vocab.rank_layout``'s)."""
     if tp == 1:
         return spec
+    layers = tuple(layer if layer.experts is None else attrs.evolve(
+        layer, experts=attrs.evolve(layer.experts,
+                                    intermediate_size=layer.experts.intermediate_size // tp))
+        for layer in spec.layers)
     # fewer kv heads than ranks: one (a copy) a rank
     return attrs.evolve(spec, num_heads=spec.num_heads // tp,
                         num_kv_heads=max(1, spec.num_kv_heads // tp),
-                        intermediate_size=spec.intermediate_size // tp)
+                        intermediate_size=spec.intermediate_size // tp, layers=layers)
 
 
 def shard_fn(planner, spec, parallel, tp: TensorParallelGroup):

@@ -41,7 +41,17 @@ def check_weight_map(policy_name: str, spec: ModelSpec, wmap: WeightMap) -> dict
         need = set(range(len(parts))) if parts else {None}
         if filled.get(slot, set()) != need:
             raise WeightLoadError(f"policy {policy_name!r} leaves slot {slot!r} unfilled")
+    for key, r in alternative_rules(spec, wmap).items():
+        if r.slot not in layout or r.part is not None or key in rules:
+            raise WeightLoadError(
+                f"policy {policy_name!r}: alternative {key!r} -> {r.slot!r} must fill a whole "
+                "slot of the layout (part None) under a key no rule maps")
     return rules
+
+
+def alternative_rules(spec: ModelSpec, wmap: WeightMap) -> dict:
+    """HF key -> alternative rule (``WeightMap.alternatives``), ``{i}`` filled in."""
+    return expand_rules(wmap.alternatives, spec.num_layers)
 
 
 def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
@@ -54,7 +64,11 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
     instead of ``device`` where it returns one (the host, for layers streamed to the
     device step by step: plugins/offload_weights.py)."""
     rules = check_weight_map(policy_name, spec, wmap)
+    alternatives = alternative_rules(spec, wmap)
     layout = slot_layout(spec)
+    # slot -> the first key that filled it (or a part), and -> the alternative that did
+    started: dict[str, str] = {}
+    replaced: dict[str, str] = {}
     ignore = [re.compile(p) for p in wmap.ignore]
     pending: dict[str, set] = {}  # slot -> parts still missing
     buffers: dict[str, torch.Tensor] = {}
@@ -68,7 +82,7 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
             key = aliases[key]
         elif key in seen and key in aliases.values():
             continue  # the alias already supplied it
-        rule = rules.get(key)
+        rule = rules.get(key) or alternatives.get(key)
         if rule is None:
             if any(p.match(key) for p in ignore):
                 continue
@@ -77,13 +91,22 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
         if key in seen:
             raise WeightLoadError(f"weight {key!r} arrived twice")
         seen.add(key)
+        other = replaced.get(rule.slot) or (key in alternatives and started.get(rule.slot))
+        if other:  # one layout of a slot's weights, or the other
+            raise WeightLoadError(f"weights {other!r} and {key!r} both fill {rule.slot!r}: "
+                                  "a checkpoint holds one layout of them, not both")
+        started.setdefault(rule.slot, key)
+        if key in alternatives:
+            replaced[rule.slot] = key
         shape, parts = layout[rule.slot]
         pre = getattr(tensor, "prequantized", False)  # GPTQ / AWQ / fp8 (gptq.py)
-        if pre and (rule.transpose or place is not None or on_slot_ready is None):
+        if pre and (rule.transpose or rule.stacked or place is not None or on_slot_ready is None):
             raise WeightLoadError(f"weight {key!r} is pre-quantised: it loads on one device "
                                   "(no tp / pp), as an [out, in] projection, through the "
                                   "checkpoint's weight quantiser ('int4', 'fp8')")
         t = tensor.t() if rule.transpose else tensor
+        if rule.stacked and t.dim() >= 2:  # [E, 2I, H] -> the slot's [E * 2I, H]
+            t = t.flatten(0, 1)
         whole = parts is None or rule.part is None
         want = shape if whole else (parts[rule.part],) + tuple(shape[1:])
         if tuple(t.shape) != tuple(want):
@@ -119,11 +142,14 @@ def load_weights(model: nn.Module, spec: ModelSpec, wmap: WeightMap,
         raise WeightLoadError(f"policy {policy_name!r} left {len(unexpected)} weight(s) "
                               f"unconsumed: {', '.join(unexpected[:5])}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
-    missing = sorted(set(rules) - seen)
+    missing = sorted(k for k in set(rules) - seen if rules[k].slot not in replaced)
     if missing:
+        instead = {r.slot: k for k, r in alternatives.items()}
+        alt = next((instead[rules[k].slot] for k in missing if rules[k].slot in instead), None)
         raise WeightLoadError(f"{len(missing)} weight(s) that policy {policy_name!r} needs are "
                               f"missing from the checkpoint: {', '.join(missing[:5])}"
-                              f"{' ...' if len(missing) > 5 else ''}")
+                              f"{' ...' if len(missing) > 5 else ''}"
+                              + (f" (or, stacked, {alt!r} and the like)" if alt else ""))
 
 
 def _install(model: nn.Module, slot: str, tensor: torch.Tensor, on_slot_ready,

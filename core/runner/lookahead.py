@@ -79,4 +79,8 @@ class DecodeLookahead:
         # after the step in flight each has one more token; the next must stay in bounds
         if any(len(s.output_ids) + 2 > s.params.max_new_tokens for s in seqs):
             return False
+        # nor reach LongRoPE's boundary while short (the scheduler recomputes it first)
+        switch = scheduler.long_rope
+        if switch is not None and any(switch.stale(s, ahead=1) for s in seqs):
+            return False
         return self.engine.cache.can_append([s.id for s in seqs], [1] * len(seqs))

@@ -16,7 +16,7 @@ from torch import nn
 
 from .._moved import moved_names
 from ..distributed.vocab import VocabParallel
-from ..rope import rope_cos_sin
+from ..rope import long_rope_boundary, rope_cos_sin, table_rows
 from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
 from ..spec import ModelSpec, split_qkv  # noqa: F401  (split_qkv: imported from here too)
 # (Linear, QuantizedLinear, gemm_operands: imported from here too)
@@ -29,18 +29,29 @@ _RESIDENT = types.SimpleNamespace(begin=lambda: None, before=lambda i: None, aft
 
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer composed from registered parts (core/layer.py): norm ->
-    attention -> add -> norm -> MLP -> add. The parts' projections are this module's
-    children under slot names (``layers.3.qkv``: what weight maps fill); the parts run
-    them with the layer passed in. ``parts``: (attention, mlp, norm) ``LayerImpl``s."""
+    attention -> add -> norm -> MLP -> add; with ``LayerSpec.post_norms`` (Gemma's
+    "sandwich") a norm on the attention's and on the MLP's output before each add. The
+    parts' projections are this module's children under slot names (``layers.3.qkv``:
+    what weight maps fill); the parts run them with the layer passed in. ``parts``:
+    (attention, mlp, norm) ``LayerImpl``s; ``layer_spec``: this layer's ``LayerSpec``
+    (what its parts read of it, e.g. its experts), by default the first layer's."""
 
-    def __init__(self, spec: ModelSpec, ops, parts):
+    def __init__(self, spec: ModelSpec, ops, parts, layer_spec=None):
         super().__init__()
         attention, mlp, norm = parts
         self.spec, self.ops = spec, ops
+        self.layer_spec = spec.layer(0) if layer_spec is None else layer_spec
+        self.post_norms = bool(layer_spec is not None and layer_spec.post_norms)
         self.attn_norm = norm.build(spec, ops)
+        # o's and down's outputs may come as split-K partials where the norm after them
+        # adds them up with the residual (not where a post norm takes them first)
+        self.sums_partials = bool(getattr(self.attn_norm, "adds_partials", False)) \
+            and not self.post_norms
         self.attention = attention.build(self, spec, ops)  # adds qkv, o (and its own)
         self.mlp_norm = norm.build(spec, ops)
         self.mlp = mlp.build(self, spec, ops)  # adds gate_up / fc_in, down (and its own)
+        if self.post_norms:
+            self.attn_post_norm, self.mlp_post_norm = norm.build(spec, ops), norm.build(spec, ops)
 
     @property
     def norm_feeds(self) -> tuple[tuple[str, str], ...]:
@@ -51,7 +62,7 @@ class DecoderLayer(nn.Module):
     def will_fuse(self) -> bool:
         """Whether the parts run in the fused decode layer (known before weights load)."""
         return bool(getattr(self.attn_norm, "folds", False) and self.attention.fuses
-                    and self.mlp.fuses)
+                    and self.mlp.fuses and not self.post_norms)
 
     def fusable(self) -> bool:
         """Parts that fuse, every projection our own Linear or 8-bit rows (other
@@ -98,9 +109,15 @@ class DecoderLayer(nn.Module):
         h = self.attention.forward(self, x, layer_idx, positions, rope, cache, meta)  # [T, H]
         if self.tp is not None:  # each rank's heads contributed a share of o's output
             h = self.tp.all_reduce(h)
+        if self.post_norms:  # after the sum: a norm of the whole output
+            h = self.attn_post_norm(h)[0]
         x, residual = self.mlp_norm(h, residual)
         out = self.mlp.forward(self, x)  # [T, H] or partials [S, T, H]
-        return (out if self.tp is None else self.tp.all_reduce(out)), residual
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        if self.post_norms:
+            out = self.mlp_post_norm(out)[0]
+        return out, residual
 
 
 class DecoderModel(nn.Module):
@@ -128,7 +145,8 @@ class DecoderModel(nn.Module):
         if spec.position == "learned":
             self.pos_embed = nn.Module()
             self.pos_embed.register_buffer("weight", None)
-        self.layers = nn.ModuleList(DecoderLayer(spec, ops, p) for p in parts)
+        self.layers = nn.ModuleList(DecoderLayer(spec, ops, p, spec.layer(i))
+                                    for i, p in enumerate(parts))
         for layer in self.layers:
             layer.tp = tp
         self.final_norm = final_norm.build(spec, ops)
@@ -137,10 +155,22 @@ class DecoderModel(nn.Module):
         check_slots_built(self, spec)
         self.norms_folded = False  # fold_norm_weights() turns the fused decode layer on
         self.streamer = None  # runner.weight_stream.WeightStreamer: layers in host memory
-        self.rope = None
+        # a layer's RoPE tables: the model's, or its own (Gemma 3's local layers); LongRoPE
+        # past its original length: two tables, rows chosen per sequence (core/long_rope.py;
+        # None: row p of the one table for position p)
+        self.rope, self.layer_ropes = None, [None] * spec.num_layers
+        self.rope_boundary = None
         if spec.position == "rope":
-            self.rope = rope_cos_sin(spec.rope, spec.head_dim, max_position or spec.max_position,
-                                     device)
+            rows, tables = max_position or spec.max_position, {}
+            for i in range(spec.num_layers):
+                rope = spec.layer(i).rope or spec.rope
+                if rope not in tables:
+                    tables[rope] = rope_cos_sin(rope, spec.head_dim, rows, device)
+                self.layer_ropes[i] = tables[rope]
+            self.rope = tables.get(spec.rope) or rope_cos_sin(spec.rope, spec.head_dim, rows,
+                                                              device)
+            self.rope_boundary = long_rope_boundary(spec.rope, rows)
+        self._embed_multiplier = {}  # dtype -> spec.embed_scale rounded to it
 
     def _fused(self, tokens: int) -> bool:
         return self.norms_folded and tokens <= getattr(self.ops, "fuse_max_rows", 0)
@@ -172,16 +202,29 @@ class DecoderModel(nn.Module):
         """The weights' dtype (every stage holds a layer; not every one the embeddings)."""
         return self.layers[0].attn_norm.weight.dtype
 
+    def _embed_multiplier_for(self, dtype) -> float:
+        """``spec.embed_scale`` rounded to ``dtype`` (through float32, as HF's buffer), as
+        a Python number: the product then rounds once, like HF's of two ``dtype`` values."""
+        if dtype not in self._embed_multiplier:
+            scale = torch.tensor(self.spec.embed_scale, dtype=torch.float32).to(dtype)
+            self._embed_multiplier[dtype] = float(scale)
+        return self._embed_multiplier[dtype]
+
     @property
     def lm_head_weight(self):
         return self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight
 
-    def forward(self, tokens, cache, meta, logits_index=None, greedy_out=None):
+    def forward(self, tokens, cache, meta, logits_index=None, greedy_out=None, long_rows=None):
         """tokens: [T] -> logits [len(logits_index) or T, V] float32 (None on a pipeline
         stage before the last, and under tp on every rank but the group's first).
         ``greedy_out``: an int64 buffer [n] that receives each row's argmax (the decode
-        graphs' next tokens, written in the same kernel that widens the logits)."""
+        graphs' next tokens, written in the same kernel that widens the logits).
+        ``long_rows``: [T] bool, rows that read LongRoPE's long table below its boundary
+        (``core.long_rope.LongRopeSwitch.long_rows``; None: none)."""
         positions = meta.positions
+        # what the layers index the RoPE table with: the positions, or LongRoPE's rows
+        rope_rows = positions if self.rope_boundary is None else \
+            table_rows(positions, self.rope_boundary, long_rows)
         fused = self._fused(tokens.shape[0])
         residual, stage = None, self.stage
         streamer = self.streamer or _RESIDENT  # copies streamed layers in, layer by layer
@@ -192,7 +235,8 @@ class DecoderModel(nn.Module):
             if fused:  # the fused layer's stream is whole: their sum, and its statistic
                 h, residual = h + residual, None
                 sum_sq = row_sum_sq(h)  # [1, T]
-        elif fused and self.spec.position != "learned" and self.vocab is None:
+        elif fused and self.spec.position != "learned" and self.vocab is None \
+                and self.spec.embed_scale is None:
             # one kernel: the rows and their statistic
             h, sum_sq = self.ops.embed_sum_sq(tokens, self.embed.weight)  # [T, H], [1, T]
         else:
@@ -201,18 +245,20 @@ class DecoderModel(nn.Module):
                 else self.vocab.embed(tokens, self.embed.weight)  # [T, H]
             if self.spec.position == "learned":
                 h = h + F.embedding(positions, self.pos_embed.weight)
+            if self.spec.embed_scale is not None:  # Gemma: times sqrt(hidden), in its dtype
+                h = h * self._embed_multiplier_for(h.dtype)
             sum_sq = row_sum_sq(h) if fused else None
         if fused:  # h is the residual stream throughout; sum_sq: the next norm's statistic
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 streamer.before(i)
-                h, sum_sq = layer.forward_fused(h, i, positions, self.rope, cache, meta, sum_sq,
-                                                want_next=i < last)
+                h, sum_sq = layer.forward_fused(h, i, rope_rows, self.layer_ropes[i], cache, meta,
+                                                sum_sq, want_next=i < last)
                 streamer.after(i)
         else:
             for i, layer in enumerate(self.layers):
                 streamer.before(i)
-                h, residual = layer(h, residual, i, positions, self.rope, cache, meta)
+                h, residual = layer(h, residual, i, rope_rows, self.layer_ropes[i], cache, meta)
                 streamer.after(i)
         if stage is not None and not stage.last:  # (the fused layer's stream is whole)
             stage.send(h, torch.zeros_like(h) if residual is None else residual)
@@ -222,6 +268,9 @@ class DecoderModel(nn.Module):
             residual = None if residual is None else residual[logits_index]
         x, _ = self.final_norm(h, residual)
         y = self.ops.lm_head(x, self.lm_head_weight)  # [n, V] (tp: [n, V_pad / tp]), model dtype
+        cap = self.spec.final_logit_softcap
+        if cap is not None:  # Gemma: c * tanh(logits / c), in the model dtype as HF's
+            y = torch.tanh(y / cap) * cap
         if self.vocab is not None:  # gathered to the group's rank 0, which samples: else None
             return self.vocab.logits(y, greedy_out)  # [n, V] float32
         if greedy_out is None:

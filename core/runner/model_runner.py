@@ -29,6 +29,8 @@ class ModelRunner:
         self.decode_graphs: CudaGraphRunner | None = None  # set by build() on CUDA
         self.prefill_graphs: PrefillGraphRunner | None = None  # likewise
         self.step_graphs: StepGraphRunner | None = None  # likewise
+        # core.long_rope.LongRopeSwitch where LongRoPE's two tables are in use (build())
+        self.long_rope = None
 
     def replays_decode(self, step) -> bool:
         """True where ``step`` is a decode step whose batch size has a captured graph."""
@@ -43,31 +45,41 @@ class ModelRunner:
         seqs, counts = step.seqs, step.counts
         if replay:
             return self._watched(self.decode_graphs.decode([s.id for s in seqs], tokens))
+        # rows a LongRoPE position does not place (graphs are captured without them)
+        long_rows = None if self.long_rope is None else \
+            self.long_rope.long_rows(seqs, counts, self.device)
         steps = self.step_graphs
-        if steps is not None and step.kind == "prefill" and steps.bucket(counts) is not None:
+        if steps is not None and step.kind == "prefill" and long_rows is None \
+                and steps.bucket(counts) is not None:
             return self._watched(steps.run([s.id for s in seqs], counts, tokens))  # [B, V]
         graphs = self.prefill_graphs
-        if step.kind == "prefill" and graphs is not None and graphs.bucket(seqs, counts):
+        if step.kind == "prefill" and graphs is not None and long_rows is None \
+                and graphs.bucket(seqs, counts):
             return self._watched(graphs.prefill(seqs[0].id, tokens))  # [1, V]
         token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         if self._pipelined():
             return forward_groups(self.model, self.cache, [s.id for s in seqs], counts,
-                                  token_t, self.micro_batches, step.kind != "decode")
+                                  token_t, self.micro_batches, step.kind != "decode", long_rows)
         meta = self.cache.prepare([s.id for s in seqs], counts)
         if step.kind == "decode":
             return self.model(token_t, self.cache, meta, None)  # [B, V]
         last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
-        return self.model(token_t, self.cache, meta, last.to(self.device))  # [B, V]
+        return self.model(token_t, self.cache, meta, last.to(self.device),
+                          long_rows=long_rows)  # [B, V]
 
     def every_row(self, seq_id, ids: list[int]):
         """Logits of every position of a sequence the cache just allocated: [len, V]
-        (None on a pipeline stage before the last)."""
+        (None on a pipeline stage before the last). LongRoPE: one forward over the whole
+        sequence, as HF's (core/long_rope.py)."""
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)  # [len]
+        long_rows = None
+        if self.long_rope is not None and len(ids) > self.long_rope.boundary:
+            long_rows = torch.ones(len(ids), dtype=torch.bool, device=self.device)
         if self._pipelined():  # the sequence in consecutive pieces through the stages
             return forward_groups(self.model, self.cache, [seq_id], [len(ids)], tokens,
-                                  self.micro_batches, last_rows=False)
+                                  self.micro_batches, last_rows=False, long_rows=long_rows)
         meta = self.cache.prepare([seq_id], [len(ids)])
-        return self.model(tokens, self.cache, meta, None)
+        return self.model(tokens, self.cache, meta, None, long_rows=long_rows)
 
     def _watched(self, logits):
         """A replay's logits, once its collectives finished within the decode graphs'

@@ -19,7 +19,8 @@ import torch
 
 from ..registry import _NAME
 from . import cache_machine, prefix_machine
-from .cache_machine import reference_attention, tiny_cache_spec
+from .cache_machine import tiny_cache_spec
+from .reference import reference_attention
 
 #: stats() entries that must return to their first value once every sequence is freed
 _ACCOUNTING = ("bytes", "sequences", "tokens", "free_rows", "slots", "blocks_total",
@@ -84,12 +85,14 @@ class CacheContractTests(CacheBackendFixtures):
                     written[name, layer].append((k[off:off + n], v[off:off + n]))
                     kk = torch.cat([x for x, _ in written[name, layer]])
                     vv = torch.cat([y for _, y in written[name, layer]])
-                    ref = reference_attention(q[off:off + n], kk, vv, a, s.sliding_window)
+                    la = s.layer_attention(layer)
+                    ref = reference_attention(q[off:off + n], kk, vv, a, la.window,
+                                              scale=la.scale, softcap=la.softcap)
                     torch.testing.assert_close(out[off:off + n].double(), ref, atol=self.atol,
                                                rtol=0)
                     rk, rv = cache.read(name, layer)
                     held = rk.shape[0]  # a sliding-window cache keeps only the last W
-                    assert min(len(kk), s.sliding_window or len(kk)) <= held <= len(kk)
+                    assert min(len(kk), s.kv_window or len(kk)) <= held <= len(kk)
                     torch.testing.assert_close(rk.cpu().float(), kk[len(kk) - held:],
                                                atol=self.atol, rtol=0)
                     torch.testing.assert_close(rv.cpu().float(), vv[len(vv) - held:],

@@ -15,7 +15,6 @@ block_size=4, num_blocks=12))``, or subclass :class:`CacheBackendMachine`, overr
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
@@ -25,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ..cache import CacheFullError
 from ..spec import ModelSpec, RopeSpec
+from .reference import reference_attention  # noqa: F401  (named here too)
 from .strategies import kit_settings
 
 
@@ -57,7 +57,8 @@ def cache_factory(backend, spec: Optional[ModelSpec] = None, *, max_seq_len: int
                 device="cpu", kernels="torch", max_seq_len=max_seq_len,
                 max_batch_size=max_batch_size, cache_backend=backend.name, kv_dtype=str(dtype),
                 quantizers=(), planner="-", parallel=ParallelPlan(), weight_bytes=0,
-                kv_bytes_per_token=backend.bytes_per_token(spec, dtype))
+                kv_bytes_per_token=backend.bytes_per_token(spec, dtype),
+                sliding_window=spec.kv_window)
     if kv_quantizer is not None:
         options["kv_quantizer"] = kv_quantizer
 
@@ -67,21 +68,6 @@ def cache_factory(backend, spec: Optional[ModelSpec] = None, *, max_seq_len: int
     make.spec, make.max_seq_len, make.dtype = spec, max_seq_len, dtype
     make.kv_quantizer = kv_quantizer
     return make
-
-
-def reference_attention(q, k, v, start, window=None):
-    """q: [n, Hq, D] at positions start.. over k, v: [start+n, Hkv, D] -> [n, Hq, D]."""
-    n, hq, d = q.shape
-    group = hq // k.shape[1]
-    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(d)  # [Hq, n, L]
-    qpos = torch.arange(start, start + n)[:, None]
-    kpos = torch.arange(k.shape[0])[None, :]
-    seen = kpos <= qpos
-    if window:
-        seen &= kpos > qpos - window
-    p = scores.masked_fill(~seen, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", p, v)
 
 
 class CacheBackendMachine(RuleBasedStateMachine):
@@ -177,8 +163,9 @@ class CacheBackendMachine(RuleBasedStateMachine):
                 kv = self.ref[sid][layer]
                 kv[0] = torch.cat([kv[0], self.stored(k[off:off + n])])
                 kv[1] = torch.cat([kv[1], self.stored(v[off:off + n])])
+                a = s.layer_attention(layer)
                 want = reference_attention(q[off:off + n], kv[0], kv[1], len(kv[0]) - n,
-                                           s.sliding_window)
+                                           a.window, scale=a.scale, softcap=a.softcap)
                 torch.testing.assert_close(out[off:off + n].double(), want, atol=self.atol,
                                            rtol=self.atol,
                                            msg=lambda m: f"attention of seq {sid}, layer {layer}: {m}")
@@ -219,7 +206,7 @@ class CacheBackendMachine(RuleBasedStateMachine):
     def _check_read(self, sid, layer):
         k, v = self.cache.read(sid, layer)
         want_k, want_v = self.ref[sid][layer]
-        n, held, w = len(want_k), k.shape[0], self.spec.sliding_window
+        n, held, w = len(want_k), k.shape[0], self.spec.kv_window
         # a sliding-window cache may drop what no later query sees, keeping the last w
         assert min(n, w or n) <= held <= n and v.shape[0] == held, \
             f"read({sid}, {layer}) gave {held} tokens of {n} (window {w})"

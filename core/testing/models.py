@@ -38,6 +38,19 @@ def with_random_norm_weights(hf, seed: int = 0):
     return hf
 
 
+def random_gemma(config, seed: int = 1):
+    """A random HF Gemma of ``config``: projections lively (scale 10) and its norms' weights
+    drawn around 0 (HF initialises them to 0, a scale of 1 + 0), so that the softcaps
+    bite and greedy tokens vary."""
+    hf = random_model(config, seed=seed, scale=10.0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(2.0 * torch.randn(p.shape, generator=g))
+    return hf
+
+
 def random_prompt(n: int, vocab: int, seed: int, avoid=(0, 1, 2)) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -54,6 +67,31 @@ def tiny_mistral_config(**overrides):
     kw.update(overrides)
     cfg = MistralConfig(**kw)
     cfg.architectures = ["MistralForCausalLM"]
+    return cfg
+
+
+def longrope_parameters(rotary_dim: int, theta: float = 10000.0, **extra):
+    """LongRoPE's rope_parameters with distinct short and long factors, rotary_dim / 2 each."""
+    half = rotary_dim // 2
+    return dict(rope_type="longrope", rope_theta=theta,
+                short_factor=[1.0 + 0.15 * i for i in range(half)],
+                long_factor=[1.5 + 0.6 * i for i in range(half)], **extra)
+
+
+def tiny_phi3_config(**overrides):
+    """Phi-3 (fused qkv_proj / gate_up_proj, GQA); LongRoPE over 32 original positions of
+    512, a quarter of each 16-dim head passing through unrotated (Phi-4-mini's partial
+    rotary): override ``rope_parameters`` for others."""
+    from transformers import Phi3Config
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              original_max_position_embeddings=32, sliding_window=None, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              rope_parameters=longrope_parameters(12, partial_rotary_factor=0.75))
+    kw.update(overrides)
+    cfg = Phi3Config(**kw)
+    cfg.architectures = ["Phi3ForCausalLM"]
     return cfg
 
 
@@ -94,6 +132,79 @@ def tiny_qwen3_config(**overrides):
     kw.update(overrides)
     cfg = Qwen3Config(**kw)
     cfg.architectures = ["Qwen3ForCausalLM"]
+    return cfg
+
+
+def tiny_mixtral_config(**overrides):
+    """Mixtral (GQA, 8 SwiGLU experts of 32 rows, top-2 renormalised, no window)."""
+    from transformers import MixtralConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+              num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+              sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+    kw.update(overrides)
+    cfg = MixtralConfig(**kw)
+    cfg.architectures = ["MixtralForCausalLM"]
+    return cfg
+
+
+def tiny_qwen3_moe_config(**overrides):
+    """Qwen3-MoE (Qwen3's q/k-norm attention, head_dim 24; 6 experts of 24 rows, top-2,
+    ``norm_topk_prob`` off; layer 1 of 3 a dense MLP of 112 rows: ``mlp_only_layers``)."""
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, moe_intermediate_size=24,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+              num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+              decoder_sparse_step=1, max_position_embeddings=512, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, use_sliding_window=False, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Qwen3MoeConfig(**kw)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return cfg
+
+
+def tiny_gemma2_config(**overrides):
+    """Gemma 2: sliding window 8 on every other layer (global between), both softcaps, a
+    query_pre_attn_scalar that is not head_dim, GQA, tied embeddings (as Gemma ships).
+    HF's eager attention: transformers 5.17 runs Gemma 2 on SDPA by default, which drops the
+    attention softcap (5.25 refuses SDPA for it)."""
+    from transformers import Gemma2Config
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+              query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+              final_logit_softcapping=3.0, tie_word_embeddings=True,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Gemma2Config(**kw)
+    cfg.architectures = ["Gemma2ForCausalLM"]
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def tiny_gemma3_config(**overrides):
+    """Gemma 3 (text): five local layers (window 8, RoPE base 10k) then a global one
+    (base 1M, linear scaling x2), per-head q / k norms, a final logit softcap."""
+    from transformers import Gemma3TextConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=7,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+              query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+              rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                  "rope_theta": 1_000_000.0}},
+              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    cfg = Gemma3TextConfig(**kw)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg._attn_implementation = "eager"  # as Gemma 2's: the same reference on every version
     return cfg
 
 

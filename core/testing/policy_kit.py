@@ -26,15 +26,16 @@ from ..hookspecs import hookimpl
 from ..slots import slot_layout
 from ..policy import expand_rules
 from ..registry import _NAME
-from ..loading.weights import check_weight_map
+from ..loading.weights import alternative_rules, check_weight_map
 from . import strategies
 from .models import random_prompt
 from .parity import assert_logits_match, hf_greedy, relative_error, hf_logits
 
 
 def check_weights_consumed(policy, spec, hf_shapes: dict[str, tuple]) -> None:
-    """Every HF state-dict key is consumed exactly once (by a rule, an alias or an ignore
-    pattern), every rule finds its key, and every shape fits its slot.
+    """Every HF state-dict key is consumed exactly once (by a rule, an alias, an
+    alternative or an ignore pattern), every rule finds its key (or its slot an
+    alternative's), and every shape fits its slot.
 
     ``hf_shapes`` maps HF keys to shapes, e.g. ``{k: tuple(v.shape) for k, v in sd.items()}``.
     """
@@ -44,8 +45,10 @@ def check_weights_consumed(policy, spec, hf_shapes: dict[str, tuple]) -> None:
         rules = check_weight_map(policy.name, spec, wmap)
     except WeightLoadError as e:
         raise AssertionError(str(e)) from None
+    alternatives = alternative_rules(spec, wmap)
     # expand_rules keeps one rule per key, so duplicates must be counted before it
-    expanded = [k for r in wmap.rules for k in expand_rules([r], spec.num_layers)]
+    expanded = [k for r in wmap.rules + wmap.alternatives
+                for k in expand_rules([r], spec.num_layers)]
     dup = sorted({k for k in expanded if expanded.count(k) > 1})
     assert not dup, f"{who} maps HF key(s) {dup[:5]} by more than one rule"
     aliases = dict(wmap.aliases)
@@ -54,17 +57,27 @@ def check_weights_consumed(policy, spec, hf_shapes: dict[str, tuple]) -> None:
     for key in sorted(hf_shapes):
         by = [m for m, hit in (("a rule", key in rules),
                                ("an alias", aliases.get(key) in rules),
+                               ("an alternative", key in alternatives),
                                ("an ignore pattern", any(p.match(key) for p in ignore))) if hit]
         if len(by) != 1:
             problems.append(f"{key!r} is consumed by {' and '.join(by) or 'nothing'}")
-    for key, rule in rules.items():
+    replaced = {r.slot: key for key, r in alternatives.items() if key in hf_shapes}
+    layout = slot_layout(spec)
+    for key, rule in [*rules.items(), *((k, r) for k, r in alternatives.items()
+                                        if k in hf_shapes)]:
+        if key in rules and rule.slot in replaced:
+            if key in hf_shapes:
+                problems.append(f"{key!r} and {replaced[rule.slot]!r} both fill {rule.slot!r}")
+            continue
         if key not in hf_shapes and not any(a in hf_shapes for a, k in aliases.items() if k == key):
             problems.append(f"{key!r} is mapped but the HF model has no such weight")
             continue
         shape = hf_shapes[key] if key in hf_shapes else next(
             hf_shapes[a] for a, k in aliases.items() if k == key and a in hf_shapes)
         shape = tuple(reversed(shape)) if rule.transpose else tuple(shape)
-        full, parts = slot_layout(spec)[rule.slot]
+        if rule.stacked and len(shape) >= 2:
+            shape = (shape[0] * shape[1],) + shape[2:]
+        full, parts = layout[rule.slot]
         want = full if parts is None or rule.part is None else (parts[rule.part],) + full[1:]
         if shape != tuple(want):
             problems.append(f"{key!r} has shape {shape}, slot {rule.slot!r} wants {tuple(want)}")

@@ -2,7 +2,7 @@
 
 Decode is memory-bound: a step reads every weight and the live K/V once, so the floor
 for TPOT is (weight bytes + K/V bytes) / copy bandwidth, the bandwidth measured here in
-the same run. Times are medians after warm-up runs of identical shapes. ``matmul_rate``
+the same run (of a mixture of experts, the experts a batch routes to: ``step_bytes``). Times are medians after warm-up runs of identical shapes. ``matmul_rate``
 is the compute roofline of ``infergraft bench throughput``, measured the same way.
 ``SHAPES`` (``shapes.py``): the random LLaMA shapes a run may take instead of a checkpoint.
 """
@@ -114,9 +114,32 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
     return torch.randint(10, vocab - 1, (batch, length), generator=g).tolist()
 
 
-def step_bytes(spec, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int) -> int:
-    """Bytes one decode step must read: every weight once plus each sequence's K/V."""
+def step_bytes(spec, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int,
+               expert_bytes: int = 0) -> int:
+    """Bytes one decode step must read: every weight once plus each sequence's K/V. Of a
+    mixture of experts' ``expert_bytes`` only the experts the batch routes to: a share
+    1 - (1 - k / E)^batch of them, as expected under uniform routing (k / E at batch 1:
+    the active parameters; nearly all of them by batch 32 at top-2 of 8)."""
+    layers = [x.experts for x in getattr(spec, "layers", ()) if x.experts is not None]
+    if layers and expert_bytes:
+        k, e = layers[0].top_k, layers[0].num_experts
+        weight_bytes -= round(expert_bytes * (1 - k / e) ** batch)
     return weight_bytes + batch * context * kv_bytes_per_token
+
+
+def expert_bytes(model) -> int:
+    """Bytes of a model's expert matrices as loaded (packed where quantised): the
+    ``experts_gate_up`` / ``experts_down`` slots of its mixture-of-experts layers."""
+    from ..runner.layers import QuantizedLinear
+
+    total = 0
+    for layer in model.layers:
+        for m in (getattr(layer, n, None) for n in ("experts_gate_up", "experts_down")):
+            if isinstance(m, QuantizedLinear):
+                total += m.quantizer.packed_bytes(m.packed)
+            elif m is not None:
+                total += m.weight.numel() * m.weight.element_size()
+    return total
 
 
 def rank_floors(per_rank, batch: int, context: int, bw: float) -> tuple[float, float]:
@@ -248,7 +271,7 @@ def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
         prompts = random_prompts(b, prompt_len, spec.vocab_size, seed=b)
         # mean context over the timed steps
         floor = step_bytes(spec, plan.weight_bytes, plan.kv_bytes_per_token, b,
-                           prompt_len + new_tokens // 2) / bw
+                           prompt_len + new_tokens // 2, expert_bytes(engine.model)) / bw
         for system in systems:
             if system == "infergraft":
                 ttft, tpot, spread, runs = bench_ours(engine, prompts, new_tokens)

@@ -174,6 +174,8 @@ def model_spec(model: str, revision=None):
 def run(args) -> int:
     plan_config(args)  # --config under the flags given, then plan's defaults
     name, spec, config = model_spec(args.model, args.revision)
+    # the policy config.json's architectures / model_type picked (model_spec's)
+    policy = choose_policy(get_plugin_manager(), config, None).name
     not_held = 0  # elements of the embeddings / head a stage does not hold
     if args.micro_batches != 1 and args.pipeline_parallel == 1:
         raise PlanError(f"--micro-batches {args.micro_batches} pipelines the stages of "
@@ -205,6 +207,9 @@ def run(args) -> int:
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       budget=budget, budget_source=source, device=device)
     mem = attrs.evolve(mem, weight_bytes=mem.weight_bytes - not_held * element_bytes(dtype))
+    if mem.active_weight_bytes is not None:  # a mixture of experts: its active share too
+        mem = attrs.evolve(mem, active_weight_bytes=mem.active_weight_bytes
+                           - not_held * element_bytes(dtype))
     if kv_quant is None and kv_dtype != dtype:  # float K/V in another dtype than weights
         kv = plan_memory(spec, dtype=kv_dtype, max_seq_len=mem.max_seq_len)
         mem = attrs.evolve(mem, kv_dtype=kv.kv_dtype, kv_bytes_per_token=kv.kv_bytes_per_token)
@@ -228,10 +233,12 @@ def run(args) -> int:
                           "max_batch_that_fits": mem.max_batch_that_fits, "fits": mem.fits,
                           "cache": args.cache, "paged_fits": fits["paged"],
                           "max_batch_with_window": mem.max_batch_with_window,
-                          "micro_batches": args.micro_batches, **extra,
+                          "micro_batches": args.micro_batches, "policy": policy, **extra,
                           "pool": pool_json}, indent=2))
     else:
-        print(rows_table(mem.rows() + rows))
+        table = mem.rows()
+        table.insert(1, ("policy", f"{policy} (for {spec.architecture})"))
+        print(rows_table(table + rows))
     return FITS if fits[args.cache] else DOES_NOT_FIT
 
 

@@ -1,7 +1,7 @@
-"""The random-weight LLaMA shapes a benchmark or a plan may take instead of a checkpoint
-(``infergraft bench --model llama2-7b``, ``infergraft plan llama2-7b``)."""
+"""The random-weight shapes a benchmark or a plan may take instead of a checkpoint
+(``infergraft bench --model llama2-7b``, ``infergraft plan mixtral-8x7b``)."""
 
-SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
+SHAPES = {  # random-initialised shapes: name -> config overrides (LLaMA's unless model_type)
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                       max_position_embeddings=4096),
@@ -17,6 +17,11 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
     "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                        num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
                        max_position_embeddings=4096),
+    # a mixture of experts: 46.7B parameters, 12.9B active (top-2 of 8 experts a layer)
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                         max_position_embeddings=32768, rope_theta=1000000.0),
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
                  max_position_embeddings=2048),
@@ -24,8 +29,12 @@ SHAPES = {  # random-initialised LLaMA shapes: name -> LlamaConfig overrides
 
 
 def shape_config(name: str):
-    """The LlamaConfig of the random shape ``name``."""
-    from transformers import LlamaConfig
+    """The HF config of the random shape ``name`` (a LlamaConfig unless it names its
+    ``model_type``)."""
+    from transformers import LlamaConfig, MixtralConfig
 
-    return LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, tie_word_embeddings=False,
-                       architectures=["LlamaForCausalLM"])
+    kw = dict(SHAPES[name])
+    kind = kw.pop("model_type", "llama")
+    cls, arch = {"llama": (LlamaConfig, "LlamaForCausalLM"),
+                 "mixtral": (MixtralConfig, "MixtralForCausalLM")}[kind]
+    return cls(**kw, rms_norm_eps=1e-5, tie_word_embeddings=False, architectures=[arch])

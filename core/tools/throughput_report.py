@@ -49,11 +49,12 @@ def workload_flops(spec, requests) -> dict:
     layer_weights = h * (q + 2 * kv) + q * h + h * i * (3 if spec.gated_mlp else 2)
     fed = sum(len(r.prompt) + r.output_len - 1 for r in requests)
     sampled = sum(r.output_len for r in requests)
-    keys = sum(_keys_attended(len(r.prompt) + r.output_len - 1, spec.sliding_window)
-               for r in requests)
+    # keys summed over the layers (each its own window)
+    keys = sum(_keys_attended(len(r.prompt) + r.output_len - 1, spec.layer_attention(n).window)
+               for r in requests for n in range(spec.num_layers))
     out = {"matmul": 2 * spec.num_layers * layer_weights * fed,
            "lm_head": 2 * h * spec.vocab_size * sampled,
-           "attention": 4 * spec.num_layers * q * keys}
+           "attention": 4 * q * keys}
     return dict(out, total=sum(out.values()))
 
 

@@ -58,15 +58,17 @@ def _paged(randn, gen, lens, hkv, d, bs, dtype, kv_quant, device, width=0):
     return k, v, ks, vs, tables.to(device), seqs
 
 
-def _naive(q, seqs, scale, window):
-    """Per sequence and head, softmax(q k^T) v in float64 over the visible keys."""
+def _naive(q, seqs, scale, window, softcap=None):
+    """Per sequence and head, softmax(q k^T) v in float64 over the visible keys (each
+    score capped to softcap * tanh(score / softcap) where a softcap is given)."""
     out = []
     for qb, (kb, vb) in zip(q.double(), seqs):
         n, group = kb.shape[0], q.shape[1] // kb.shape[1]
         lo = max(0, n - window) if window else 0
         kk = kb[lo:].double().repeat_interleave(group, 1)  # [L, Hq, D]
         vv = vb[lo:].double().repeat_interleave(group, 1)
-        p = (torch.einsum("hd,lhd->hl", qb, kk) * scale).softmax(-1)
+        s = torch.einsum("hd,lhd->hl", qb, kk) * scale
+        p = (s if softcap is None else softcap * torch.tanh(s / softcap)).softmax(-1)
         out.append(torch.einsum("hl,lhd->hd", p, vv))
     return torch.stack(out)
 
@@ -96,6 +98,28 @@ def test_paged_attention_matches_reference(device, dtype, randn, gen, poisoned_e
     torch.testing.assert_close(ref.double().cpu(), _naive(q.cpu(), seqs, scale, window).to(ref.dtype).double(),
                                atol=2e-3 if dtype != torch.float32 else 1e-5,
                                rtol=2e-3 if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("window,kv_quant,num_splits", [(None, None, 1), (7, torch.int8, 3)],
+                         ids=["full", "window7-int8-S3"])
+@pytest.mark.parametrize("hq,hkv,d,bs,lens", CASES[1:3], ids=["gqa3", "gqa4"])
+def test_softcap_matches_reference(device, dtype, randn, gen, poisoned_empty, hq, hkv, d, bs,
+                                   lens, window, kv_quant, num_splits):
+    """Gemma 2's cap on the scores (c * tanh(s / c) before the softmax): q scaled up so
+    that the cap bites, in one split and across three."""
+    k, v, ks, vs, tables, seqs = _paged(randn, gen, lens, hkv, d, bs, dtype, kv_quant, device)
+    q = 8 * randn(len(lens), hq, d, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale, cap = d ** -0.5, 3.0
+    out = paged_attention_triton(q, k, v, tables, ctx, scale, window, ks, vs, softcap=cap,
+                                 num_splits=num_splits)
+    ref = paged_attention_torch(q, k, v, tables, ctx, scale, window, ks, vs, softcap=cap)
+    assert_close(out, ref, f"Hq={hq} Hkv={hkv} window={window} kv={kv_quant} softcap={cap}")
+    tol = 2e-3 if dtype != torch.float32 else 1e-5
+    torch.testing.assert_close(ref.double().cpu(), _naive(q.cpu(), seqs, scale, window, cap)
+                               .to(ref.dtype).double(), atol=tol, rtol=tol)
+    uncapped = paged_attention_torch(q, k, v, tables, ctx, scale, window, ks, vs)
+    assert (ref.float() - uncapped.float()).abs().max() > 0.1, "the cap changed nothing"
 
 
 def test_window_longer_than_sequence_is_full_attention(device, randn, gen):

@@ -76,12 +76,13 @@ def test_qkv_rope_matches_the_composition(device, dtype, randn, gen, poisoned_em
 
 def test_qkv_rope_default_tiles_and_the_unfused_fallbacks(device, randn, gen):
     """Default tiles (swapped, 64-wide of a 64-dim half-head), past 16 rows too, partial
-    rotary, a head of 96 (half 48: no power-of-two tile divides it, so the composition
-    takes over, one row and three), more rows than QKV_ROPE_MAX_ROWS (the composition
-    again) and float32 (cuBLAS): all equal the reference."""
+    rotary (Phi-4-mini's 96 dims of 128 too), a head of 96 (half 48: no power-of-two
+    tile divides it, so the composition takes over, one row and three), more rows than
+    QKV_ROPE_MAX_ROWS (the composition again) and float32 (cuBLAS): all equal the
+    reference."""
     dt = torch.float16
     for d, r, dtype, m in ((128, 128, dt, 3), (128, 128, dt, 20), (64, 32, dt, 3),
-                           (96, 96, dt, 1), (96, 96, dt, 3),
+                           (128, 96, dt, 1), (96, 96, dt, 1), (96, 96, dt, 3),
                            (64, 64, torch.float32, 3), (32, 32, dt, FL.QKV_ROPE_MAX_ROWS + 1)):
         hq, hkv, k = 2, 1, 128
         x, (w, _, _), b, ss, positions, idx0, idx1 = _inputs(randn, gen, device, dtype, m, hq,

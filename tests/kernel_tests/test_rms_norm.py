@@ -47,6 +47,26 @@ def test_add_rms_norm_matches_reference(device, dtype, randn, poisoned_empty, n,
     assert_exact(res, res0, "residual modified")
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n,h", [(3, 64), (3, 1000)])
+def test_unit_offset_is_gemmas_norm(device, dtype, randn, poisoned_empty, n, h, residual):
+    """unit_offset: scale by 1 + w in float32 and round once (Gemma2RMSNorm), with or
+    without the residual add; the reference is Gemma's own arithmetic."""
+    x, res, w = randn(n, h, dtype=dtype), randn(n, h, dtype=dtype), 0.3 * randn(h, dtype=dtype)
+    if residual:
+        out, hid = add_rms_norm_triton(x, res, w, EPS, unit_offset=True)
+        ref_out, ref_hid = add_rms_norm_torch(x, res, w, EPS, unit_offset=True)
+        assert_exact(hid, ref_hid, "h = x + residual")
+        x = ref_hid
+    else:
+        out, ref_out = rms_norm_triton(x, w, EPS, True), rms_norm_torch(x, w, EPS, unit_offset=True)
+    assert_close(out, ref_out, f"N={n} H={h} {dtype} residual={residual}")
+    xf = x.float()
+    gemma = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 + w.float()))
+    assert_exact(ref_out, gemma.to(dtype), "Gemma2RMSNorm's arithmetic")
+    assert not torch.allclose(ref_out.float(), rms_norm_torch(x, w, EPS).float(), atol=1e-2)
+
+
 @pytest.mark.parametrize("parts", [1, 2, 4])
 @pytest.mark.parametrize("n,h", [(1, 64), (5, 576)])
 def test_add_rms_norm_sums_split_k_partials(device, dtype, randn, poisoned_empty, parts, n, h):

@@ -45,9 +45,10 @@ def _step(randn, gen, seqs, hkv, d, bs, dtype, kv_quant, device, window=None, wi
     return k, v, ks, vs, tables, cu.to(device), ctx.to(device), kv
 
 
-def _naive(q, seqs, kv, scale, window):
+def _naive(q, seqs, kv, scale, window, softcap=None):
     """Per sequence and head, softmax(q k^T) v in float64, each row over the keys it sees
-    (positions in (pos - window, pos]); padding rows 0."""
+    (positions in (pos - window, pos]), each score capped to softcap * tanh(score /
+    softcap) where a softcap is given; padding rows 0."""
     out, row = torch.zeros(q.shape, dtype=torch.float64), 0
     for (prefix, n), (kb, vb) in zip(seqs, kv):
         group = q.shape[1] // kb.shape[1]
@@ -57,6 +58,7 @@ def _naive(q, seqs, kv, scale, window):
         key = torch.arange(kb.shape[0])[None, :]                          # [1, L]
         seen = (key <= pos) & (key > pos - window if window else True)   # [Q, L]
         s = torch.einsum("qhd,lhd->hql", q[row:row + n].double(), kk) * scale
+        s = s if softcap is None else softcap * torch.tanh(s / softcap)
         p = s.masked_fill(~seen, float("-inf")).softmax(-1)              # [Hq, Q, L]
         out[row:row + n] = torch.einsum("hql,lhd->qhd", p, vv)
         row += n
@@ -74,19 +76,22 @@ def _inputs(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window=None, k
 
 
 def _run(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window=None, kv_quant=None,
-         width=0, check_naive=True, **knobs):
+         width=0, check_naive=True, q_scale=1.0, **knobs):
     args, kv = _inputs(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window, kv_quant, width)
-    q = args[0]
+    args = (q_scale * args[0], *args[1:])  # larger scores: where a softcap bites
+    q, softcap = args[0], knobs.get("softcap")
     out = varlen_attention_triton(*args, **knobs)
-    ref = varlen_attention_torch(*args)
+    ref = varlen_attention_torch(*args, softcap=softcap)
     assert out.shape == q.shape and out.dtype == q.dtype
     msg = f"Hq={hq} Hkv={hkv} seqs={seqs} window={window} kv={kv_quant} {knobs}"
     assert_close(out, ref, msg)
     assert (out[q.shape[0] - pad:] == 0).all(), f"padding rows not zero: {msg}"
     if check_naive:  # and the reference is the plain math
         tol = 1e-5 if dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(ref.double().cpu(), _naive(q.cpu(), seqs, kv, args[6], window)
+        torch.testing.assert_close(ref.double().cpu(), _naive(q.cpu(), seqs, kv, args[6], window,
+                                                              softcap)
                                    .to(ref.dtype).double(), atol=tol, rtol=tol)
+    return args
 
 
 CASES = [  # (Hq, Hkv, D, block_size, [(cached prefix, q_len)], padding rows)
@@ -110,6 +115,19 @@ CASES = [  # (Hq, Hkv, D, block_size, [(cached prefix, q_len)], padding rows)
 def test_varlen_matches_reference(device, dtype, randn, gen, poisoned_empty, hq, hkv, d, bs,
                                   seqs, pad, window, kv_quant):
     _run(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window, kv_quant)
+
+
+@pytest.mark.parametrize("window,kv_quant,num_splits", [(None, None, 1), (6, torch.int8, 3)],
+                         ids=["full", "window6-int8-S3"])
+@pytest.mark.parametrize("hq,hkv,d,bs,seqs,pad", CASES[1:3], ids=["gqa3", "gqa4"])
+def test_softcap_matches_reference(device, dtype, randn, gen, poisoned_empty, hq, hkv, d, bs,
+                                   seqs, pad, window, kv_quant, num_splits):
+    """Gemma 2's cap on the scores, on prompt chunks and decode tokens, in one split and
+    across three; q scaled up so that the cap bites."""
+    args = _run(randn, gen, device, dtype, hq, hkv, d, bs, seqs, pad, window, kv_quant,
+                q_scale=8.0, softcap=3.0, num_splits=num_splits)
+    capped, uncapped = varlen_attention_torch(*args, softcap=3.0), varlen_attention_torch(*args)
+    assert (capped.float() - uncapped.float()).abs().max() > 0.1, "the cap changed nothing"
 
 
 @pytest.mark.parametrize("block_m,block_n,window", [(16, 16, 4), (32, 64, None), (64, 32, 4)])

@@ -1,0 +1,39 @@
+"""A token-budget step: the sequences it runs, the tokens each feeds, and their ids
+(core/scheduler.py chooses the steps)."""
+from __future__ import annotations
+
+import attrs
+
+from .request import Sequence
+
+
+@attrs.frozen
+class Step:
+    kind: str  # "prefill" (some sequence feeds prompt tokens) | "decode" (none does)
+    seqs: list
+    # tokens each sequence feeds: 1 for a decoding sequence (one that is not
+    # ``prefilling``), the next chunk of its prompt for a prefilling one
+    counts: list
+
+
+def step_of(seqs: list[Sequence], counts: list[int]) -> Step:
+    """The step feeding ``counts`` tokens to ``seqs``, its kind from theirs."""
+    return Step("prefill" if any(s.prefilling for s in seqs) else "decode", seqs, counts)
+
+
+def tokens_of(seq: Sequence) -> list[int]:
+    """What a prefill of ``seq`` feeds: its prompt, plus its output after a preemption."""
+    return seq.prompt_ids + seq.output_ids
+
+
+def step_tokens(step: Step) -> list[int]:
+    """The token ids ``step`` feeds, sequence after sequence: a prefilling sequence's next
+    ``count`` tokens, a decoding one's last sampled token."""
+    tokens = []
+    for s, n in zip(step.seqs, step.counts):
+        if s.prefilling:
+            done = s.num_computed_tokens
+            tokens += tokens_of(s)[done:done + n]
+        else:
+            tokens.append(s.output_ids[-1])
+    return tokens
