@@ -6,7 +6,7 @@ import torch
 
 from infergraft import core
 from infergraft.core import InvalidRequestError, RequestFailedError, hookimpl
-from infergraft.core.cli import plugin_rows
+from infergraft.core.tools.plugins_cli import plugin_rows
 from infergraft.core.logits_processor import ConstraintState, LogitsProcessor, pack_bitmask
 from infergraft.core.testing.logits_kit import LogitsProcessorTests
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
