@@ -194,6 +194,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     engine = Engine(net.eval(), cache, source.tokenizer, plan, spec, plan.max_num_batched_tokens)
     engine.ranks, engine.scheduler.preemption = rank.ranks, preempt
     engine.scheduler.long_rope = engine.runner.long_rope = long_rope  # LongRoPE's per sequence
+    engine.constraints.processors = pm.logits_processors()  # inline plugins' too
     engine.schedule_ahead = device.type == "cuda" and rank.ranks is None \
         and switches.value("INFERGRAFT_SCHEDULE_AHEAD")
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)

@@ -18,7 +18,7 @@ from .build import build
 from .errors import InfergraftError, InvalidRequestError
 from .memory import MAX_SEQ_LEN_DEFAULT
 from .request import SamplingParams
-from .tools import chat, plugins_cli
+from .tools import chat, plugins_cli, structured_cli
 from .tools.config_cli import REVISION_HELP, add_config_argument, build_options
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -71,7 +71,8 @@ def cmd_generate(args) -> int:
         raise InvalidRequestError("prompt is empty: give at least one non-blank character "
                                   "(an empty or whitespace-only prompt is refused)")
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None)
+              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None,
+              **structured_cli.constraint_fields(args))
     SamplingParams(**kw)  # bad sampling values fail before the model loads
     engine = _build(args)
     prompt = _prompt_text(engine, args.prompt, args.raw)
@@ -143,6 +144,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="print latency metrics")
+    structured_cli.add_arguments(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat (instruct models)")
     _model_args(c)

@@ -17,9 +17,12 @@ import torch
 from .cache import CacheFullError
 from .distributed.failure import across_ranks
 from .errors import InvalidRequestError
+from .appending import append_token
 from .fair_lock import FairRLock
+from .logits_processor import Vocabulary
 from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch,
-                      check_request, completion_of, encode_prompt)
+                      check_request, completion_of, encode_prompt, sampling_params)
+from .runner.constraints import RowConstraints
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
 from .runner.sampler import sample_each
@@ -52,6 +55,9 @@ class Engine:
         self.schedule_ahead, self._ahead = False, None  # scheduler.schedule_ahead's step
         self.runner = ModelRunner(model, cache, self.device, plan.parallel.micro_batches)
         self.lookahead = DecodeLookahead(self)  # greedy graph decode, one step ahead
+        # requests' logits processors (structured output); build() gives its plugins'
+        self.constraints = RowConstraints(Vocabulary(spec.vocab_size, self.eos_token_ids,
+                                                     tokenizer, self.device.type), self.device)
         # distributed.collectives.TensorParallelGroup or distributed.stages.PipelineStage:
         # every rank takes the tokens sampled where the logits are
         self.ranks = None
@@ -80,6 +86,8 @@ class Engine:
         ids = self.encode(prompt)
         self._check(ids, params)
         seq = Sequence(ids, params)
+        if params.constrained:  # a bad processor argument refuses it here
+            self.constraints.start(seq)
         with self.lock:
             self.scheduler.add(seq)
         return seq
@@ -176,26 +184,16 @@ class Engine:
         """One token per sequence; -1 where sampling failed (NaN logits, say): the step has
         written every sequence's K/V, so the others must still get their tokens."""
         # (logits None: a pipeline stage before the last; the last one samples)
-        new = [-1] * len(seqs) if logits is None else sample_each(logits, seqs)
+        new = [-1] * len(seqs)
+        if logits is not None:
+            failed = self.constraints.mask(logits, seqs)  # constrained rows, one launch
+            new = sample_each(logits, seqs)
+            for row in failed:
+                new[row] = -1
         return new if self.ranks is None else self.ranks.broadcast_sampled(new, self.device)
 
     def _append(self, seq: Sequence, token: int, now: float) -> None:
-        if token < 0:  # this sequence's sampling failed (seq.error says why)
-            return self._finish(seq, "error", now)
-        seq.output_ids.append(token)
-        seq.metrics.on_token(now)
-        p = seq.params
-        if p.stop:
-            seq.text = self._decode(seq.output_ids)
-            for s in p.stop:
-                at = seq.text.find(s)
-                if at >= 0:
-                    seq.text = seq.text[:at]
-                    return self._finish(seq, "stop", now)
-        if token in self.eos_token_ids and not p.ignore_eos:
-            return self._finish(seq, "stop", now)
-        if len(seq.output_ids) >= p.max_new_tokens:
-            return self._finish(seq, "length", now)
+        append_token(self, seq, token, now)  # (stop conditions, constraints: appending.py)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.metrics.finished = now
@@ -219,15 +217,19 @@ class Engine:
 
     # -- public API --------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
-                 top_k=None, top_p=None, seed=None, stop=None, n: int = 1) -> list[Completion]:
+                 top_k=None, top_p=None, seed=None, stop=None, n: int = 1,
+                 **sampling) -> list[Completion]:
         """Complete one prompt or a list of them (strings or token-id lists), in order.
+        ``sampling``: any other SamplingParams field (``json_schema=``, ``regex=``,
+        ``min_p=``, ``logprobs=``, ...).
 
         ``n`` samples per prompt come back prompt by prompt (``len(prompts) * n``
         completions); sample ``i`` uses ``seed + i``. The samples of a prompt share its
         prefill: the cache forks the prompt's K/V (full blocks shared on paged caches)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
-        params = self._params(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, seed=seed, stop=stop, **sampling)
         if seed is not None and seed + n - 1 >= SEED_LIMIT:  # sample i takes seed + i
             raise InvalidRequestError(f"seed + n - 1 must stay below 2**63 (sample i uses seed "
                                       f"+ i), got seed={seed}, n={n}")
@@ -249,10 +251,12 @@ class Engine:
         return done
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 16, temperature: float = 0.0,
-               top_k=None, top_p=None, seed=None, stop=None) -> RequestStream:
+               top_k=None, top_p=None, seed=None, stop=None, **sampling) -> RequestStream:
         """Text deltas (lists of new token ids when there is no tokenizer), as they come;
-        the returned stream's ``request`` holds the request's finish reason and metrics."""
-        params = self._params(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        the returned stream's ``request`` holds the request's finish reason and metrics.
+        ``sampling``: any other SamplingParams field, as ``generate`` takes them."""
+        params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, seed=seed, stop=stop, **sampling)
         ids = self.encode(prompt)
         self._check(ids, params)  # bad input raises here, not at the first next()
         return RequestStream(self, ids, params)
@@ -286,11 +290,6 @@ class Engine:
     def stats(self) -> dict:
         with self.lock:  # the scheduler's and the cache's counters
             return self.scheduler.stats()
-
-    @staticmethod
-    def _params(max_new_tokens, temperature, top_k, top_p, seed, stop) -> SamplingParams:
-        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         check_request(ids, params, self.plan.max_seq_len, self.spec, self.tokenizer)

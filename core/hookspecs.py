@@ -77,3 +77,14 @@ def infergraft_prepare_plan(plan, spec):
     order (the last loaded first; ``hookimpl(tryfirst=True)`` / ``trylast`` move one);
     each sees the previous one's result.
     """
+
+
+@hookspec
+def infergraft_register_logits_processors(register):
+    """Register logits processors: per-request constraints on the next token.
+
+    Call ``register(processor)`` with an object implementing
+    :class:`infergraft.core.logits_processor.LogitsProcessor`: a request names it in
+    ``SamplingParams(logits_processors={name: arg})`` and the sampler masks the tokens
+    its state disallows, all constrained rows of a step in one kernel.
+    """

@@ -20,13 +20,13 @@ from typing import Any, Iterable
 
 import attrs
 import pluggy
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from . import hookspecs
 from .entry_points import (ENTRY_POINT_GROUP, BrokenPlugin, EntryPointLoader,  # noqa: F401
                            PluginWarning, names_from_env)
 from .errors import InfergraftError, PluginError, UnknownPluginError
 from .layer import LAYER_KINDS
+from .plugin_contract import check_contract
 from .registry import KINDS, SELECTABLE, Registry, collect
 
 #: Built-ins, registered through the same path as third-party plugins.
@@ -50,6 +50,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.offload_weights",
     "infergraft.plugins.tensor_parallel",
     "infergraft.plugins.pipeline_parallel",
+    "infergraft.plugins.structured_output",
 )
 _KINDS = KINDS  # (its old name here)
 
@@ -77,30 +78,6 @@ def _component_names(name: str, module) -> set[str]:
     return names
 
 
-def _check_contract(name: str, plugin: Any, origin: str) -> str:
-    """The contract range the plugin declares (``INFERGRAFT_CONTRACT``), checked against
-    ours; undeclared means "any" (built-ins are always on the current contract)."""
-    current = hookspecs.CONTRACT_VERSION
-    declared = getattr(plugin, "INFERGRAFT_CONTRACT", None)
-    if declared is None:
-        return f"=={current}" if origin == "built-in" else "any (undeclared)"
-    where = "" if origin in ("built-in", "in-process") else f" (from distribution {origin!r})"
-    try:
-        ok = SpecifierSet(str(declared)).contains(str(current))
-    except InvalidSpecifier:
-        raise PluginError(name, "load",
-                          f"plugin{where} declares INFERGRAFT_CONTRACT = {declared!r}, which is "
-                          f"not a PEP 440 version range; write e.g. '>={current},<{current + 1}'"
-                          ) from None
-    if not ok:
-        raise PluginError(name, "load",
-                          f"plugin{where} supports hook contract {declared}, but this infergraft "
-                          f"provides contract version {current}; install a plugin release "
-                          f"whose INFERGRAFT_CONTRACT includes {current}, or an infergraft "
-                          f"that matches {declared}")
-    return str(declared)
-
-
 class PluginManager(EntryPointLoader):
     """Typed facade over a pluggy manager; one registry per plugin kind."""
 
@@ -120,7 +97,7 @@ class PluginManager(EntryPointLoader):
         name = name or getattr(plugin, "INFERGRAFT_PLUGIN_NAME", None) or _default_name(plugin)
         if name in self.info:
             raise PluginError(name, "register", "a plugin of this name is already registered")
-        contract = _check_contract(name, plugin, origin)
+        contract = check_contract(name, plugin, origin)
         try:
             self._pm.register(plugin, name=name)
         except pluggy.PluginValidationError as e:
@@ -213,8 +190,12 @@ class PluginManager(EntryPointLoader):
         mlp, norm (core/layer.py)."""
         return {kind: self._collect()[kind] for kind in LAYER_KINDS}
 
+    def logits_processors(self) -> Registry:
+        return self._collect()["logits processor"]
+
     def registries(self) -> dict[str, Registry]:
-        """Every kind's registry: the selectable kinds', then the layer kinds'."""
+        """Every kind's registry: the selectable kinds', the layer kinds', then the logits
+        processors'."""
         return dict(self._collect())
 
     def hook_names(self, plugin_name: str) -> list[str]:

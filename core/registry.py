@@ -13,13 +13,16 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _LAYERS = ("infergraft_register_layers", ("name", "kind", "build"))
 #: kind -> (hook name, attributes every registered object must have). The kinds a build
 #: selects by name (``plugins=[...]``) first; then the layer implementations, which a
-#: spec names (core/layer.py): one hook, its objects sorted by their ``kind``.
+#: spec names (core/layer.py): one hook, its objects sorted by their ``kind``; then the
+#: logits processors, which requests name (core/logits_processor.py).
 KINDS = {
     "policy": ("infergraft_register_policies", ("name", "architectures", "describe", "weight_map")),
     "cache backend": ("infergraft_register_cache_backends", ("name", "create")),
     "quantizer": ("infergraft_register_quantizers", ("name", "applies_to")),
     "planner": ("infergraft_register_planners", ("name", "plan")),
     **{kind: _LAYERS for kind in LAYER_KINDS},
+    # per-request constraints on the next token, named by requests (SamplingParams)
+    "logits processor": ("infergraft_register_logits_processors", ("name", "start")),
 }
 SELECTABLE = ("policy", "cache backend", "quantizer", "planner")
 

@@ -16,7 +16,9 @@ import attrs
 import torch
 
 from .errors import InvalidRequestError
+from .logits_processor import named_processors
 from .metrics import RequestMetrics
+from .structured.constraint import PROCESSOR, check_constraint, choices, schema_text
 
 
 #: temperatures below this sample greedily (as vLLM): logits / T would overflow float32
@@ -85,6 +87,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: over the generated tokens, per occurrence
     repetition_penalty: float = 1.0  # HF / vLLM: over prompt + generated tokens, a ratio
     min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one's
+    # Structured output (core/structured/): at most one of the five below, which every
+    # output then matches; json_schema: a dict, JSON text or a pydantic model class
+    json_schema: Optional[str] = attrs.field(default=None, converter=schema_text)
+    json_object: bool = False  # any JSON object
+    regex: Optional[str] = None
+    grammar: Optional[str] = None  # EBNF (GBNF: "root ::= ...") or Lark ("start: ...")
+    choice: Optional[tuple[str, ...]] = attrs.field(default=None, converter=choices)
+    jump_forward: bool = False  # tokens a constraint forces: appended, fed in one step
+    # registered logits processors (core/logits_processor.py): name -> argument
+    logits_processors: tuple = attrs.field(default=(), converter=named_processors)
+    #: the structured-output fields as one checked Constraint (None: none given)
+    constraint: object = attrs.field(init=False, default=None, eq=False, repr=False)
     # Greedy with no logits processing and no logprobs: its token is the batch argmax, so
     # the decode graphs' in-graph argmax and the look-ahead may choose it. Computed once
     # here: the sampler and the look-ahead read it for every row of every step.
@@ -92,11 +106,24 @@ class SamplingParams:
 
     def __attrs_post_init__(self):
         _check_params(self)
-        object.__setattr__(self, "plain_greedy", self.greedy and not self.needs_logits_processing)
+        object.__setattr__(self, "constraint", check_constraint(self))
+        object.__setattr__(self, "plain_greedy", self.greedy and not self.needs_logits_processing
+                           and not self.constrained)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def constrained(self) -> bool:
+        """A structured-output field or a logits processor: the sampler masks this row."""
+        return self.constraint is not None or bool(self.logits_processors)
+
+    @property
+    def processors(self) -> tuple:
+        """(name, argument) of each processor it runs (its Constraint's: ``grammar``)."""
+        grammar = ((PROCESSOR, self.constraint),) if self.constraint is not None else ()
+        return self.logits_processors + grammar
 
     @property
     def needs_logits_processing(self) -> bool:
@@ -104,6 +131,15 @@ class SamplingParams:
         return (self.logprobs is not None or self.presence_penalty != 0
                 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or self.min_p != 0)
+
+
+def sampling_params(**fields) -> SamplingParams:
+    """SamplingParams(**fields), an unknown field named with the ones there are."""
+    known = sorted(a.name for a in attrs.fields(SamplingParams) if a.init)
+    if set(fields) - set(known):
+        raise InvalidRequestError(f"unknown sampling parameter(s) {sorted(set(fields) - set(known))}"
+                                  f"; SamplingParams takes: {', '.join(known)}")
+    return SamplingParams(**fields)
 
 
 @attrs.frozen
@@ -150,6 +186,8 @@ class Sequence:
         # one per output token, appended by the sampler (None: logprobs not asked for)
         self.logprobs: Optional[list[TokenLogprob]] = None if params.logprobs is None else []
         self._prompt_set: Optional[torch.Tensor] = None  # the prompt's distinct ids, on demand
+        # a ConstraintState per processor of params.processors (the engine starts them)
+        self.constraints: Optional[list] = None
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -257,3 +295,6 @@ def check_request(ids: list[int], params: SamplingParams, max_seq_len: int, spec
             f"{len(ids) + params.max_new_tokens} exceeds max_seq_len={max_seq_len}; {advice}")
     if params.stop and tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+    if params.constraint is not None and tokenizer is None:
+        raise InvalidRequestError("structured output (json_schema, json_object, regex, grammar, "
+                                  "choice) needs a tokenizer; this engine has none")

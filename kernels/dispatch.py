@@ -44,6 +44,7 @@ OPS = {
     "embed_sum_sq": "embedding",
     "logits_argmax": "greedy",
     "fused_moe": "fused_moe",
+    "apply_token_bitmask": "token_bitmask",
 }
 BACKENDS = ("auto", "torch", "triton")
 

@@ -4,6 +4,7 @@ import pytest
 from infergraft import core
 from infergraft.core.testing.models import random_model, tiny_llama_config
 from infergraft.core.testing.cache_kit import CacheBackendTests
+from infergraft.core.testing.logits_kit import LogitsProcessorTests
 from infergraft.core.testing.planner_kit import PlannerTests
 from infergraft.core.testing.policy_kit import PolicyTests
 
@@ -80,3 +81,22 @@ class TestBlockBackends(CacheBackendTests):
     @pytest.fixture
     def cache_options(self, name):
         return dict(block_size=4, num_blocks=16)
+
+
+class TestGrammarProcessor(LogitsProcessorTests):
+    """The built-in structured-output processor on a JSON schema, a regex and a choice."""
+
+    @pytest.fixture
+    def processor(self):
+        return core.get_plugin_manager().logits_processors().get("grammar")
+
+    @pytest.fixture(params=[dict(json_schema={"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}),
+        dict(regex=r"[a-c]{1,3}-\d"), dict(choice=["left", "right"])],
+        ids=["json_schema", "regex", "choice"])
+    def processor_arg(self, request):
+        return core.SamplingParams(**request.param).constraint
+
+    @pytest.fixture
+    def bad_arg(self):
+        return {"type": "object"}  # a schema, not the Constraint SamplingParams makes of it

@@ -17,7 +17,8 @@ memory.
 
 Only ``params.plain_greedy`` batches qualify: the graph's argmax is over the raw logits,
 which nothing else reads here, so a request with penalties, min_p or logprobs
-(``params.needs_logits_processing``) must see the sampler. Its batch replays the graph
+(``params.needs_logits_processing``) or a constraint (``params.constrained``: its mask
+must come first) must see the sampler. Its batch replays the graph
 without the look-ahead (``CudaGraphRunner.decode``) and the engine samples the logits
 that returns, feeding the sampled tokens back as the next step's inputs.
 """

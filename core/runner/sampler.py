@@ -7,9 +7,11 @@ penalties (OpenAI's, over output ids), the temperature, top-k, top-p and min-p (
 ``MinPLogitsWarper``). Greedy rows take the argmax of the penalised logits. Logprobs are
 the log-softmax after penalties and temperature (core/request.py says why).
 
-Rows that are ``params.plain_greedy`` (most of a greedy batch) take the batch argmax
-computed on the device and cost nothing else; the others are copied to the host together
-in one copy and processed there, where their generators live.
+Greedy rows without penalties, min_p or logprobs (most of a greedy batch) take the batch
+argmax computed on the device and cost nothing else; the others are copied to the host
+together in one copy and processed there, where their generators live. Rows under a
+constraint (a JSON schema, a grammar: ``runner/constraints.py``) come here masked already,
+so their argmax and their draws see only the tokens the constraint allows.
 """
 from __future__ import annotations
 
@@ -92,7 +94,8 @@ def sample(logits: torch.Tensor, seqs) -> list[int]:
     nan_rows = [row for row, bad in enumerate(nan) if bad]
     if nan_rows:
         raise ValueError(f"NaN logits in row(s) {nan_rows}: the model's output overflowed")
-    rows = [row for row, seq in enumerate(seqs) if not seq.params.plain_greedy]
+    rows = [row for row, seq in enumerate(seqs)
+            if not seq.params.greedy or seq.params.needs_logits_processing]
     if not rows:  # an all-greedy batch: the argmax is every token
         return out
     host = logits[rows].cpu() if len(rows) < len(seqs) else logits.cpu()  # [R, V], one copy

@@ -1,0 +1,201 @@
+"""The built-in ``grammar`` logits processor: a request's Constraint run by xgrammar.
+
+Why xgrammar (docs/bench/structured.md has the measurements beside llguidance's):
+its token masks cost microseconds a row, and a mask is on every constrained step's path,
+while a grammar's compilation, the slower part, runs once per schema, off that path.
+
+* The tokenizer's vocabulary (byte-level BPE, SentencePiece, added tokens: xgrammar reads
+  them from the Hugging Face tokenizer) is compiled once per (tokenizer, vocabulary size,
+  stop tokens) and kept: ``Compiler``.
+* Each Constraint is compiled once per (kind, text) and kept (the newest ``CACHED``). For
+  an engine on a GPU, in a background thread: ``start`` returns at once and the request's
+  prompt is prefilled meanwhile (its first mask waits for the compilation if it has not
+  finished). For an engine on the CPU, at once in ``start``: there a compiling thread
+  would take a core from the model's threads, which then wait for it at every barrier
+  (docs/bench/structured.md has what that cost).
+* ``GrammarState`` holds one request's matcher: its masks, the tokens it accepts, whether
+  the grammar is complete (then the request stops without sampling its stop token) and
+  the text the grammar forces next (jump-forward: tokenised and appended at once).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..logits_processor import (ConstraintState, LogitsProcessor, Vocabulary, bitmask_words,
+                                pack_bitmask)
+from .constraint import PROCESSOR, Constraint, xgrammar
+
+#: compiled grammars kept per tokenizer, at most, and the bytes they may hold together
+#: (xgrammar's own count; the least recently asked for are dropped first)
+CACHED, CACHED_BYTES = 1024, 256 << 20
+# what a json_object request compiles: any object, compact like every schema's output
+_ANY_OBJECT = '{"type": "object"}'
+
+
+class GrammarProcessor(LogitsProcessor):
+    """``SamplingParams(json_schema=...)`` and its siblings, through xgrammar."""
+    name = PROCESSOR
+
+    def __init__(self):
+        self._compilers: dict[tuple, Compiler] = {}
+        self._lock = threading.Lock()
+
+    def start(self, arg, vocab: Vocabulary) -> "GrammarState":
+        if not isinstance(arg, Constraint):
+            raise InvalidRequestError(f"logits processor {self.name!r} takes a structured-output "
+                                      f"Constraint: give SamplingParams json_schema, json_object, "
+                                      f"regex, grammar or choice instead, got {arg!r}")
+        if vocab.tokenizer is None:
+            raise InvalidRequestError("structured output needs the engine's tokenizer; this "
+                                      "engine has none (build with tokenizer=...)")
+        return GrammarState(self.compiler(vocab).compile(arg), vocab)
+
+    def compiler(self, vocab: Vocabulary) -> "Compiler":
+        key = (id(vocab.tokenizer), vocab.size, tuple(sorted(vocab.eos_token_ids)),
+               vocab.device)
+        with self._lock:
+            if key not in self._compilers:
+                self._compilers[key] = Compiler(vocab)
+            return self._compilers[key]
+
+
+class Compiler:
+    """One tokenizer's xgrammar compiler and its compiled grammars, by (kind, text)."""
+
+    def __init__(self, vocab: Vocabulary):
+        self.vocab = vocab  # (holds the tokenizer: its id stays this one's key)
+        self._xgr = xgrammar()
+        self._compiler = None  # made by the first compilation, in the background thread
+        self._futures: collections.OrderedDict[tuple, Future] = collections.OrderedDict()
+        self._bytes: dict[tuple, int] = {}  # of those compiled
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infergraft-grammar")
+        self.compile_seconds: list[float] = []  # each compilation's wall time
+
+    def compile(self, constraint: Constraint) -> Future:
+        """The compiled grammar of ``constraint`` (a Future; compiled once)."""
+        key = (constraint.kind, constraint.text)
+        with self._lock:
+            future = self._futures.get(key)
+            if future is None:
+                future = self._futures[key] = self._submit(constraint)
+            self._futures.move_to_end(key)
+            while len(self._futures) > 1 and (len(self._futures) > CACHED or
+                                              sum(self._bytes.values()) > CACHED_BYTES):
+                old, _ = self._futures.popitem(last=False)
+                self._bytes.pop(old, None)
+        return future
+
+    def _submit(self, constraint: Constraint) -> Future:
+        if self.vocab.device != "cpu":
+            return self._pool.submit(self._compile, constraint)
+        future = Future()  # here and now (see the module's docstring)
+        try:
+            future.set_result(self._compile(constraint, locked=True))
+        except Exception as e:  # raised where the state first needs it, as in the background
+            future.set_exception(e)
+        return future
+
+    def _compile(self, constraint: Constraint, locked: bool = False):
+        t0 = time.perf_counter()
+        compiler = self._grammar_compiler()
+        kind, text = constraint.kind, constraint.text
+        if kind == "json_schema":
+            out = compiler.compile_json_schema(text, any_whitespace=False)
+        elif kind == "json_object":
+            out = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False,
+                                               strict_mode=False)
+        elif kind == "regex":
+            out = compiler.compile_regex(text)
+        elif kind == "lark":
+            out = compiler.compile_grammar(self._xgr.Grammar.from_lark(text))
+        else:  # ebnf, choice
+            out = compiler.compile_grammar(text)
+        self.compile_seconds.append(time.perf_counter() - t0)
+        if locked:  # (compiled in compile(), which holds the lock)
+            self._bytes[(kind, text)] = out.memory_size_bytes
+            return out
+        with self._lock:
+            if (kind, text) in self._futures:  # (not dropped meanwhile)
+                self._bytes[(kind, text)] = out.memory_size_bytes
+        return out
+
+    def _grammar_compiler(self):
+        if self._compiler is None:  # the vocabulary: once per tokenizer
+            xgr, vocab = self._xgr, self.vocab
+            info = xgr.TokenizerInfo.from_huggingface(
+                vocab.tokenizer, vocab_size=vocab.size,
+                stop_token_ids=sorted(vocab.eos_token_ids) or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
+
+
+class GrammarState(ConstraintState):
+    """One request's xgrammar matcher (made when its first mask is asked for)."""
+
+    def __init__(self, compiled: Future, vocab: Vocabulary):
+        self._compiled, self._vocab = compiled, vocab
+        self._matcher = None
+
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            try:
+                grammar = self._compiled.result()  # waits while it compiles
+            except Exception as e:  # named on the request (finish_reason "error")
+                raise RuntimeError(f"the grammar failed to compile: {e}") from e
+            self._matcher = xgrammar().GrammarMatcher(grammar)
+        return self._matcher
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def is_complete(self) -> bool:
+        m = self.matcher
+        if m.is_terminated():
+            return True
+        if not m.is_completed():  # (cheap; the mask below only at the grammar's end)
+            return False
+        mask = torch.empty(1, bitmask_words(self._vocab.size), dtype=torch.int32)
+        m.fill_next_token_bitmask(mask, 0)
+        return torch.equal(mask, stop_only(self._vocab))
+
+    def take_forced(self, limit: int) -> list[int]:
+        m = self.matcher
+        try:
+            text = m.find_jump_forward_string()
+        except Exception:  # (a forced tail that is not whole UTF-8 characters)
+            return []
+        if not text or limit < 1:
+            return []
+        ids = self._vocab.tokenizer.encode(text, add_special_tokens=False)[:limit]
+        # the tokenizer's own split of the forced text; one the grammar refuses (a
+        # tokenizer that adds a prefix space, say) is rolled back and nothing is forced
+        for n, token in enumerate(ids):
+            if not m.accept_token(token):
+                if n:
+                    m.rollback(n)
+                return []
+        return ids
+
+
+_STOP_ONLY: dict[tuple, torch.Tensor] = {}
+
+
+def stop_only(vocab: Vocabulary) -> torch.Tensor:
+    """The bitmask [1, words] allowing the stop tokens alone."""
+    key = (vocab.size, vocab.eos_token_ids)
+    if key not in _STOP_ONLY:
+        allowed = torch.zeros(vocab.size, dtype=torch.bool)
+        allowed[sorted(vocab.eos_token_ids)] = True
+        _STOP_ONLY[key] = pack_bitmask(allowed)[None]
+    return _STOP_ONLY[key]
