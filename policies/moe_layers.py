@@ -91,7 +91,7 @@ def _quantizer_refusal(quantizer) -> str:
 def infergraft_prepare_plan(plan, spec):
     """Refuse, before any weight loads, a weight quantiser that would pack the experts in
     a form the fused MoE kernel cannot read (int4's groups; GPTQ / AWQ checkpoints)."""
-    if not spec.has_experts:
+    if spec is None or not getattr(spec, "has_experts", False):
         return None
     from infergraft.core.plugin_manager import get_plugin_manager
 

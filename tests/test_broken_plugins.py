@@ -142,7 +142,8 @@ def test_disabling_qwen2_makes_qwen2_models_unsupported(monkeypatch, infergraft_
     monkeypatch.setenv("INFERGRAFT_DISABLE_PLUGINS", "qwen2")
     infergraft_reset_plugins()
     with pytest.raises(UnsupportedModelError, match="no registered policy supports "
-                                                    "Qwen2ForCausalLM; supported architectures: "
+                                                    r"Qwen2ForCausalLM \(closest .*\); "
+                                                    "supported architectures: "
                                                     ".*LlamaForCausalLM") as e:
         core.build(hf, max_seq_len=16)
     assert str(e.value).endswith(  # the contrib package that has it, and why it is not used
