@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU runs this session's CPU work owes (issues 43, 44, 46), in the order to spend scarce
+# device time on them; one call each part or several, e.g.
+#   bash docs/bench/gpu_owed.sh OUT kernels families
+#   INT4_TIMEOUT=280 PROFILE_TIMEOUT=280 bash docs/bench/gpu_quant_profile.sh OUT int4 profile
+# kernels: the CUDA cases of the kernels written or changed without a GPU (int4_mma, fp8_mma,
+#   token_bitmask, fused_moe, softcapped paged / varlen attention, rms_norm's unit offset,
+#   gelu_mul); families: the gpu-marked parity tests of Gemma, Mixtral and Phi-3 (CUDA
+#   graphs, the fused decode layer) and the contrib Qwen3 / Qwen3-MoE suites;
+#   structured: the structured-output tests on CUDA (the device has no xgrammar: carry its
+#   wheel, .whl/, as the device README says, with PYTHONPATH=/tmp/site).
+set -u
+OUT=${1:?OUT_DIR}
+shift
+PARTS=${*:-kernels families}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . ./contrib/infergraft-qwen \
+  >/dev/null 2>&1
+export PYTHONUNBUFFERED=1
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+if has kernels; then
+  timeout "${KERNELS_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    -m gpu tests/kernel_tests/test_int4_mma.py tests/kernel_tests/test_fp8_mma.py \
+    tests/kernel_tests/test_token_bitmask.py tests/kernel_tests/test_fused_moe.py \
+    tests/kernel_tests/test_paged_attention.py tests/kernel_tests/test_varlen_attention.py \
+    tests/kernel_tests/test_rms_norm.py tests/kernel_tests/test_gelu_mul.py \
+    > "$OUT/kernels.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernels.txt" | tail -15
+fi
+if has families; then
+  timeout "${FAMILIES_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    -m gpu tests/test_gemma_gpu.py tests/test_mixtral.py tests/test_phi3_parity.py \
+    contrib/infergraft-qwen/tests > "$OUT/families.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/families.txt" | tail -15
+fi
+if has structured; then
+  timeout "${STRUCTURED_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short \
+    -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
+    > "$OUT/structured.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
+fi
