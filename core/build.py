@@ -29,6 +29,7 @@ from .runner.weight_stream import host_slots, streamer_for
 from .selection import (DEFAULT_CACHE_BACKEND, DEFAULT_PLANNER, DTYPES, choose_policy,
                         resolve_device, resolve_dtype, select_plugins)
 from .units import element_bytes
+from .weight_bytes import step_read_bytes
 
 
 def _split_options(chosen: list, options: dict) -> dict[int, dict]:
@@ -56,6 +57,10 @@ def _kv_quantizer(backend, quantizers):
                         f"(quantizer {kv[0].name!r}); use a backend that can, e.g. "
                         f"plugins=['paged', {kv[0].name!r}]")
     return kv[0] if kv else None
+
+
+def _less(n, m):
+    return None if n is None else n - m
 
 
 def _weight_quantizer(quantizers):
@@ -151,6 +156,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         planner=planner.name, parallel=parallel,
         weight_bytes=weight_bytes(run_spec, dtype, weight_quant, device, ops.backend)  # this rank's
         - rank.not_held * element_bytes(dtype),
+        step_weight_bytes=_less(step_read_bytes(run_spec, dtype, weight_quant, device, ops.backend),
+                                rank.not_held * element_bytes(dtype)),
         kv_bytes_per_token=backend.bytes_per_token(run_spec, dtype, kv_quant) if kv_quant
         else backend.bytes_per_token(run_spec, dtype),
         options=tuple(sorted(plugin_options.items())), sliding_window=spec.kv_window,

@@ -119,6 +119,9 @@ class Plan(KVSizes):
     parallel: ParallelPlan
     weight_bytes: int
     kv_bytes_per_token: int
+    # what a decode step reads of them where that is less (a quantiser's dense copies, not
+    # the packed forms held beside: core.weight_bytes.step_read_bytes); None: all of them
+    step_weight_bytes: int | None = None
     options: tuple[tuple[str, Any], ...] = ()
     sliding_window: int | None = None  # the model's attention window (caches may hold less)
     max_num_batched_tokens: int | None = None  # tokens one step carries at most

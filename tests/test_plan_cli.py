@@ -94,7 +94,8 @@ def test_an_unknown_architecture_is_one_line_naming_the_closest_supported(tmp_pa
     edit = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text"}
     line = _refused(capsys, _config_dir(tmp_path, edit))
     assert "no registered policy supports Llama4ForCausalLM (closest supported by name: " \
-           "LlamaForCausalLM (llama)); supported architectures: " in line
+           "LlamaForCausalLM (llama)" in line
+    assert "); supported architectures: GPT2LMHeadModel, " in line
 
 
 @pytest.mark.parametrize("key,value,field", [

@@ -270,7 +270,8 @@ def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
     for b in batches:
         prompts = random_prompts(b, prompt_len, spec.vocab_size, seed=b)
         # mean context over the timed steps
-        floor = step_bytes(spec, plan.weight_bytes, plan.kv_bytes_per_token, b,
+        floor = step_bytes(spec, plan.step_weight_bytes or plan.weight_bytes,
+                           plan.kv_bytes_per_token, b,
                            prompt_len + new_tokens // 2, expert_bytes(engine.model)) / bw
         for system in systems:
             if system == "infergraft":
