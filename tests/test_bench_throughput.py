@@ -276,3 +276,20 @@ def test_help_lists_every_flag(capsys):
                  "--step-gaps", "--compare-plugins", "--compare-options", "--num-blocks",
                  "--block-size", "--gpu-memory-utilization", "--preemption", "--check-alone"):
         assert flag in out, flag
+
+
+def test_the_gpu_busy_row_is_the_timed_steps_share_of_the_runs_wall_time():
+    from infergraft.core.tools.throughput_report import gpu_busy_share, table
+    timed = {"duration_s": 2.0, "output_throughput": 10.0,
+             "step_gaps": {"busy_ms_total": 1900.0, "steps": 40}}
+    untimed = {"duration_s": 2.0, "output_throughput": 10.0}
+    assert gpu_busy_share(timed) == pytest.approx(0.95)
+    assert gpu_busy_share(untimed) is None
+    floor = {"duration_s": 1.0, "request_throughput": 1.0, "output_throughput": 20.0,
+             "total_token_throughput": 30.0, "flops": {"total": 1, "matmul": 1, "lm_head": 0,
+                                                         "attention": 0},
+             "matmul_flops_per_s": 1.0, "rate_measured": "test"}
+    row = next(line for line in table({"ours": timed, "HF CB": untimed}, floor).splitlines()
+               if line.startswith("GPU busy / duration"))
+    assert row.split()[-3:] == ["95.0%", "-", "-"]
+

@@ -61,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-num-prompts", type=_positive, default=None,
                    help="HF runs the first K requests only (default: all; HF is ~10x "
                         "slower, so a 1000-request run takes it minutes per workload)")
-    p.add_argument("--step-gaps", action="store_true",
-                   help="CUDA: time the GPU's idle gaps between engine steps (step_gaps.py)")
+    p.add_argument("--step-gaps", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the GPU's busy steps and idle gaps between them "
+                        "(step_gaps.py; default: on with --device cuda)")
     p.add_argument("--max-seq-len", type=_positive, default=None,
                    help="our engine's context length (default: the longest request's "
                         "prompt + output)")
@@ -127,6 +128,8 @@ def resolve(args):
                             f"least {longest}, or leave it out")
     args.max_seq_len = args.max_seq_len or longest
     args.max_batch_size = args.max_batch_size or min(args.num_prompts, MAX_BATCH)
+    if args.step_gaps is None:
+        args.step_gaps = args.device.startswith("cuda")
     if args.step_gaps and not args.device.startswith("cuda"):
         raise PlanError("--step-gaps times CUDA-graph replays: it needs --device cuda")
     return args

@@ -78,6 +78,13 @@ def compute_floor(spec, requests, rate: float, measured: str) -> dict:
             "request_throughput": len(requests) / seconds}
 
 
+def gpu_busy_share(summary: dict):
+    """The share of a run's wall time its GPU spent in engine steps (``--step-gaps``'
+    timed replays); None where they were not timed."""
+    busy = (summary.get("step_gaps") or {}).get("busy_ms_total")
+    return busy / (1e3 * summary["duration_s"]) if busy and summary.get("duration_s") else None
+
+
 def table(rows: dict[str, dict], floor: dict, base: str | None = None) -> str:
     """Each system's summary (serve_workload.summarise, ``over_floor`` added) in a column,
     the floor's throughputs beside them, engine.stats() of ours, then how the floor was
@@ -104,6 +111,7 @@ def table(rows: dict[str, dict], floor: dict, base: str | None = None) -> str:
     line("Total token throughput (tok/s)", "total_token_throughput",
          floor["total_token_throughput"])
     line("Output tok/s / compute floor", lambda s: _percent(s.get("over_floor")))
+    line("GPU busy / duration", lambda s: _percent(gpu_busy_share(s)))
     for _, label, get in RATIOS if base else ():
         line(f"{label} / {base}", lambda s, g=get: _times(_ratio(g(s), g(rows[base]))))
     for key, short, title in SECTIONS[:3]:  # TTFT, TPOT, ITL
