@@ -8,7 +8,9 @@
 #   gelu_mul); families: the gpu-marked parity tests of Gemma, Mixtral and Phi-3 (CUDA
 #   graphs, the fused decode layer) and the contrib Qwen3 / Qwen3-MoE suites;
 #   structured: the structured-output tests on CUDA (the device has no xgrammar: carry its
-#   wheel, .whl/, as the device README says, with PYTHONPATH=/tmp/site).
+#   wheel, .whl/, as the device README says, with PYTHONPATH=/tmp/site);
+# steps45: issue 45's profile first, where a mixed step's time goes (step_profile.py) on the
+#   fixed 512/256 and sharegpt-like workloads, LLaMA-3-8B shape, 256 requests.
 set -u
 OUT=${1:?OUT_DIR}
 shift
@@ -38,4 +40,12 @@ if has structured; then
     -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
     > "$OUT/structured.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
+fi
+if has steps45; then
+  for ds in fixed sharegpt-like; do
+    timeout "${STEPS_TIMEOUT:-200}" python3 -m infergraft.core.tools.step_profile \
+      --model llama3-8b --dataset "$ds" --num-prompts 256 --skip 40 --steps 30 \
+      > "$OUT/steps_$ds.txt" 2>&1
+    echo "step_profile $ds rc $?"; head -14 "$OUT/steps_$ds.txt"
+  done
 fi
