@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 from ._rows import gemm_rows
 from .int4_gemv import gemv_config, int4_gemv_triton, reduce_partials, split_for
+from .int4_mma import int4_mma, takes_mma
 
 GROUP_SIZES = (32, 64, 128)
 # up to this many rows the CUDA-core GEMV (int4_gemv.py); from WIDEN_MIN_ROWS on, cuBLAS on
@@ -242,9 +243,11 @@ def tiles_config(m: int, n: int, k: int, group_size: int) -> dict:
 
 def int4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        zeros: torch.Tensor, group_size: int, in_features: int, bias=None,
-                       config=None) -> torch.Tensor:
+                       config=None, mma=False, counters=None) -> torch.Tensor:
     """Same contract as ``int4_linear_torch``; x may have leading dims. ``config``: an
-    ``int4_config`` dict (a dict without PATH is the tiled kernel's)."""
+    ``int4_config`` dict (a dict without PATH is the tiled kernel's). ``mma``
+    (``INFERGRAFT_QUANT_MMA``, bound by ``dispatch.get_ops``): the GEMMs ``int4_mma`` takes
+    (1-64 rows, groups of 128) go to it, its split-K counted on ``counters``."""
     k = in_features
     n, kp = qweight.shape
     g = -(-k // group_size)
@@ -265,6 +268,9 @@ def int4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     m = x2.shape[0]
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
+    if mma and config is None and takes_mma(x2, group_size, k):
+        return int4_mma(x2, qweight, scales, zeros, group_size, k, bias, y=y,
+                        counters=counters).reshape(*lead, n)
     cfg = dict(config or int4_config(m, n, k, group_size))
     path = cfg.pop("PATH", "tiles")
     assert path in ("gemv", "tiles", "widen"), f"config PATH {path!r}: gemv, tiles or widen"
