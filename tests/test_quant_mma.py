@@ -1,0 +1,106 @@
+"""``INFERGRAFT_QUANT_MMA`` through the engine: a tiny random LLaMA quantised int4 (groups
+of 128), fp8 and int8, built with the switch off and on in one process (it is read at each
+build), gives the same greedy tokens and close logits, decoding one sequence and three at
+once; with it on the tensor-core MMA kernels run (int4: ``int4_mma`` in the plain layer;
+e4m3 and int8: the fused decode layer's WORDS tiles, and ``rows_mma`` where a step has
+more rows than the fused layer takes), with it off never. Triton in the interpreter,
+float16 (its bfloat16 dots are not the GPU's); the GPU case: bfloat16 under the decode
+CUDA graphs."""
+import pytest
+import torch
+
+from infergraft import core
+from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
+                                            with_random_norm_weights)
+from infergraft.core.testing.parity import relative_error
+from infergraft.kernels import fp8_linear, fused_linear, int4_linear, int8_linear
+from infergraft.kernels._triton import HAVE_TRITON, interpreting
+
+pytestmark = pytest.mark.filterwarnings("ignore::infergraft.core.errors.PerformanceWarning")
+FORMATS = ("int4", "fp8", "int8")
+# K of every projection a multiple of 8 and int4's one group of 128 whole
+CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1)
+
+
+def _spies(monkeypatch) -> dict:
+    """{kernel: rows of each call}: the MMA kernels as the launchers reach them, and the
+    fused GEMMs' launches on WORDS tiles."""
+    seen = {"int4_mma": [], "rows_mma": [], "words": []}
+    for module, name in ((int4_linear, "int4_mma"), (fp8_linear, "rows_mma"),
+                         (int8_linear, "rows_mma")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda x, *a, _r=real, _n=name, **kw:
+                            seen[_n].append(x.shape[0]) or _r(x, *a, **kw))
+    launch = fused_linear.launch_gemm
+
+    def spy(grid, cfg, x, *a, **kw):
+        if cfg.get("WORDS"):
+            seen["words"].append(x.shape[0])
+        return launch(grid, cfg, x, *a, **kw)
+    monkeypatch.setattr(fused_linear, "launch_gemm", spy)
+    return seen
+
+
+def _run(engine, prompts, long_prompt):
+    """(logits of the long prompt, greedy tokens of one prompt, of three at once)."""
+    logits = engine.logits(long_prompt).float()
+    one = engine.generate(prompts[0], max_new_tokens=3)[0].token_ids
+    three = [c.token_ids for c in engine.generate(prompts, max_new_tokens=2)]
+    return logits, one, three
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and interpreting()), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_switch_on_gives_the_switch_off_tokens_through_the_mma_kernels(monkeypatch, fmt):
+    hf = with_random_norm_weights(random_model(tiny_llama_config(**CONFIG), seed=11,
+                                               dtype=torch.float16, scale=2.0))
+    kw = dict(plugins=["paged", fmt], kernels="triton", dtype="float16", max_seq_len=96,
+              max_batch_size=4)
+    prompts = [random_prompt(n, hf.config.vocab_size, seed) for n, seed in ((7, 1), (5, 2),
+                                                                            (9, 3))]
+    # 40 tokens: more than the fused layer's 32 rows (8-bit rows: the plain layer's GEMM)
+    long_prompt = random_prompt(40, hf.config.vocab_size, 4)
+    seen = _spies(monkeypatch)
+    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "0")
+    off = core.build(hf, **kw)
+    want = _run(off, prompts, long_prompt)
+    assert not off.model.ops.quant_mma and seen == {"int4_mma": [], "rows_mma": [], "words": []}
+    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "1")
+    on = core.build(hf, **kw)
+    got = _run(on, prompts, long_prompt)
+    assert on.model.ops.quant_mma
+    assert relative_error(got[0], want[0]) < 5e-3, relative_error(got[0], want[0])
+    assert got[1:] == want[1:]
+    if fmt == "int4":  # the plain layer (int4 has no fused one): every projection, every step
+        assert on.model.norms_folded is False
+        assert {1, 3, 40} <= set(seen["int4_mma"]) and not seen["words"]
+    else:  # the fused layer's GEMMs at <= 32 rows, the 40-token prefill on rows_mma
+        assert on.model.norms_folded
+        assert {1, 3, 7} <= set(seen["words"]) and set(seen["rows_mma"]) == {40}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs CUDA sm_89+ (e4m3)")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_switch_on_under_the_decode_graphs(monkeypatch, fmt):
+    """bfloat16 on the GPU, decode replayed from CUDA graphs (split-K counters inside
+    them), one sequence and three: the switch on gives the switch-off tokens."""
+    hf = random_model(tiny_llama_config(**CONFIG), seed=12, dtype=torch.bfloat16, scale=2.0)
+    kw = dict(plugins=["paged", fmt], device="cuda", dtype="bfloat16", max_seq_len=96,
+              max_batch_size=4)
+    prompts = [random_prompt(n, hf.config.vocab_size, seed) for n, seed in ((7, 1), (5, 2),
+                                                                            (9, 3))]
+    long_prompt = random_prompt(40, hf.config.vocab_size, 4)
+    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "0")
+    off = core.build(hf, **kw)
+    want = _run(off, prompts, long_prompt)
+    del off
+    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "1")
+    seen = _spies(monkeypatch)
+    on = core.build(hf, **kw)
+    assert on.decode_graphs is not None
+    got = _run(on, prompts, long_prompt)
+    assert relative_error(got[0], want[0]) < 3e-2, relative_error(got[0], want[0])
+    assert got[1:] == want[1:]
+    assert seen["int4_mma"] if fmt == "int4" else seen["words"]
