@@ -5,16 +5,20 @@ once; with it on the tensor-core MMA kernels run (int4: ``int4_mma`` in the plai
 e4m3 and int8: the fused decode layer's WORDS tiles, and ``rows_mma`` where a step has
 more rows than the fused layer takes), with it off never. Triton in the interpreter,
 float16 (its bfloat16 dots are not the GPU's); the GPU case: bfloat16 under the decode
-CUDA graphs."""
+CUDA graphs. GPTQ (act-order) and AWQ checkpoints load into the format ``int4_mma``
+reads (``Int4Weight``: nibble j of 32-bit word c is column 8c + j), no re-layout."""
 import pytest
 import torch
 
 from infergraft import core
+from infergraft.core.testing.gptq_pack import write_quantized
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_llama_config,
                                             with_random_norm_weights)
 from infergraft.core.testing.parity import relative_error
 from infergraft.kernels import fp8_linear, fused_linear, int4_linear, int8_linear
 from infergraft.kernels._triton import HAVE_TRITON, interpreting
+
+from test_gptq_act_order import write_act_order
 
 pytestmark = pytest.mark.filterwarnings("ignore::infergraft.core.errors.PerformanceWarning")
 FORMATS = ("int4", "fp8", "int8")
@@ -77,6 +81,26 @@ def test_switch_on_gives_the_switch_off_tokens_through_the_mma_kernels(monkeypat
     else:  # the fused layer's GEMMs at <= 32 rows, the 40-token prefill on rows_mma
         assert on.model.norms_folded
         assert {1, 3, 7} <= set(seen["words"]) and set(seen["rows_mma"]) == {40}
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and interpreting()), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("method", ["gptq-act-order", "awq"])
+def test_checkpoints_load_into_what_int4_mma_reads(tmp_path, monkeypatch, method):
+    hf = random_model(tiny_llama_config(**CONFIG), seed=13, scale=20.0)
+    if method == "awq":
+        write_quantized(hf, tmp_path, "awq", group_size=128)
+    else:  # down (256 columns: two groups) comes in an act order, folded into gate_up
+        write_act_order(hf, tmp_path, group_size=128)
+    kw = dict(kernels="triton", dtype="float16", max_seq_len=64, max_batch_size=4)
+    prompts = [random_prompt(n, hf.config.vocab_size, seed) for n, seed in ((6, 1), (4, 2))]
+    seen = _spies(monkeypatch)
+    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "0")
+    want = [c.token_ids for c in core.build(str(tmp_path), **kw).generate(prompts, max_new_tokens=3)]
+    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "1")
+    on = core.build(str(tmp_path), **kw)
+    assert on.plan.quantizers == ("int4",) and on.model.layers[0].down.packed.perm is None
+    assert [c.token_ids for c in on.generate(prompts, max_new_tokens=3)] == want
+    assert {2, 10} <= set(seen["int4_mma"])
 
 
 @pytest.mark.gpu
