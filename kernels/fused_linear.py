@@ -22,7 +22,10 @@ or float8_e4m3fn (``quantize_fp8``) [N, K] with ``scale`` [N] float32 per row, W
 q.float() * s[:, None]. The references compute that GEMM as ``int8_linear_torch`` /
 ``fp8_linear_torch`` do, the fallbacks with ``int8_linear_triton`` / ``fp8_linear_triton``.
 Both take the same tiles (one byte a weight); only int8 rows take the one-row word loop
-(``gemv_dot_int8`` reads bytes as int8): one e4m3 row takes the tensor-core tiles.
+(``gemv_dot_int8`` reads bytes as int8): one e4m3 row takes the tensor-core tiles. With
+``mma=True`` (``INFERGRAFT_QUANT_MMA``, bound at build by ``dispatch.get_ops``) 8-bit rows
+take ``words_config``'s WORDS tiles at every row count: W read as int32 words, widened by
+bit tricks (``fp8_mma.dot_words``).
 """
 import torch
 
