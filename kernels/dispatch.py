@@ -27,7 +27,7 @@ OPS = {
     "gelu_mul": "gelu_mul",
     "kv_write": "kv_write",
     "linear": "linear",
-    "linear_partials": "linear",
+    "linear_partials": "linear_partials",
     "lm_head": "lm_head",
     "normed_linear": "fused_linear",
     "normed_swiglu": "fused_linear",

@@ -5,13 +5,12 @@ tiles of W [BLOCK_N, BLOCK_K] through a pipelined tl.dot (x's rows padded to 16,
 a memory-bound GEMM). One row takes kernels/gemv.py's register loops instead (16-bit
 weights; int8 / e4m3 ones with INFERGRAFT_GEMV_INT8 / _FP8). Larger M goes to cuBLAS.
 
-Split-K (``linear_partials``): narrow outputs (N = hidden, the o and down projections)
-give too few column tiles to keep every SM streaming, so the K axis is split over S
-programs too and each writes float32 partial sums [S, M, N]. No reduce kernel: the
-add+RMSNorm that follows these projections sums the partials as it loads them.
+Split-K (``skinny_gemm(split_k=)``, chosen by ``linear_partials.py``): float32 partial
+sums [S, M, N], added up by the add+RMSNorm that follows.
 
 8-bit weight rows (``w_scale``: q int8 or e4m3 [N, K], a float32 scale s each, W = q s[:, None];
-``int8_linear.py``, ``fp8_linear.py``): widened exactly in registers, scaled in the epilogue.
+``int8_linear.py``, ``fp8_linear.py``): widened exactly in registers, scaled in the epilogue;
+with ``WORDS`` tiles read as int32 words and widened by bit tricks (``fp8_mma.dot_words``).
 """
 import torch
 
@@ -285,36 +284,3 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
         SUM_SQ=sum_sq_out is not None, W_FP8=fp8, **cfg, W_STEP=step,
         ASM=bool(cfg.get("WORDS")) and not interpreting(), LATE_RELEASE=LATE_PDL_RELEASE,
         **pdl_launch(x.device))
-
-
-# -- split-K for the projections an add+RMSNorm follows -------------------------------------
-
-def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
-    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast (the
-    module docstring says why). Tiles from ``python -m infergraft.core.tools.kernel_bench.gemms
-    --split 1,32,64``; docs/kernels.md has the figures."""
-    if n > 8192:  # wide outputs already fill the GPU with column tiles
-        return None
-    if m <= 16:
-        # the GEMM alone gains, but the norm after it, reading S float32 rows, loses as
-        # much: the decode step is no faster
-        return None
-    block_m = max(16, next_pow2(m))
-    if k <= 4096:
-        return 2, dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    return 4, dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-
-
-def linear_partials_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """The reference never splits: [M, N] (consumers accept [M, N] or [S, M, N])."""
-    return linear_cpu(x, weight, bias)
-
-
-def linear_partials_triton(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """x W^T (+ b) as float32 partials [S, M, N] where split-K pays, else as ``linear``.
-    Only for outputs consumed by ``add_rms_norm`` (which sums the partials)."""
-    m, k = x.shape
-    plan = split_config(m, weight.shape[0], k) if x.dtype != torch.float32 else None
-    if plan is None or not 0 < m <= MAX_ROWS:
-        return linear_triton(x, weight, bias)
-    return skinny_gemm(x, weight, bias, plan[1], split_k=plan[0])
