@@ -6,6 +6,7 @@ on the CPU (slowly), which is how the kernels are tested without a GPU.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 
@@ -26,7 +27,7 @@ OPS = {
     "gelu_mul": "gelu_mul",
     "kv_write": "kv_write",
     "linear": "linear",
-    "linear_partials": "linear",
+    "linear_partials": "linear_partials",
     "lm_head": "lm_head",
     "normed_linear": "fused_linear",
     "normed_swiglu": "fused_linear",
@@ -47,6 +48,11 @@ OPS = {
     "apply_token_bitmask": "token_bitmask",
 }
 BACKENDS = ("auto", "torch", "triton")
+#: the Triton ops that take ``mma=`` (INFERGRAFT_QUANT_MMA): the weight quantisers' GEMMs and
+#: the fused decode GEMMs over 8-bit rows; those with ``counters=`` count split-K on them
+MMA_OPS = {"int4_linear": True, "fp8_linear": True, "int8_linear": True,
+           "normed_linear": False, "normed_swiglu": False, "normed_qkv_rope": False,
+           "linear_residual": False}
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -77,10 +83,22 @@ def get_op(name: str, backend: str):
 
 
 def get_ops(device, backend: str = "auto") -> types.SimpleNamespace:
-    """A namespace of every op for ``device``, e.g. ``ops.rms_norm(x, w, eps)``."""
+    """A namespace of every op for ``device``, e.g. ``ops.rms_norm(x, w, eps)``.
+    ``quant_mma``: whether the quantised decode GEMMs run the tensor-core MMA kernels
+    (``INFERGRAFT_QUANT_MMA``, read here, at each build: one process can build both)."""
     chosen = resolve_backend(device, backend)
+    ops = {n: get_op(n, chosen) for n in OPS}
+    mma = chosen == "triton" and bool(switches.value("INFERGRAFT_QUANT_MMA"))
+    if mma:
+        from .paged_plan import CounterPool  # not at import: it imports triton
+
+        # this engine's own counters (engines on other streams share none)
+        pool = CounterPool()
+        for name, counts in MMA_OPS.items():
+            extra = {"counters": pool} if counts else {}
+            ops[name] = functools.partial(ops[name], mma=True, **extra)
     return types.SimpleNamespace(backend=chosen, fuse_max_rows=fuse_max_rows(chosen),
-                                 **{n: get_op(n, chosen) for n in OPS})
+                                 quant_mma=mma, **ops)
 
 
 def fuse_max_rows(backend: str) -> int:

@@ -22,7 +22,10 @@ or float8_e4m3fn (``quantize_fp8``) [N, K] with ``scale`` [N] float32 per row, W
 q.float() * s[:, None]. The references compute that GEMM as ``int8_linear_torch`` /
 ``fp8_linear_torch`` do, the fallbacks with ``int8_linear_triton`` / ``fp8_linear_triton``.
 Both take the same tiles (one byte a weight); only int8 rows take the one-row word loop
-(``gemv_dot_int8`` reads bytes as int8): one e4m3 row takes the tensor-core tiles.
+(``gemv_dot_int8`` reads bytes as int8): one e4m3 row takes the tensor-core tiles. With
+``mma=True`` (``INFERGRAFT_QUANT_MMA``, bound at build by ``dispatch.get_ops``) 8-bit rows
+take ``words_config``'s WORDS tiles at every row count: W read as int32 words, widened by
+bit tricks (``fp8_mma.dot_words``).
 """
 import torch
 
@@ -51,15 +54,18 @@ def _normed(x, sum_sq, eps):
     return (x.float() * rstd).to(x.dtype)
 
 
-def _linear(x, weight, bias, scale, kernel=False):
+def _linear(x, weight, bias, scale, kernel=False, mma=False):
     # x: [M, K], weight: [N, K] in x's dtype, or 8-bit rows with scale [N] -> [M, N] in x's
-    # dtype; each row format through its own GEMM (its Triton launcher with ``kernel``)
+    # dtype; each row format through its own GEMM (its Triton launcher with ``kernel``,
+    # ``mma``: INFERGRAFT_QUANT_MMA's kernel where it applies)
     if scale is None:
         return linear_torch(x, weight, bias)
     check_row_dtype(weight)
-    if weight.dtype == FP8:
-        return (fp8_linear_triton if kernel else fp8_linear_torch)(x, weight, scale, bias)
-    return (int8_linear_triton if kernel else int8_linear_torch)(x, weight, scale, bias)
+    if kernel:
+        launch = fp8_linear_triton if weight.dtype == FP8 else int8_linear_triton
+        return launch(x, weight, scale, bias, mma=mma)
+    return (fp8_linear_torch if weight.dtype == FP8 else int8_linear_torch)(x, weight, scale,
+                                                                              bias)
 
 
 def _with_sum_sq(out, sum_sq: bool):
@@ -82,9 +88,9 @@ def linear_residual_torch(x, weight, bias, residual, sum_sq: bool = False, scale
     return _with_sum_sq(_linear(x, weight, bias, scale) + residual, sum_sq)
 
 
-def _gemm(x, weight, bias, scale):
+def _gemm(x, weight, bias, scale, mma=False):
     # the Triton entry points' GEMM where the fused kernel does not apply
-    return _linear(x, weight, bias, scale, kernel=HAVE_TRITON)
+    return _linear(x, weight, bias, scale, kernel=HAVE_TRITON, mma=mma)
 
 
 def _fusable(x, weight, scale=None) -> bool:
@@ -102,14 +108,26 @@ def _row_dtype(weight, scale):
     return None if scale is None else weight.dtype
 
 
-def _tiles(config, default: dict, rows, kind: str, m: int, k: int) -> dict:
+def words_config(m: int) -> dict:
+    """``INFERGRAFT_QUANT_MMA``'s tiles for 8-bit rows in the fused GEMMs, at every row count
+    (one row too): W read as int32 words and widened by bit tricks (``fp8_mma.dot_words``),
+    y^T tiles of 64 rows of W (the MMA's wide side), 128-byte K steps: ``fp8_mma``'s tiles
+    (untuned)."""
+    return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=64, BLOCK_K=128, num_warps=4,
+                num_stages=3, SWAP=True, WORDS=True)
+
+
+def _tiles(config, default: dict, rows, kind: str, m: int, k: int, mma: bool = False) -> dict:
     """The caller's tiles, else ``default`` (16-bit). ``rows``: the dtype of 8-bit weight
     rows (``_row_dtype``), None for 16-bit ones. An 8-bit tile carries half the bytes, so
     where the default's K tiles are short (<= 256) 8-bit ones are twice as long. One int8
     row takes the word loop (``takes_int8_gemv``) with the ``kind``'s tiles; e4m3 where its
-    switch says."""
+    switch says. ``mma`` (``INFERGRAFT_QUANT_MMA``): 8-bit rows with K a multiple of 4 take
+    ``words_config``'s tiles."""
     if config:
         return dict(config)
+    if mma and rows is not None and k % 4 == 0:
+        return words_config(m)
     if rows is not None and takes_int8_gemv(m, k, fp8=rows == torch.float8_e4m3fn):
         return int8_gemv_config(kind)
     if rows is not None and default["BLOCK_K"] <= 256:
@@ -129,15 +147,15 @@ def _check_sum_sq(x, sum_sq):
         f"{tuple(sum_sq.shape)} {sum_sq.dtype}"
 
 
-def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
+def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, mma=False):
     _check_sum_sq(x, sum_sq)
     if not _fusable(x, weight, scale):
-        return _gemm(_normed(x, sum_sq, eps), weight, bias, scale)
+        return _gemm(_normed(x, sum_sq, eps), weight, bias, scale, mma)
     m, k = x.shape
     n = weight.shape[0]
     y = _output(x, weight, bias, scale, n)
     cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), _row_dtype(weight, scale),
-                 gemv_kind(n, k), m, k)
+                 gemv_kind(n, k), m, k, mma)
     launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, sum_sq=sum_sq,
                 eps=eps, w_scale=scale)
     return y
@@ -156,33 +174,33 @@ def swiglu_config(m: int, i: int, k: int, gemv: bool = True) -> dict:
                 num_warps=4, num_stages=3)
 
 
-def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None):
+def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, mma=False):
     _check_sum_sq(x, sum_sq)
     assert weight.shape[0] % 2 == 0, f"gate_up weight needs an even row count, got {weight.shape[0]}"
     if not _fusable(x, weight, scale):
-        return silu_mul_torch(_gemm(_normed(x, sum_sq, eps), weight, bias, scale))
+        return silu_mul_torch(_gemm(_normed(x, sum_sq, eps), weight, bias, scale, mma))
     m, k = x.shape
     i = weight.shape[0] // 2
     y = _output(x, weight, bias, scale, i)
     cfg = _tiles(config, swiglu_config(m, i, k, gemv=scale is None), _row_dtype(weight, scale),
-                 "swiglu", m, k)
+                 "swiglu", m, k, mma)
     launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i,
                 sum_sq=sum_sq, eps=eps, w_scale=scale)
     return y
 
 
 def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scale=None,
-                           config=None):
+                           config=None, mma=False):
     m, k = x.shape
     n = weight.shape[0]
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, \
         f"residual must be [{m}, {n}] {x.dtype} with contiguous rows, got " \
         f"{tuple(residual.shape)} {residual.dtype}"
     if not _fusable(x, weight, scale):
-        return _with_sum_sq(_gemm(x, weight, bias, scale) + residual, sum_sq)
+        return _with_sum_sq(_gemm(x, weight, bias, scale, mma) + residual, sum_sq)
     y = _output(x, weight, bias, scale, n)
     cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), _row_dtype(weight, scale),
-                 gemv_kind(n, k), m, k)
+                 gemv_kind(n, k), m, k, mma)
     programs = triton.cdiv(n, cfg["BLOCK_N"])
     parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
     launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts,
@@ -224,7 +242,7 @@ def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
 
 
 def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
-                           k_cache, v_cache, idx0, idx1, scale=None, config=None):
+                           k_cache, v_cache, idx0, idx1, scale=None, config=None, mma=False):
     """Same contract as ``normed_qkv_rope_torch``; one GEMM whose epilogue rotates and
     stores q, k and v where it applies (<= ``QKV_ROPE_MAX_ROWS`` rows on swapped tiles,
     else <= ``UNSWAPPED_ROPE_MAX_ROWS``; all of every head rotated, D / 2 a multiple of
@@ -235,8 +253,8 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \
         f"qkv weight has {weight.shape[0]} rows, not (Hq={num_heads} + 2 Hkv={hkv}) x D={d}"
     cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1], gemv=scale is None),
-                 _row_dtype(weight, scale), "qkv_rope", *x.shape)
-    if cfg.get("GEMV"):
+                 _row_dtype(weight, scale), "qkv_rope", *x.shape, mma)
+    if cfg.get("GEMV") or cfg.get("WORDS"):
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], half)
     max_rows = QKV_ROPE_MAX_ROWS if cfg.get("SWAP") else min(QKV_ROPE_MAX_ROWS,
                                                               UNSWAPPED_ROPE_MAX_ROWS)
@@ -246,7 +264,7 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     if not (_fusable(x, weight, scale) and x.shape[0] <= max_rows and 2 * half == d
             and half % bn == 0 and bn >= 16 and bn & (bn - 1) == 0
             and k_cache.dtype == v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride()):
-        qkv = normed_linear_triton(x, weight, bias, sum_sq, eps, scale)
+        qkv = normed_linear_triton(x, weight, bias, sum_sq, eps, scale, mma=mma)
         q, k, v = split_qkv(qkv, num_heads, hkv, d)
         return rotary_kv_write_triton(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
     m = x.shape[0]

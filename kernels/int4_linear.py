@@ -2,103 +2,31 @@
 4-bit codes q, two a byte, and per (row, group of ``group_size`` columns) a float32 scale
 s and a zero-point z: W[n, k] ~= (q[n, k] - z[n, g]) * s[n, g], g = k // group_size.
 
-``Int4Weight`` is the packed format (the GPTQ / AWQ loaders convert into exactly it):
-column 2c in a byte's low nibble, 2c + 1 in its high one, a padded last column (odd K)
-0; the last group may be partial (K = 576 is 4.5 groups of 128). ``quantize_int4`` is our
-round-to-nearest quantiser (per group min / max, the range widened to hold 0).
+The packed format, ``Int4Weight``, and our quantiser: ``int4_format.py`` (imported from
+here too).
 
 ``int4_linear_triton``'s paths (``int4_config``): at one row ``int4_gemv.py``'s GEMV; up
-to ``WIDEN_MIN_ROWS`` the tensor-core kernel here, each byte loaded once, its low nibbles
+to ``WIDEN_MIN_ROWS`` the tensor-core kernel here (with ``mma``, ``INFERGRAFT_QUANT_MMA``:
+``int4_mma.py``'s at 1-64 rows, groups of 128), each byte loaded once, its low nibbles
 dotted with x's even columns and its high ones with the odd (q - z exact in x's dtype,
 each K tile's float32 dot scaled by its group's scale); then W widened once and cuBLAS.
 Each is ``int4_linear_torch``'s float32 math up to summation order (the widened W
 rounded to x's dtype, as ``dequantize_int4``).
 """
-import attrs
 import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 from ._rows import gemm_rows
+from .int4_format import (GROUP_SIZES, Int4Weight, dequantize_float,  # noqa: F401
+                          dequantize_int4, pack_nibbles, quantize_int4, unpack_nibbles)
 from .int4_gemv import gemv_config, int4_gemv_triton, reduce_partials, split_for
+from .int4_mma import int4_mma, takes_mma
 
-GROUP_SIZES = (32, 64, 128)
 # up to this many rows the CUDA-core GEMV (int4_gemv.py); from WIDEN_MIN_ROWS on, cuBLAS on
 # the widened weight; the tensor-core tiles between (docs/kernels.md)
 GEMV_MAX_ROWS = 2
 WIDEN_MIN_ROWS = 512
-
-
-@attrs.frozen
-class Int4Weight:
-    qweight: torch.Tensor  # uint8 [N, ceil(K / 2)]: column 2c low nibble, 2c + 1 high; pad 0
-    scales: torch.Tensor  # float32 [N, G], G = ceil(K / group_size)
-    zeros: torch.Tensor  # uint8 [N, G]: the zero-point, 0..15; w ~= (q - zero) * scale
-    group_size: int  # 32, 64 or 128
-    in_features: int  # K (the last group may be partial)
-    dtype: torch.dtype  # of the weight it came from
-    perm: torch.Tensor | None = None  # act-order: x[..., perm] is what the columns multiply
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """q uint8 [N, K] of values 0..15 -> uint8 [N, ceil(K / 2)] (2c low, 2c + 1 high)."""
-    assert q.dim() == 2 and q.dtype == torch.uint8, f"q must be uint8 [N, K], got {q.dtype}"
-    if q.shape[1] % 2:
-        q = F.pad(q, (0, 1))  # the padded last column is 0
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def unpack_nibbles(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """uint8 [N, ceil(K / 2)] -> q uint8 [N, K] (``in_features`` = K)."""
-    assert packed.dim() == 2 and packed.dtype == torch.uint8, \
-        f"packed must be uint8 [N, ceil(K / 2)], got {tuple(packed.shape)} {packed.dtype}"
-    assert packed.shape[1] == -(-in_features // 2), \
-        f"{packed.shape[1]} bytes a row do not hold K={in_features} nibbles"
-    both = torch.stack([packed & 0xF, packed >> 4], dim=2)  # [N, Kp, 2]
-    return both.reshape(packed.shape[0], -1)[:, :in_features]
-
-
-def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[N, K] -> [N, G, group_size], a partial last group padded with its last column
-    (which leaves the group's min and max as they are)."""
-    n, k = w.shape
-    pad = -k % group_size
-    if pad:
-        w = torch.cat([w, w[:, -1:].expand(n, pad)], dim=1)
-    return w.reshape(n, -1, group_size)
-
-
-def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
-    """Round to nearest, per (row, group) asymmetric: the group's [min, max] widened to
-    hold 0, scale = (max - min) / 15, zero = round(-min / scale), q = clamp(round(w /
-    scale) + zero, 0, 15); |w - (q - zero) scale| <= scale / 2. An all-zero group gets
-    scale 1, zero 0 (q = 0)."""
-    assert weight.dim() == 2 and weight.is_floating_point(), \
-        f"weight must be a float [N, K] matrix, got {tuple(weight.shape)} {weight.dtype}"
-    assert group_size in GROUP_SIZES, f"group_size {group_size} not one of {GROUP_SIZES}"
-    n, k = weight.shape
-    g = _grouped(weight.float(), group_size)  # [N, G, gs]
-    lo = g.amin(dim=2).clamp(max=0.0)
-    hi = g.amax(dim=2).clamp(min=0.0)
-    scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))  # [N, G]
-    zero = torch.round(-lo / scale).clamp_(0, 15)
-    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp_(0, 15)
-    q = q.reshape(n, -1)[:, :k].to(torch.uint8)
-    return Int4Weight(pack_nibbles(q), scale.contiguous(), zero.to(torch.uint8).contiguous(),
-                      group_size, k, weight.dtype)
-
-
-def dequantize_float(qweight, scales, zeros, group_size: int, in_features: int):
-    """The float32 weight [N, K] the packed tensors stand for."""
-    q = unpack_nibbles(qweight, in_features).float()  # [N, K]
-    cols = torch.arange(in_features, device=q.device) // group_size
-    return (q - zeros.float()[:, cols]) * scales[:, cols]
-
-
-def dequantize_int4(packed: Int4Weight) -> torch.Tensor:
-    """-> the weight [N, K] in ``packed.dtype`` (computed in float32, then rounded)."""
-    return dequantize_float(packed.qweight, packed.scales, packed.zeros, packed.group_size,
-                            packed.in_features).to(packed.dtype)
 
 
 def int4_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -242,9 +170,11 @@ def tiles_config(m: int, n: int, k: int, group_size: int) -> dict:
 
 def int4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        zeros: torch.Tensor, group_size: int, in_features: int, bias=None,
-                       config=None) -> torch.Tensor:
+                       config=None, mma=False, counters=None) -> torch.Tensor:
     """Same contract as ``int4_linear_torch``; x may have leading dims. ``config``: an
-    ``int4_config`` dict (a dict without PATH is the tiled kernel's)."""
+    ``int4_config`` dict (a dict without PATH is the tiled kernel's). ``mma``
+    (``INFERGRAFT_QUANT_MMA``, bound by ``dispatch.get_ops``): the GEMMs ``int4_mma`` takes
+    (1-64 rows, groups of 128) go to it, its split-K counted on ``counters``."""
     k = in_features
     n, kp = qweight.shape
     g = -(-k // group_size)
@@ -265,6 +195,9 @@ def int4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     m = x2.shape[0]
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
+    if mma and config is None and takes_mma(x2, group_size, k):
+        return int4_mma(x2, qweight, scales, zeros, group_size, k, bias, y=y,
+                        counters=counters).reshape(*lead, n)
     cfg = dict(config or int4_config(m, n, k, group_size))
     path = cfg.pop("PATH", "tiles")
     assert path in ("gemv", "tiles", "widen"), f"config PATH {path!r}: gemv, tiles or widen"

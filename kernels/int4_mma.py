@@ -29,9 +29,12 @@ GROUP = 128  # the group size this kernel takes: a K tile is one group
 MAX_ROWS = 64
 
 # nibbles j and j + 4 of a word (after shifting it right by 4 j) into two 16-bit floats:
-# lop3 0xEA is (a & b) | c; then (128 + q) * 1 - 128 (bf16) or (1024 + q) * 1 - 1024 (fp16)
+# lop3 0xEA is (a & b) | c; then (128 + q) * 1 - 128 (bf16) or (1024 + q) * 1 - 1024 (fp16),
+# the packed constants in registers (ptxas takes no immediate in a packed float instruction)
 _ASM = """{
-.reg .b32 t0, t1, t2, t3, s;
+.reg .b32 t0, t1, t2, t3, s, one, neg;
+mov.b32 one, ONE;
+mov.b32 neg, NEG;
 lop3.b32 t0, $8, 0x000f000f, MAGIC, 0xea;
 shr.u32 s, $8, 4;
 lop3.b32 t1, s, 0x000f000f, MAGIC, 0xea;
@@ -39,10 +42,10 @@ shr.u32 s, $8, 8;
 lop3.b32 t2, s, 0x000f000f, MAGIC, 0xea;
 shr.u32 s, $8, 12;
 lop3.b32 t3, s, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE t0, t0, ONE, NEG;
-fma.rn.TYPE t1, t1, ONE, NEG;
-fma.rn.TYPE t2, t2, ONE, NEG;
-fma.rn.TYPE t3, t3, ONE, NEG;
+fma.rn.TYPE t0, t0, one, neg;
+fma.rn.TYPE t1, t1, one, neg;
+fma.rn.TYPE t2, t2, one, neg;
+fma.rn.TYPE t3, t3, one, neg;
 mov.b32 {$0, $4}, t0;
 mov.b32 {$1, $5}, t1;
 mov.b32 {$2, $6}, t2;
@@ -55,30 +58,36 @@ ASM_FP16 = _ASM.replace("MAGIC", "0x64006400").replace("TYPE", "f16x2") \
 
 
 if HAVE_TRITON:
+    # the assembly as constexprs: a kernel reads no other global
+    _NIBBLES_BF16, _NIBBLES_FP16 = tl.constexpr(ASM_BF16), tl.constexpr(ASM_FP16)
 
     @triton.jit
     def _nibbles8(w, DTYPE: tl.constexpr, ASM: tl.constexpr):
         """int32 words [BN, W] -> the 8 nibbles of each, 8 tensors [BN, W] of DTYPE (exact
         small integers 0..15); the inline assembly on the GPU, shifts and masks elsewhere."""
+        # (if / else throughout: Triton types a branch's return with the code after it)
         if ASM:
             if DTYPE == tl.bfloat16:
-                return tl.inline_asm_elementwise(
-                    ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 8,
+                q = tl.inline_asm_elementwise(
+                    _NIBBLES_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 8,
                     is_pure=True, pack=1)
-            return tl.inline_asm_elementwise(
-                ASM_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8,
-                is_pure=True, pack=1)
-        return ((w & 0xF).to(DTYPE), ((w >> 4) & 0xF).to(DTYPE), ((w >> 8) & 0xF).to(DTYPE),
-                ((w >> 12) & 0xF).to(DTYPE), ((w >> 16) & 0xF).to(DTYPE),
-                ((w >> 20) & 0xF).to(DTYPE), ((w >> 24) & 0xF).to(DTYPE),
-                ((w >> 28) & 0xF).to(DTYPE))
+            else:
+                q = tl.inline_asm_elementwise(
+                    _NIBBLES_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8,
+                    is_pure=True, pack=1)
+        else:
+            q = ((w & 0xF).to(DTYPE), ((w >> 4) & 0xF).to(DTYPE), ((w >> 8) & 0xF).to(DTYPE),
+                 ((w >> 12) & 0xF).to(DTYPE), ((w >> 16) & 0xF).to(DTYPE),
+                 ((w >> 20) & 0xF).to(DTYPE), ((w >> 24) & 0xF).to(DTYPE),
+                 ((w >> 28) & 0xF).to(DTYPE))
+        return q
 
     @triton.jit(do_not_specialize=["M", "N", "G", "TILES", "TILES_PER_SPLIT", "stride_ys"])
     def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K,
                          KW, G, TILES, TILES_PER_SPLIT, stride_xm, stride_wn, stride_ym,
                          stride_ys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          SPLIT: tl.constexpr, FIXUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ASM: tl.constexpr, PDL: tl.constexpr):
+                         ASM: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr):
         # program (n, s): rows rn of W (columns of y) over K tiles [s * TILES_PER_SPLIT, ...)
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,9 +143,11 @@ def takes_mma(x2: torch.Tensor, group_size: int, in_features: int) -> bool:
 
 def mma_config(m: int, n: int, k: int) -> dict:
     """Tiles and split-K of an M x N x K GEMM: 64 rows of W a program (the MMA's M side),
-    x padded to 16 rows or more, split K until about two programs an SM (untuned)."""
+    x padded to 16 rows or more, split K until about two programs an SM (untuned); 8 warps
+    at 64 rows, where 4 spill (Triton 3.6, sm_90: ``kernel_bench.cubin``)."""
     split = auto_split(-(-n // 64), -(-k // GROUP))
-    return dict(BLOCK_N=64, BLOCK_M=max(16, next_pow2(m)), SPLIT=split, num_warps=4,
+    bm = max(16, next_pow2(m))
+    return dict(BLOCK_N=64, BLOCK_M=bm, SPLIT=split, num_warps=8 if bm >= 64 else 4,
                 num_stages=3)
 
 
@@ -162,6 +173,6 @@ def int4_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x2, words, scales, zeros, qweight if bias is None else bias, y, parts,
         parts if cnt is None else cnt, m, n, k, words.shape[1], scales.shape[1], tiles, per,
         x2.stride(0), words.stride(0), y.stride(0), m * n, SPLIT=split,
-        FIXUP=cnt is not None, HAS_BIAS=bias is not None, ASM=asm, **cfg,
+        FIXUP=cnt is not None, HAS_BIAS=bias is not None, ASM=asm, GROUP=GROUP, **cfg,
         **pdl_launch(x2.device))
     return finish(y, parts, cnt, bias)

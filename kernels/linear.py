@@ -5,19 +5,20 @@ tiles of W [BLOCK_N, BLOCK_K] through a pipelined tl.dot (x's rows padded to 16,
 a memory-bound GEMM). One row takes kernels/gemv.py's register loops instead (16-bit
 weights; int8 / e4m3 ones with INFERGRAFT_GEMV_INT8 / _FP8). Larger M goes to cuBLAS.
 
-Split-K (``linear_partials``): narrow outputs (N = hidden, the o and down projections)
-give too few column tiles to keep every SM streaming, so the K axis is split over S
-programs too and each writes float32 partial sums [S, M, N]. No reduce kernel: the
-add+RMSNorm that follows these projections sums the partials as it loads them.
+Split-K (``skinny_gemm(split_k=)``, chosen by ``linear_partials.py``): float32 partial
+sums [S, M, N], added up by the add+RMSNorm that follows.
 
 8-bit weight rows (``w_scale``: q int8 or e4m3 [N, K], a float32 scale s each, W = q s[:, None];
-``int8_linear.py``, ``fp8_linear.py``): widened exactly in registers, scaled in the epilogue.
+``int8_linear.py``, ``fp8_linear.py``): widened exactly in registers, scaled in the epilogue;
+with ``WORDS`` tiles read as int32 words and widened by bit tricks (``fp8_mma.dot_words``).
 """
 import torch
 
 from . import switches
 from .cpu_linear import linear_cpu
-from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
+from ._triton import HAVE_TRITON, interpreting, next_pow2, pdl_launch, pdl_release, pdl_wait, \
+    tl, triton
+from .fp8_mma import dot_words
 from .gemv import gemv_config, gemv_dot, gemv_dot_int8, takes_gemv
 from ._rows import check_row_dtype
 from .rotary import rope_pair_store
@@ -52,7 +53,9 @@ if HAVE_TRITON:
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                             LATE_RELEASE: tl.constexpr, GEMV: tl.constexpr = False,
                             DEPTH: tl.constexpr = 1, EARLY: tl.constexpr = False,
-                            SWAP: tl.constexpr = False, W_FP8: tl.constexpr = False):
+                            SWAP: tl.constexpr = False, W_FP8: tl.constexpr = False,
+                            WORDS: tl.constexpr = False, W_STEP: tl.constexpr = 0,
+                            ASM: tl.constexpr = False):
         # one program per (BLOCK_N output columns, K_SPLIT slice of K); all M rows at
         # once, so W is read once; split s writes its partial sums to y + s * stride_ys.
         # Fusions (kernels/fused_linear.py), all outside the loop, whose operands stay
@@ -63,7 +66,9 @@ if HAVE_TRITON:
         # sum of squares over this program's columns, to ss_out [programs, M]; ROPE = the
         # qkv projection at decode: columns paired with their rotate-half partners (UP_ROWS
         # = head_dim / 2 below), rotated, q stored to y [M, HQ * D], k / v to cache slots.
-        # W_SCALE: W is 8-bit rows (int8; e4m3 with W_FP8), a float32 scale s [N] each: (x q^T) s.
+        # W_SCALE: W is 8-bit rows (int8; e4m3 with W_FP8), a float32 scale s [N] each: (x q^T) s;
+        # WORDS (INFERGRAFT_QUANT_MMA): read as int32 words, W_STEP a row a K step, widened by
+        # bit tricks (fp8_mma.dot_words; ASM: its inline assembly).
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_lo = split * K_SPLIT
@@ -86,32 +91,40 @@ if HAVE_TRITON:
             if not LATE_RELEASE:
                 pdl_release(PDL)
             rk = tl.arange(0, BLOCK_K)
+            rw = tl.arange(0, W_STEP)  # W's columns a step: BLOCK_K, or BLOCK_K / 4 words
             x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]            # [BM, BK]
-            w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]  # [BN, BK]
+            w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + \
+                (k_lo // (BLOCK_K // W_STEP) + rw)[None, :]                       # [BN, W_STEP]
             # SWAP: y^T = W x^T, W's tile the MMA's wide (64-row) operand and x^T its narrow one
             acc = tl.full((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), 0.0, tl.float32)
             acc_up = tl.full((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 kmask = (k0 + rk) < k_hi
-                wmask = (rn[:, None] < N) & kmask[None, :]
+                wmask = (rn[:, None] < N) & ((k0 + rw * (BLOCK_K // W_STEP)) < k_hi)[None, :]
                 x = tl.load(x_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=wmask, other=0.0)
-                if W_SCALE:  # 8-bit -> x's dtype, exact; e4m3 as bytes (a masked 0 is +0)
-                    w = (w.to(tl.float8e4nv, bitcast=True) if W_FP8 else w).to(x.dtype)
-                if SWAP:
-                    acc += tl.dot(w, tl.trans(x))                               # [BN, BM]
+                if WORDS:
+                    acc = dot_words(x, w, acc, W_FP8, SWAP, ASM)
                 else:
-                    acc += tl.dot(x, tl.trans(w))                               # [BM, BN]
+                    if W_SCALE:  # 8-bit -> x's dtype, exact; e4m3 as bytes (a masked 0 is +0)
+                        w = (w.to(tl.float8e4nv, bitcast=True) if W_FP8 else w).to(x.dtype)
+                    if SWAP:
+                        acc += tl.dot(w, tl.trans(x))                           # [BN, BM]
+                    else:
+                        acc += tl.dot(x, tl.trans(w))                           # [BM, BN]
                 if SWIGLU or ROPE:
                     wu = tl.load(w_ptrs + UP_ROWS * stride_wn, mask=wmask, other=0.0)
-                    if W_SCALE:
-                        wu = (wu.to(tl.float8e4nv, bitcast=True) if W_FP8 else wu).to(x.dtype)
-                    if SWAP:
-                        acc_up += tl.dot(wu, tl.trans(x))                       # [BN, BM]
+                    if WORDS:
+                        acc_up = dot_words(x, wu, acc_up, W_FP8, SWAP, ASM)
                     else:
-                        acc_up += tl.dot(x, tl.trans(wu))                       # [BM, BN]
+                        if W_SCALE:
+                            wu = (wu.to(tl.float8e4nv, bitcast=True) if W_FP8 else wu).to(x.dtype)
+                        if SWAP:
+                            acc_up += tl.dot(wu, tl.trans(x))                   # [BN, BM]
+                        else:
+                            acc_up += tl.dot(x, tl.trans(wu))                   # [BM, BN]
                 x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
+                w_ptrs += W_STEP
             if LATE_RELEASE:
                 pdl_release(PDL)
             if SWAP:
@@ -239,7 +252,12 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
     D / 2: the decode qkv projection, y = rotated q [M, Hq * D]."""
     m, k = x.shape
     fp8 = w_scale is not None and weight.dtype == torch.float8_e4m3fn  # read as bytes
-    words = cfg.get("GEMV") and w_scale is not None  # 8-bit rows as int32 words of 4 bytes
+    # 8-bit rows as int32 words of 4 bytes: the one-row loop's, or the WORDS tiles'
+    words = (cfg.get("GEMV") or cfg.get("WORDS")) and w_scale is not None
+    step = cfg["BLOCK_K"] // 4 if cfg.get("WORDS") else cfg.get("BLOCK_K", 0)
+    if cfg.get("WORDS") and not (words and k % 4 == 0):
+        raise ValueError(f"the WORDS tiles take 8-bit rows with K a multiple of 4, got K={k}, "
+                         f"weight {weight.dtype}")
     if cfg.get("GEMV") and not (m == 1 and grid[1] == 1 and cfg.get("DEPTH", 1) in (1, 2)
                                 and (not words or k % 4 == cfg.get("DEPTH", 1) - 1 == 0)):
         raise ValueError(f"the one-row GEMV loop takes M=1 unsplit with DEPTH 1 or 2 (8-bit "
@@ -263,38 +281,6 @@ def launch_gemm(grid, cfg, x, weight, bias, y, *, k_split=None, sum_sq=None, eps
         HAS_BIAS=bias is not None, W_SCALE=w_scale is not None, NORM=sum_sq is not None,
         BLOCK_P=1 if sum_sq is None else next_pow2(sum_sq.shape[0]), ROPE=rope is not None,
         SWIGLU=up_rows > 0 and rope is None, RESIDUAL=residual is not None,
-        SUM_SQ=sum_sq_out is not None, W_FP8=fp8, **cfg,
-        LATE_RELEASE=LATE_PDL_RELEASE, **pdl_launch(x.device))
-
-
-# -- split-K for the projections an add+RMSNorm follows -------------------------------------
-
-def split_config(m: int, n: int, k: int) -> tuple[int, dict] | None:
-    """(S, tiles) for ``linear_partials``, or None where one unsplit GEMM is as fast (the
-    module docstring says why). Tiles from ``python -m infergraft.core.tools.kernel_bench.gemms
-    --split 1,32,64``; docs/kernels.md has the figures."""
-    if n > 8192:  # wide outputs already fill the GPU with column tiles
-        return None
-    if m <= 16:
-        # the GEMM alone gains, but the norm after it, reading S float32 rows, loses as
-        # much: the decode step is no faster
-        return None
-    block_m = max(16, next_pow2(m))
-    if k <= 4096:
-        return 2, dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    return 4, dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-
-
-def linear_partials_torch(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """The reference never splits: [M, N] (consumers accept [M, N] or [S, M, N])."""
-    return linear_cpu(x, weight, bias)
-
-
-def linear_partials_triton(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """x W^T (+ b) as float32 partials [S, M, N] where split-K pays, else as ``linear``.
-    Only for outputs consumed by ``add_rms_norm`` (which sums the partials)."""
-    m, k = x.shape
-    plan = split_config(m, weight.shape[0], k) if x.dtype != torch.float32 else None
-    if plan is None or not 0 < m <= MAX_ROWS:
-        return linear_triton(x, weight, bias)
-    return skinny_gemm(x, weight, bias, plan[1], split_k=plan[0])
+        SUM_SQ=sum_sq_out is not None, W_FP8=fp8, **cfg, W_STEP=step,
+        ASM=bool(cfg.get("WORDS")) and not interpreting(), LATE_RELEASE=LATE_PDL_RELEASE,
+        **pdl_launch(x.device))

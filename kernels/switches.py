@@ -86,6 +86,12 @@ SWITCHES = _switches(
            "bits moved into a float32's, times 2^120) instead of the tensor-core tiles (an "
            "arm to measure)",
            changes_results=True, constant="gemv.GEMV_FP8"),
+    Switch("INFERGRAFT_QUANT_MMA", BOOL, "0", "build", "`1`",
+           "the int4-g128, e4m3 and int8 weights' decode GEMMs (1-64 rows; the fused layer's "
+           "over 8-bit rows too) on the tensor-core MMA kernels, the weight widened by bit "
+           "tricks (`int4_mma.py`, `fp8_mma.py`), instead of the shipped paths (an arm to "
+           "measure)",
+           changes_results=True),
     Switch("INFERGRAFT_SWAP", BOOL, "1", "import", "`0`",
            "unswapped tiles at 2-32 rows in the plain and fused GEMMs",
            changes_results=True, constant="linear.SWAP_TILES"),

@@ -9,7 +9,9 @@ lm_head and norms stay in the model dtype. Where the fused decode layer runs (Tr
 packing, and the fused GEMMs read the int8 rows and scales (``scaled_rows``). On the CPU
 the rows are widened to float32 a cache-sized chunk at a time (``cpu_linear``): float32's
 speed with half its weight bytes; the format is for GPU decode, where the weight bytes
-bound the step.
+bound the step. ``INFERGRAFT_QUANT_MMA=1`` (read at build): 1-64 rows on
+``kernels/fp8_mma.py``'s kernel for 8-bit rows (``int8_mma``), the fused layer's GEMMs on
+its WORDS tiles.
 """
 from __future__ import annotations
 

@@ -93,6 +93,10 @@ class GatedMLP:
     rows), ``down``."""
 
     input_projection = "gate_up"
+    #: gate_up's rows are two blocks (gate, up) whose row j meets down's column j through an
+    #: elementwise product: an act order of down's columns can move into them
+    #: (``core.loading.prequantized.fold_act_orders``)
+    down_input_blocks = 2
 
     def __init__(self, layer, spec, ops):
         if spec.activation not in GATED_ACTIVATIONS:
@@ -128,6 +132,7 @@ class PlainMLP:
 
     input_projection = "fc_in"
     fuses = False
+    down_input_blocks = 1  # fc_in's row j meets down's column j through GELU (as GatedMLP)
 
     def __init__(self, layer, spec, ops):
         self.spec, self.ops = spec, ops

@@ -10,10 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infergraft import core
+from infergraft.core.loading import packing
 from infergraft.core.loading.gptq import PrequantFormat, QuantizedCheckpointError, convert
 from infergraft.core.testing.gptq_pack import dequantize, pack_gptq, rtn_int4, write_quantized
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
 from infergraft.core.testing.parity import assert_greedy_match, assert_logits_match
+from infergraft.kernels._triton import HAVE_TRITON, interpreting
 from infergraft.plugins.weight_int4 import WeightInt4
 
 ATTN, MLP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -76,11 +78,40 @@ def test_an_act_order_checkpoint_matches_hf_with_the_dequantised_weights(tmp_pat
     ref = write_act_order(hf, tmp_path)
     engine = core.build(str(tmp_path), device="cpu", max_seq_len=128)
     assert engine.plan.quantizers == ("int4",)
-    assert all(getattr(engine.model.layers[0], s).packed.perm is not None
-               for s in ("qkv", "o", "gate_up", "down"))
+    for layer in engine.model.layers:  # down's order lives in gate_up's rows (next test)
+        assert all(getattr(layer, s).packed.perm is not None for s in ("qkv", "o", "gate_up"))
+        assert layer.down.packed.perm is None
     ids = random_prompt(12, 256, seed=1)
     assert_logits_match(engine, ref, ids)
     assert_greedy_match(engine, ref, ids, max_new_tokens=12)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and interpreting()), reason="needs TRITON_INTERPRET=1")
+def test_down_needs_no_gather_its_order_folded_into_gate_up_rows(tmp_path, monkeypatch):
+    """Each down projection's act order moves into gate_up's rows at load (gate's and up's
+    alike): down's input then comes in its codes' order, no gather a step. Exact: on the
+    Triton kernels (the packed path; the interpreter, float16) the same logits bit for bit
+    as without the fold, and the same greedy tokens."""
+    hf = random_model(tiny_llama_config(), seed=0, scale=20.0)
+    write_act_order(hf, tmp_path)
+    kw = dict(kernels="triton", dtype="float16", max_seq_len=64, max_batch_size=2)
+    folded = core.build(str(tmp_path), **kw)
+    monkeypatch.setattr(packing, "fold_act_orders", lambda layers: 0)
+    kept = core.build(str(tmp_path), **kw)
+    for a, b in zip(folded.model.layers, kept.model.layers):
+        perm = b.down.packed.perm
+        assert a.down.packed.perm is None and perm is not None
+        assert torch.equal(a.down.packed.qweight, b.down.packed.qweight)
+        i = perm.numel()
+        rows = torch.cat([perm, perm + i])  # gate's rows, then up's, each in down's order
+        for field in ("qweight", "scales", "zeros"):
+            assert torch.equal(getattr(a.gate_up.packed, field),
+                               getattr(b.gate_up.packed, field)[rows]), field
+        assert torch.equal(a.gate_up.packed.perm, b.gate_up.packed.perm)
+    ids = random_prompt(10, 256, seed=2)
+    torch.testing.assert_close(folded.logits(ids), kept.logits(ids), rtol=0, atol=0)
+    assert folded.generate(ids, max_new_tokens=4)[0].token_ids == \
+        kept.generate(ids, max_new_tokens=4)[0].token_ids
 
 
 def test_fused_parts_in_different_orders_are_refused(tmp_path):

@@ -102,7 +102,7 @@ def test_bf16_batch_decode_step_through_graphs(batch):
     the qkv GEMM; 24, the same on swapped tiles (W x^T); 40, the plain layer whose
     o/down projections hand float32 split-K partials to the next add+RMSNorm."""
     from infergraft.kernels.fused_linear import FUSE_MAX_ROWS, QKV_ROPE_MAX_ROWS
-    from infergraft.kernels.linear import split_config
+    from infergraft.kernels.linear_partials import split_config
 
     cfg = tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                             num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)

@@ -8,6 +8,7 @@ import torch
 
 from ..runner.model import Linear, QuantizedLinear, folded
 from ..runner.weight_stream import map_tensors
+from .prequantized import fold_act_orders
 
 _LAYER_SLOT = re.compile(r"^layers\.(\d+)\.(\w+)\.weight$")
 
@@ -83,7 +84,10 @@ class SlotPacker:
         return self._packed(folded(weight, self.norms[(i, norm)]), module.bias)
 
     def finish(self) -> None:
-        """After loading: norms folded into packed projections become ones."""
+        """After loading: norms folded into packed projections become ones; a GPTQ
+        act-order down projection's order moves into the rows before it
+        (``prequantized.fold_act_orders``: no gather of its input at each step)."""
         assert not self.waiting, f"projections never met their norms: {sorted(self.waiting)}"
         for i, name in self.folded:
             self.net.layers[i].mark_norm_folded(name)
+        fold_act_orders(self.net.layers)

@@ -8,6 +8,12 @@ The int4 format needs each group's columns side by side, so the codes are reorde
 group (``act_order``: ``perm``, stable) and the input is gathered the same way before the
 product: W x = W[:, perm] x[perm]. Fused parts (q, k, v; gate, up) read one input, so they
 must share their order, as GPTQ's own do (one Hessian from one input).
+
+The down projection's gather needs no gather at all: its input is act(gate) * up (or
+act(fc_in)), column j from rows j of the projection before it, so that projection's rows
+reordered by down's ``perm`` hand down its input already in order (``fold_act_orders``,
+once, after loading). qkv, o and gate_up keep theirs: their inputs come from a norm or from
+attention, which no row order of a weight reorders.
 """
 from __future__ import annotations
 
@@ -91,6 +97,42 @@ class Prequantized:
         return Int4Weight(self.qweight.contiguous(), self.scales.contiguous(),
                           self.zeros.contiguous(), self.group_size, self.in_features,
                           self.dtype or torch.float32, self.perm)
+
+
+def fold_act_orders(layers) -> int:
+    """Move each down projection's act order into the rows of the projection before it
+    (the MLP part's ``down_input_blocks``: gate_up's two blocks, fc_in's one), where both
+    are packed int4 (``Int4Weight``); a dequantised copy kept beside (``dense_on``) follows.
+    Exact: rows are independent, so the same products in the same order. Returns how many
+    layers it folded."""
+    from infergraft.kernels.int4_linear import Int4Weight
+
+    folded = 0
+    for layer in layers:
+        blocks = getattr(getattr(layer, "mlp", None), "down_input_blocks", 0)
+        down = getattr(layer, "down", None)
+        up = getattr(layer, getattr(layer.mlp, "input_projection", ""), None) if blocks else None
+        packed = [getattr(m, "packed", None) for m in (down, up)]
+        if up is None or not all(isinstance(p, Int4Weight) for p in packed) \
+                or packed[0].perm is None:
+            continue
+        perm = packed[0].perm
+        k = perm.numel()
+        assert packed[1].qweight.shape[0] == blocks * k, \
+            f"{layer.mlp.input_projection} has {packed[1].qweight.shape[0]} rows, not " \
+            f"{blocks} x down's {k} columns"
+        rows = torch.cat([perm + b * k for b in range(blocks)])  # each block in down's order
+        up.packed = attrs.evolve(packed[1], qweight=packed[1].qweight[rows].contiguous(),
+                                 scales=packed[1].scales[rows].contiguous(),
+                                 zeros=packed[1].zeros[rows].contiguous())
+        if up.bias is not None:
+            up.bias = up.bias[rows].contiguous()
+        down.packed = attrs.evolve(packed[0], perm=None)  # its columns: the input's order now
+        for lin in (down, up):
+            if lin.dense is not None:  # the dequantised copy, again
+                lin.keep_dense()
+        folded += 1
+    return folded
 
 
 def _same_order(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:

@@ -3,6 +3,7 @@
 # device time on them; one call each part or several, e.g.
 #   bash docs/bench/gpu_owed.sh OUT kernels families
 #   INT4_TIMEOUT=280 PROFILE_TIMEOUT=280 bash docs/bench/gpu_quant_profile.sh OUT int4 profile
+#   bash docs/bench/gpu_quant_next.sh OUT   (issue 43: the MMA kernels, INFERGRAFT_QUANT_MMA off / on)
 # kernels: the CUDA cases of the kernels written or changed without a GPU (int4_mma, fp8_mma,
 #   token_bitmask, fused_moe, softcapped paged / varlen attention, rms_norm's unit offset,
 #   gelu_mul); families: the gpu-marked parity tests of Gemma, Mixtral and Phi-3 (CUDA

@@ -1,15 +1,16 @@
-"""Quantised decode GEMMs on the tensor cores (``kernels/int4_mma.py``, ``fp8_mma.py``)
-beside the shipped paths, on CUDA:
+"""Quantised decode GEMMs on the tensor cores (``kernels/int4_mma.py``, ``fp8_mma.py``:
+e4m3 and int8 rows) beside the shipped paths, on CUDA:
 
-    python3 docs/bench/quant_mma_sweep.py [--formats int4,fp8] [--rows 1,16,32] [--quick]
+    python3 docs/bench/quant_mma_sweep.py [--formats int4,fp8,int8] [--rows 1,16,32] [--quick]
 
 For each format, LLaMA-2-7B decoder GEMM and row count: the time inside a CUDA graph
 (weight copies rotated past L2) of bf16 cuBLAS, the shipped path (``int4_linear_triton`` /
-``fp8_linear_triton``), and the new kernel with its widening by inline assembly over a
-few tiles at 1 and 32 rows (and once by Triton's shifts and converts: what the assembly
-saves); each against the format's bytes' copy roofline (int4: packed weight + scales +
-zero-points; fp8: bytes + row scales); the relative error of each new arm against the
-format's torch reference. Last, one layer's four GEMMs summed, x 32 layers.
+``fp8_linear_triton`` / ``int8_linear_triton``: what ``INFERGRAFT_QUANT_MMA=0`` runs in the
+plain layer), and the new kernel (what ``=1`` runs) with its widening by inline assembly
+over a few tiles at 1 and 32 rows (and once by Triton's shifts and converts: what the
+assembly saves); each against the format's bytes' copy roofline (int4: packed weight +
+scales + zero-points; 8-bit: bytes + row scales); the relative error of each new arm
+against the format's torch reference. Last, one layer's four GEMMs summed, x 32 layers.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import torch.nn.functional as F
 from infergraft.core.tools.bench import copy_bandwidth
 from infergraft.core.tools.kernel_bench.gemms import LLAMA7B_GEMMS, graph_time
 from infergraft.kernels.fp8_linear import fp8_linear_torch, fp8_linear_triton, quantize_fp8
-from infergraft.kernels.fp8_mma import fp8_mma, fp8_mma_config
+from infergraft.kernels.fp8_mma import fp8_mma, fp8_mma_config, int8_mma
 from infergraft.kernels.int4_linear import int4_linear_torch, int4_linear_triton, quantize_int4
 from infergraft.kernels.int4_mma import int4_mma, mma_config
+from infergraft.kernels.int8_linear import int8_linear_torch, int8_linear_triton, quantize_int8
 
 SHAPES = {name: LLAMA7B_GEMMS[name] for name in ("qkv", "o", "gate_up", "down")}
 ROTATE_BYTES = 192 << 20  # past the H100's / H200's 50 MB L2
@@ -75,7 +77,27 @@ class Fp8:
         return fp8_mma(x, *t, config=cfg, asm=asm)
 
 
-FORMATS = {"int4": Int4, "fp8": Fp8}
+class Int8(Fp8):
+    name = "int8"
+
+    @staticmethod
+    def pack(w):
+        return quantize_int8(w)
+
+    @staticmethod
+    def ref(x, t, k):
+        return int8_linear_torch(x.float(), *t).to(x.dtype)
+
+    @staticmethod
+    def shipped(x, t, k):
+        return int8_linear_triton(x, *t)
+
+    @staticmethod
+    def new(x, t, k, cfg, asm):
+        return int8_mma(x, *t, config=cfg, asm=asm)
+
+
+FORMATS = {"int4": Int4, "fp8": Fp8, "int8": Int8}
 
 
 def arms(fmt, m: int, n: int, k: int, quick: bool):
@@ -94,7 +116,7 @@ def arms(fmt, m: int, n: int, k: int, quick: bool):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", default="int4,fp8")
+    p.add_argument("--formats", default="int4,fp8,int8")
     p.add_argument("--rows", default="1,16,32")
     p.add_argument("--quick", action="store_true", help="the default tiles only")
     args = p.parse_args(argv)

@@ -1,11 +1,14 @@
-"""kernels/fp8_mma.py (the e4m3 decode GEMM on the tensor cores, bytes widened by integer
-ops) against fp8_linear_torch: fresh random weights and inputs (subnormal e4m3 codes
-included), odd shapes, split K fixed up in the kernel and by the reduce kernel."""
+"""kernels/fp8_mma.py (the 8-bit rows' decode GEMM on the tensor cores, bytes widened by
+integer ops) against fp8_linear_torch / int8_linear_torch: fresh random weights and inputs
+(subnormal e4m3 codes, int8's -127..127), odd shapes, split K fixed up in the kernel and
+by the reduce kernel."""
 import pytest
 import torch
 
 from infergraft.kernels.fp8_linear import fp8_linear_torch, quantize_fp8
-from infergraft.kernels.fp8_mma import fp8_mma, fp8_mma_config, takes_fp8_mma
+from infergraft.kernels.fp8_mma import (fp8_mma, fp8_mma_config, int8_mma, rows_mma,
+                                        takes_fp8_mma)
+from infergraft.kernels.int8_linear import int8_linear_torch, quantize_int8
 from infergraft.kernels.paged_plan import CounterPool
 
 from .test_int4_mma import GRID, _NoCounters, _randn
@@ -38,6 +41,39 @@ def test_fp8_mma_matches_reference(dev, dtype, gen, poisoned_empty, m, n, k):
             assert out.shape == (m, n) and out.dtype == dtype
             torch.testing.assert_close(out, ref, **TOLERANCES[dtype],
                                        msg=lambda e: f"{config} asm={use_asm}\n{e}")
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("dev,dtype", GRID)
+def test_int8_rows_match_the_reference(dev, dtype, gen, poisoned_empty, m, n, k):
+    """The same kernel on int8 rows (each byte widened by its sign: -127..127, and -128,
+    which no quantiser writes but the widening must keep)."""
+    randn = _randn(gen, dev)
+    x = randn(m, k, dtype=dtype)
+    q, scale = quantize_int8(randn(n, k) / k ** 0.5)
+    q[0, :4] = torch.tensor([-128, -127, 127, 0], dtype=torch.int8)
+    b = randn(n, dtype=dtype) if m % 2 else None
+    ref = int8_linear_torch(x.float(), q, scale, None if b is None else b.float()).to(dtype)
+    bm = fp8_mma_config(m, n, k)["BLOCK_M"]
+    small = dict(BLOCK_N=32, BLOCK_M=bm, num_warps=4, num_stages=2)
+    for config, counters in ((dict(small, SPLIT=1), None), (dict(small, SPLIT=3), CounterPool()),
+                             (None, None)):
+        for use_asm in ([False, True] if x.is_cuda else [False]):
+            out = int8_mma(x, q, scale, b, config=config, counters=counters, asm=use_asm)
+            assert out.shape == (m, n) and out.dtype == dtype
+            torch.testing.assert_close(out, ref, **TOLERANCES[dtype],
+                                       msg=lambda e: f"{config} asm={use_asm}\n{e}")
+
+
+def test_each_entry_takes_its_own_row_format_only():
+    x = torch.zeros(1, 256, dtype=torch.float16)
+    q8, s = quantize_int8(torch.randn(8, 256))
+    with pytest.raises(AssertionError, match="fp8_mma takes e4m3 rows, got torch.int8"):
+        fp8_mma(x, q8, s)
+    with pytest.raises(AssertionError, match="int8_mma takes int8 rows, got torch.float8_e4m3fn"):
+        int8_mma(x, quantize_fp8(torch.randn(8, 256))[0], s)
+    with pytest.raises(AssertionError, match=r"e4m3 or int8; got .* torch.float16"):
+        rows_mma(x, q8.half(), s)
 
 
 def test_takes_fp8_mma_only_what_it_computes():

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from infergraft.kernels.linear import (MAX_ROWS, MAX_SKINNY_M, linear_partials_triton,
-                                      linear_torch, linear_triton, skinny_gemm)
+from infergraft.kernels.linear import (MAX_ROWS, MAX_SKINNY_M, linear_torch, linear_triton,
+                                      skinny_gemm)
+from infergraft.kernels.linear_partials import linear_partials_triton
 
 from infergraft.kernels.gemv import gemv_config
 

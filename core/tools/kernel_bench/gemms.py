@@ -96,7 +96,8 @@ def kernel_gap() -> None:
 def sweep_split(ms, dtype=torch.bfloat16) -> None:
     """Split-K partials (``linear_partials``) for the projections an add+RMSNorm follows,
     against cuBLAS and the unsplit skinny kernel: the best (S, tiles) per (GEMM, M)."""
-    from infergraft.kernels.linear import linear_partials_triton, skinny_gemm, split_config
+    from infergraft.kernels.linear import skinny_gemm
+    from infergraft.kernels.linear_partials import linear_partials_triton, split_config
 
     for name in ("o", "down", "qkv", "gate_up"):  # the last two: unsplit only (no norm follows)
         n, k = LLAMA7B_GEMMS[name]

@@ -1,0 +1,39 @@
+"""The quantised MMA kernels compile for sm_90 on this machine, GPU or not
+(``core/tools/kernel_bench/cubin.py``: their launchers on CPU tensors, a stand-in driver,
+Triton's own ptxas): each kernel family and widening (int4 nibbles; e4m3 and int8 bytes, in
+bf16 and fp16; the fused GEMMs' WORDS tiles, qkv + RoPE too) assembles, spilling nothing.
+Past ptxas, only a GPU tells whether they compute right (their tests' CUDA cases)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from infergraft.kernels._triton import HAVE_TRITON
+
+
+def _ptxas() -> bool:
+    try:
+        from triton import knobs
+
+        return os.path.exists(knobs.nvidia.ptxas.path)
+    except Exception:  # no NVIDIA backend in this Triton
+        return False
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and _ptxas()), reason="needs Triton's NVIDIA backend")
+def test_the_quant_mma_kernels_assemble_for_sm90_without_spills(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "infergraft.core.tools.kernel_bench.cubin",
+                          "--shapes", "small", "--rows", "1"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    out = run.stdout
+    assert run.returncode == 0 and "0 failed" in out, out[-3000:] + run.stderr[-3000:]
+    lines = [line for line in out.splitlines() if "REG" in line]
+    kernels = {re.search(r" (_\w+_kernel) ", line)[1] for line in lines}
+    assert kernels == {"_int4_mma_kernel", "_rows_mma_kernel", "_skinny_gemm_kernel"}, out
+    assert any("ROPE=1" in line and "WORDS=1" in line for line in lines), out
+    assert len(lines) >= 18, out  # every family, both 16-bit types, both 8-bit formats
+    spilled = [line for line in lines if not re.search(r"LOCAL 0 STACK 0", line)]
+    assert not spilled, "\n".join(spilled)

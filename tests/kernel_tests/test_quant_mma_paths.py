@@ -1,0 +1,132 @@
+"""Where ``INFERGRAFT_QUANT_MMA`` sends the quantised decode GEMMs (``mma=True``, bound by
+``dispatch.get_ops`` at build): the int4 / e4m3 / int8 launchers to ``int4_mma`` /
+``fp8_mma.rows_mma`` at 1-64 rows (groups of 128 for int4) and to their shipped paths
+otherwise; the fused decode GEMMs over 8-bit rows to the WORDS tiles (W read as words,
+widened by ``fp8_mma.dot_words``), K not a multiple of 4 to the byte tiles. Each equals
+its reference (interpreter: float16; CUDA: float16 and bfloat16)."""
+import pytest
+import torch
+
+from infergraft.kernels import dispatch
+from infergraft.kernels import fp8_linear, int4_linear, int8_linear
+from infergraft.kernels import fused_linear as FL
+from infergraft.kernels.fp8_linear import fp8_linear_torch, quantize_fp8
+from infergraft.kernels.int4_linear import int4_linear_torch, quantize_int4
+from infergraft.kernels.int8_linear import int8_linear_torch, quantize_int8
+
+from .test_fused_linear import QUANTIZE, _sum_sq_parts
+from .test_qkv_rope import BLOCKS, BS, _inputs, _reference
+from .test_rotary import _cos_sin
+from .tolerances import TOLERANCES
+
+
+def _dtypes(device):
+    # bf16 on CUDA only: the interpreter's bf16 dots are not the GPU's (conftest.NEVER)
+    return [torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+
+
+def _spy(monkeypatch, module, name):
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(a[0].shape[0]) or
+                        real(*a, **kw))
+    return calls
+
+
+def test_int4_decode_rows_take_int4_mma_and_others_the_shipped_paths(device, randn,
+                                                                     monkeypatch):
+    calls = _spy(monkeypatch, int4_linear, "int4_mma")
+    for dt in _dtypes(device):
+        for m, group in ((1, 128), (5, 128), (64, 128), (65, 128), (3, 64)):
+            x, b = randn(m, 264, dtype=dt), randn(40, dtype=dt)  # K: 2 groups + 8 columns
+            p = quantize_int4(randn(40, 264) / 16, group)
+            args = (p.qweight, p.scales, p.zeros, group, 264)
+            got = int4_linear.int4_linear_triton(x, *args, b, mma=True)
+            ref = int4_linear_torch(x, *args, bias=b)
+            torch.testing.assert_close(got, ref, **TOLERANCES[dt], msg=lambda e: f"M={m}\n{e}")
+    assert calls == [1, 5, 64] * len(_dtypes(device))  # not 65 rows, not groups of 64
+
+
+@pytest.mark.parametrize("rows", sorted(QUANTIZE))
+def test_8bit_decode_rows_take_the_rows_mma(device, randn, monkeypatch, rows):
+    module, ref_of = {"fp8": (fp8_linear, fp8_linear_torch),
+                      "int8": (int8_linear, int8_linear_torch)}[rows]
+    launch = getattr(module, f"{rows}_linear_triton")
+    calls = _spy(monkeypatch, module, "rows_mma")
+    for dt in _dtypes(device):
+        for m, k in ((1, 200), (7, 200), (64, 200), (65, 200), (3, 202)):
+            x, b = randn(m, k, dtype=dt), randn(24, dtype=dt)
+            q, s = QUANTIZE[rows](randn(24, k) / 8)
+            got = launch(x, q, s, b, mma=True)
+            if m > 64 and rows == "fp8" and dt == torch.bfloat16:
+                continue  # W8A8 there: x rounded to e4m3, not the reference's math
+            ref = ref_of(x.float(), q, s, b.float()).to(dt)
+            torch.testing.assert_close(got, ref, **TOLERANCES[dt], msg=lambda e: f"M={m}\n{e}")
+    assert calls == [1, 7, 64] * len(_dtypes(device))  # not 65 rows, not K % 4
+
+
+FUSED = (("normed_linear", "sum_sq"), ("normed_swiglu", "sum_sq"), ("linear_residual", "r"))
+
+
+@pytest.mark.parametrize("rows", sorted(QUANTIZE))
+def test_fused_gemms_on_8bit_rows_take_the_words_tiles(device, randn, monkeypatch, rows):
+    """At one row (no word loop or GEMV: the tiles at every row count), 3 and 17 rows, the
+    three fused GEMMs read the rows as words and equal the references; K = 202 (not whole
+    words) keeps the byte tiles."""
+    tiles, launch = [], FL.launch_gemm
+    monkeypatch.setattr(FL, "launch_gemm", lambda grid, cfg, *a, **kw: tiles.append(
+        bool(cfg.get("WORDS"))) or launch(grid, cfg, *a, **kw))
+    n = 48
+    for dt in _dtypes(device):
+        for m, k in ((1, 200), (3, 200), (17, 200), (3, 202)):
+            x, r = randn(m, k, dtype=dt), randn(m, n, dtype=dt)
+            q, s = QUANTIZE[rows](randn(n, k) / 6)
+            ss, b = _sum_sq_parts(x, 2), randn(n, dtype=dt)
+            for name, arg in FUSED:
+                args = (ss, 1e-6) if arg == "sum_sq" else (r, True)
+                got = getattr(FL, f"{name}_triton")(x, q, b, *args, scale=s, mma=True)
+                ref = getattr(FL, f"{name}_torch")(x, q, b, *args, scale=s)
+                if arg == "r":  # (y, its sum of squares: partial sums [P, M] / [1, M])
+                    torch.testing.assert_close(got[1].sum(0), ref[1].sum(0), rtol=1e-2, atol=1e-2)
+                    got, ref = got[0], ref[0]
+                # the fused GEMM normalises x in float32, the reference rounds it first
+                atol = 2 * TOLERANCES[dt]["atol"] * max(1.0, float(ref.abs().max()))
+                torch.testing.assert_close(got, ref, atol=atol, rtol=2 * TOLERANCES[dt]["rtol"],
+                                           msg=lambda e: f"{name} M={m} K={k}\n{e}")
+    assert tiles == ([True] * 9 + [False] * 3) * len(_dtypes(device))
+
+
+@pytest.mark.parametrize("rows", sorted(QUANTIZE))
+def test_qkv_rope_on_8bit_rows_through_the_words_tiles(device, randn, gen, monkeypatch, rows):
+    """The qkv GEMM rotating and writing K/V in its epilogue, 8-bit rows read as words
+    (64 or 32 dims a head: tiles of 16 of half a head), equals the composition."""
+    monkeypatch.setattr(FL, "rotary_kv_write_triton", lambda *a, **kw: pytest.fail(
+        "took the unfused composition"))
+    for dt in _dtypes(device):
+        for m, hq, hkv, d, k in ((1, 2, 1, 32, 96), (5, 3, 1, 64, 160)):
+            x, (q8, s, wf), b, ss, positions, idx0, idx1 = _inputs(
+                randn, gen, device, dt, m, hq, hkv, d, k, True, 2, rows=rows)
+            cos, sin = _cos_sin(d, device)
+            caches = [torch.zeros((BLOCKS, BS, hkv, d), dtype=dt, device=device)
+                      for _ in range(4)]
+            q = FL.normed_qkv_rope_triton(x, q8, b, ss, 1e-6, cos, sin, positions, hq,
+                                          caches[0], caches[1], idx0, idx1, s, mma=True)
+            q_ref = _reference(x, wf, b, positions, cos, sin, hq, caches[2:], idx0, idx1, 1e-6)
+            tol = {key: 2 * v for key, v in TOLERANCES[dt].items()}
+            for got, ref in ((q, q_ref), (caches[0], caches[2]), (caches[1], caches[3])):
+                torch.testing.assert_close(got, ref, **tol, msg=lambda e: f"M={m} D={d}\n{e}")
+
+
+def test_the_switch_is_read_at_each_build(monkeypatch):
+    """get_ops binds mma (and one counter pool a build) into the quantised GEMMs where the
+    switch is on and Triton runs; the torch references never take it."""
+    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "1")
+    on = dispatch.get_ops("cpu", "triton")
+    again = dispatch.get_ops("cpu", "triton")
+    assert on.quant_mma and on.int4_linear.keywords["mma"] is True
+    assert on.normed_swiglu.keywords == {"mma": True}
+    pool = on.fp8_linear.keywords["counters"]
+    assert on.int8_linear.keywords["counters"] is pool is not again.fp8_linear.keywords["counters"]
+    assert not dispatch.get_ops("cpu", "torch").quant_mma
+    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "0")
+    off = dispatch.get_ops("cpu", "triton")
+    assert not off.quant_mma and off.int4_linear is int4_linear.int4_linear_triton
