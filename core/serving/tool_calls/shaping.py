@@ -66,7 +66,7 @@ class AutoShaper(Shaper):
         self.marker_id, self.decode = marker_id, decode
         self.pos = 0  # the text before it is judged: sent as content, or calls
         self.reader = None  # the block being read
-        self.after_call = False  # separators after a call are dropped
+        self.after_call = False  # a call was the last thing judged
 
     def feed(self, text: str, token_ids=()) -> list[dict]:
         self.text += self._with_marker(text, list(token_ids))
@@ -94,20 +94,14 @@ class AutoShaper(Shaper):
         text, family = self.text, self.family
         while True:
             if self.reader is None:
-                if self.after_call:
-                    while self.pos < len(text) and text[self.pos] in family.separators:
-                        self.pos += 1
-                    if self.pos == len(text) and not final:
-                        break
-                    self.after_call = False
                 start = family.find(text, self.pos)
                 if start is None:
                     end = len(text) if final else self._held(family.hold_from(text, self.pos))
-                    self._say(out, text[self.pos:end])
+                    self._content(out, text[self.pos:end])
                     self.pos = end
                     break
                 before = self._held(start)  # (the separators wait for the block's verdict)
-                self._say(out, text[self.pos:before])
+                self._content(out, text[self.pos:before])
                 self.pos = before
                 self.reader = family.open(text, start, self.names)
             block = self.reader.advance(text, final)
@@ -123,9 +117,20 @@ class AutoShaper(Shaper):
                     self.calls.append(call)
                 self.after_call = True
             else:
-                self._say(out, text[self.pos:block.end])
+                self._content(out, text[self.pos:block.end])
             self.pos = block.end
         return out
+
+    def _content(self, out: list, text: str) -> None:
+        """Say ``text``; after a call, its separators only between content and content."""
+        if self.after_call and text:
+            seps = self.family.separators
+            if not text.strip(seps):  # (at the end: nothing follows them)
+                return
+            self.after_call = False
+            if not self.content:
+                text = text.lstrip(seps)
+        self._say(out, text)
 
 
 class ForcedShaper(Shaper):
