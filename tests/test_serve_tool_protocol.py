@@ -8,6 +8,8 @@ import types
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tool_support import ADD, SCHEMAS, TEMPLATES, TOOLS, WEATHER
 from transformers import AutoTokenizer
 
@@ -244,3 +246,26 @@ def test_streamed_tool_call_chunks_add_up_to_the_whole_body():
     whole = R.body("chat", "id", 0, "m", [choice], R.usage(1, 1), str, shape)["choices"][0]
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == content
     assert whole["message"]["tool_calls"][0]["function"] == calls[0]["function"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(
+        ["", "function", "auto", "required", "none", "add", "object", "text", "json_object",
+         "json_schema", "{}", "[a-z]", "x"]),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.sampled_from(
+        ["type", "function", "name", "parameters", "arguments", "id", "json_schema",
+         "schema", "properties", "json", "regex", "choice", "tool_calls", "role",
+         "content", "tool_call_id"]), kids, max_size=3), max_leaves=10)
+
+
+@settings(max_examples=400, deadline=None)
+@given(field=st.sampled_from(["tools", "tool_choice", "response_format", "guided_json",
+                              "structured_outputs", "messages", "parallel_tool_calls"]),
+       value=json_values, with_tools=st.booleans())
+def test_any_value_of_the_new_fields_is_taken_or_a_400(field, value, with_tools):
+    body = dict(CHAT, **({"tools": TOOLS} if with_tools else {}))
+    body[field] = value
+    try:
+        parse_chat(body)
+    except OpenAIError as e:
+        assert e.status == 400 and e.param and e.message

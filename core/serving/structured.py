@@ -11,7 +11,6 @@ before anything is queued. Needs nothing beyond the core."""
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import attrs
 

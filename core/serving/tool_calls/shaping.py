@@ -7,9 +7,11 @@ message by construction.
 
 * ``AutoShaper`` (``tool_choice: auto``): the text through a template family's parser.
   Content streams as it comes, less a tail that may begin a marker and the separators
-  that may precede a call; a block of calls is held until it is whole and then sent as
-  calls if each names one of the request's functions with object arguments, else as
-  the text it was (malformed JSON is content, never an error).
+  (whitespace; LLaMA 3's ``;`` too) that may precede a call, which are dropped if one
+  does; after a call its separators are kept only between content and more content. A
+  block of calls is held until it is whole and then sent as calls if each names one of
+  the request's functions with object arguments, else as the text it was (malformed
+  JSON is content, never an error); ``parallel_tool_calls: false`` takes the first.
 * ``ForcedShaper`` (``required`` or a named function): the output is JSON the grammar
   forces (``request.py``): the named function's arguments, or ``{"name", ARGS_KEY}``
   objects (one, or an array of them), so each call's id and name are sent as soon as the
