@@ -88,7 +88,8 @@ CHAT_ROWS = [
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"), ({"temperature": None, "top_p": -1}, "top_p"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]
+    ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
+    ({"response_format": {"type": "yaml"}}, "response_format")]
 
 
 @pytest.mark.parametrize("kw,param", CHAT_ROWS)

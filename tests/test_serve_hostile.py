@@ -40,10 +40,12 @@ weird = json_values | st.sampled_from(sorted(RAW)).map(Raw)
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
                      "stream_options", "seed", "stop", "presence_penalty", "frequency_penalty",
                      "logprobs", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-                     "best_of", "echo", "suffix", "logit_bias", "user", "\ud800"]
+                     "best_of", "echo", "suffix", "logit_bias", "user", "\ud800",
+                     "response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs"]
 CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f not in ("prompt", "best_of", "echo", "suffix")
                ] + ["messages", "max_completion_tokens", "top_logprobs", "tools",
-                    "response_format"]
+                    "tool_choice", "parallel_tool_calls"]
 
 
 def dumps(body, ascii_only: bool) -> bytes:
@@ -130,7 +132,8 @@ def mutated(draw, body: dict):
     value = draw(weird)
     if field == "messages[0]":
         message = dict(body["messages"][0])
-        message[draw(st.sampled_from(["role", "content", "name", "\udc00"]))] = value
+        message[draw(st.sampled_from(["role", "content", "name", "tool_calls",
+                                      "tool_call_id", "\udc00"]))] = value
         body["messages"] = [message]
     else:
         body[field] = value

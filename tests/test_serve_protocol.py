@@ -104,7 +104,8 @@ def test_chat_only_rules():
         "top_logprobs"
     assert error_of(parse_chat, dict(CHAT, stream_options={"include_usage": True})).param == \
         "stream_options"
-    assert error_of(parse_chat, dict(CHAT, tools=[{"type": "function"}])).param == "tools"
+    assert error_of(parse_chat, dict(CHAT, tools=[{"type": "function"}])).param == \
+        "tools[0].function"
     assert error_of(parse_chat, dict(CHAT, seed=2 ** 63 - 1, n=2)).param == "seed"
     assert error_of(parse_chat, ["not", "an", "object"]).param is None
     assert parse_chat(dict(CHAT, user="u", tools=[], response_format={"type": "text"}))

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: ``create_app(aengine, model_name, api_key=None)``.
+"""The OpenAI-compatible HTTP app: ``create_app(aengine, model_name, api_key=None,
+tool_call_parser=None)``.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``stream: true`` as server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus)
@@ -6,8 +7,10 @@ and ``GET /`` (the chat page, ``static/``). Every error is OpenAI's JSON shape w
 parameter at fault: 400 bad input, 401 wrong or missing key (``/v1`` only), 404 unknown
 model, 413 a body over ``max_request_bytes``, 503 queue full. A request's body is decoded,
 parsed and tokenised on a pool thread (``prompts.py``), so that the event loop serves on
-while a long prompt is tokenised. The app's lifespan starts the AsyncEngine and, when the
-server stops, shuts it down letting running requests finish."""
+while a long prompt is tokenised. Chat requests with tools have the model's text read back
+as ``tool_calls`` by the tool-call family ``tool_call_parser`` names (by default the one
+the chat template asks for: ``tool_calls/``). The app's lifespan starts the AsyncEngine
+and, when the server stops, shuts it down letting running requests finish."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +18,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -33,6 +36,7 @@ from .fanout import Fanout
 from .metrics import ServerMetrics
 from .prompts import PromptEncoder, too_long
 from .protocol import OpenAIError, ParsedRequest, bad, param_of, parse_chat, parse_completion
+from .tool_calls import FAMILIES, detect, special_marker_id, template_of
 
 STATIC = Path(__file__).parent / "static"
 SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get to finish when the server stops
@@ -43,11 +47,15 @@ PROMPT_THREADS = 4
 
 
 def create_app(aengine, model_name: str, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tool_call_parser: str | None = None) -> FastAPI:
     engine = aengine.engine
     metrics = ServerMetrics(aengine)
     started = int(time.time())
-    prompts = PromptEncoder(engine)
+    tools = tool_family(engine.tokenizer, tool_call_parser)
+    marker_id = special_marker_id(engine.tokenizer, tools)
+    prompts = PromptEncoder(engine, tools)
+    parse_chat_here = partial(parse_chat, arguments_key=tools.arguments_key)
     pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="infergraft-prompts")
 
     @asynccontextmanager
@@ -63,7 +71,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None,
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     app = FastAPI(title="infergraft", lifespan=lifespan)
-    app.state.metrics = metrics
+    app.state.metrics, app.state.tool_family = metrics, tools
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @lru_cache(maxsize=1 << 16)
@@ -129,7 +137,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         authorize(request)
-        return await serve(request, await parsed(request, parse_chat))
+        return await serve(request, await parsed(request, parse_chat_here))
 
     async def parsed(request: Request, parse) -> ParsedRequest:
         raw = await read_body(request, max_request_bytes)
@@ -186,10 +194,18 @@ def create_app(aengine, model_name: str, api_key: str | None = None,
                               code="queue_full") from e
         prompt_tokens = sum(map(len, batch))
         choices = [R.Choice(i) for i in range(len(fan.jobs))]
+        shape = shaper_of(req)
         if req.stream:
-            return StreamingResponse(events(req, rid, fan, choices, prompt_tokens),
+            return StreamingResponse(events(req, rid, fan, choices, prompt_tokens, shape),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        return await collect(request, req, rid, fan, choices, prompt_tokens)
+        return await collect(request, req, rid, fan, choices, prompt_tokens, shape)
+
+    def shaper_of(req: ParsedRequest):
+        """Makes a choice's tool-call shaper (None: no tools, or tool_choice none)."""
+        if req.tools is None or req.tools.choice == "none":
+            return None
+        decode = partial(engine.tokenizer.decode, skip_special_tokens=True)
+        return lambda: req.tools.shaper(tools, marker_id, decode)
 
     def take(choices, index: int, out) -> None:
         choices[index].add(out)
@@ -200,9 +216,9 @@ def create_app(aengine, model_name: str, api_key: str | None = None,
         failed = [c for c in choices if c.finish_reason == "error"]
         return None if not failed else (failed[0].error or "sampling failed")
 
-    async def events(req, rid, fan: Fanout, choices, prompt_tokens: int):
+    async def events(req, rid, fan: Fanout, choices, prompt_tokens: int, shape):
         writer = R.ChunkWriter(req.kind, rid, model_name, len(choices), req.include_usage,
-                               token_text, token_ids=engine.tokenizer is None)
+                               token_text, token_ids=engine.tokenizer is None, shape=shape)
         try:
             async for index, out in fan.outputs():
                 take(choices, index, out)
@@ -224,7 +240,7 @@ def create_app(aengine, model_name: str, api_key: str | None = None,
                     metrics.finished("abort")
         yield R.DONE
 
-    async def collect(request, req, rid, fan: Fanout, choices, prompt_tokens: int):
+    async def collect(request, req, rid, fan: Fanout, choices, prompt_tokens: int, shape):
         async def run():
             async for index, out in fan.outputs():
                 take(choices, index, out)
@@ -248,9 +264,19 @@ def create_app(aengine, model_name: str, api_key: str | None = None,
         if why is not None:
             raise OpenAIError(500, f"the request failed: {why}", type="server_error")
         use = R.request_usage(prompt_tokens, choices, req.n)
-        return R.body(req.kind, rid, R.now(), model_name, choices, use, token_text)
+        return R.body(req.kind, rid, R.now(), model_name, choices, use, token_text, shape)
 
     return app
+
+
+def tool_family(tokenizer, name: str | None):
+    """The tool-call family ``name`` gives (``--tool-call-parser``), else the one the chat
+    template asks for."""
+    if name is None:
+        name = detect(template_of(tokenizer))
+    if name not in FAMILIES:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
 
 
 async def client_gone(request: Request) -> None:

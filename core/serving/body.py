@@ -16,7 +16,9 @@ from .protocol import OpenAIError, bad
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 # The deepest request shape is 5 levels (body, messages, a message, its content parts,
-# a part); a tool's JSON schema would go deeper, but tools are refused anyway.
+# a part); a JSON schema (a tool's parameters start 5 levels down, a response format's 4)
+# keeps some 27 levels of its own: far more than pydantic's schemas take (nested models
+# are $defs beside the root).
 MAX_DEPTH = 32
 # A lone UTF-16 surrogate: JSON lets "\ud800" through, UTF-8 (the tokenizer, the reply)
 # cannot carry it
@@ -83,7 +85,8 @@ def check_values(body: Any) -> None:
 
 def too_deep(where: Optional[str]):
     return bad(where, f"the request body nests deeper than {MAX_DEPTH} levels of arrays and "
-                      f"objects{' at ' + where if where else ''}: OpenAI's requests need 5")
+                      f"objects{' at ' + where if where else ''}: OpenAI's shapes need 5, "
+                      "and a JSON schema in one (tools, response_format) its own levels")
 
 
 def _check_text(text: str, where: Optional[str], key: bool = False) -> None:

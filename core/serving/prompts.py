@@ -14,6 +14,7 @@ from typing import Optional
 import attrs
 
 from .protocol import OpenAIError, ParsedRequest, bad
+from .tool_calls import FAMILIES, render
 
 # pre-tokenizers that split a text without dropping any of it ("removed" drops the match)
 _SPLITTERS = {"Split", "Digits", "Punctuation"}
@@ -38,9 +39,10 @@ class TokenBound:
 
 
 class PromptEncoder:
-    def __init__(self, engine):
-        """``engine``: an Engine, or what EngineProcess has of one (tokenizer, plan, encode)."""
-        self.engine = engine
+    def __init__(self, engine, tool_family=FAMILIES["hermes"]):
+        """``engine``: an Engine, or what EngineProcess has of one (tokenizer, plan, encode);
+        ``tool_family``: how tools are shown to a chat template that knows none."""
+        self.engine, self.tool_family = engine, tool_family
         self.bound = token_bound(engine.tokenizer)
 
     def encode(self, req: ParsedRequest) -> list[list[int]]:
@@ -48,14 +50,15 @@ class PromptEncoder:
         or a prompt proven too long; the engine's InvalidRequestError for a bad prompt."""
         if req.kind == "completion":
             return [self._ids(p, "prompt") for p in req.prompts]
-        return [self._ids(self._chat_text(req.prompts[0]), "messages")]
+        tools = None if req.tools is None else req.tools.shown()
+        return [self._ids(self._chat_text(req.prompts[0], tools), "messages")]
 
-    def _chat_text(self, messages: list[dict]) -> str:
+    def _chat_text(self, messages: list[dict], tools=None) -> str:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad("messages", "this model has no chat template: use /v1/completions")
         try:
-            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return render(tok, messages, tools, self.tool_family)
         except Exception as e:  # jinja's TemplateError: roles out of order, say
             raise bad("messages", f"the chat template refused these messages: {e}") from e
 

@@ -1,9 +1,10 @@
 """OpenAI's request shapes in, the engine's terms out: ``parse_completion`` and
 ``parse_chat`` check a JSON body parameter by parameter and return a ``ParsedRequest``
-(prompts or message lists, ``SamplingParams`` keyword arguments, n, stream, ...), or
-raise ``OpenAIError`` naming the parameter and what is accepted. Unknown parameters are
-refused by name, as OpenAI does; known ones we do not implement (tools, logit_bias, ...)
-are refused unless they hold their no-op value. Response shapes: ``responses.py``."""
+(prompts or message lists, ``SamplingParams`` keyword arguments, n, stream, tools, ...),
+or raise ``OpenAIError`` naming the parameter and what is accepted. Unknown parameters
+are refused by name, as OpenAI does; known ones we do not implement (logit_bias, audio,
+...) are refused unless they hold their no-op value. Structured output: ``structured.py``;
+messages: ``messages.py``; tools: ``tool_calls/``; response shapes: ``responses.py``."""
 from __future__ import annotations
 
 import math
@@ -12,29 +13,16 @@ from typing import Any, Optional
 import attrs
 
 from ..request import SEED_LIMIT
+from .messages import parse_messages
+from .openai_errors import OpenAIError, bad, short
+from .structured import KEYS as STRUCTURED_KEYS, checked_constraint, constraint_sources
+from .tool_calls import ToolRequest, parse_tools
+
+__all__ = ["OpenAIError", "ParsedRequest", "bad", "param_of", "parse_chat", "parse_completion"]
 
 MAX_N = 128  # choices per request, as OpenAI
 MAX_STOP = 4  # stop strings, as OpenAI
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs; vLLM's logprobs)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class OpenAIError(Exception):
-    """An HTTP error in OpenAI's JSON shape: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = \
-            status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad(param: Optional[str], message: str, code: Optional[str] = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
 
 
 @attrs.frozen
@@ -48,24 +36,26 @@ class ParsedRequest:
     include_usage: bool
     logprobs: Optional[int]  # None: no logprobs; k: the sampled token's and the top k
     max_tokens_name: str = "max_tokens"  # chat: or max_completion_tokens, as sent
+    tools: Optional[ToolRequest] = None  # chat with tools: what to show and parse
 
 
 # Accepted and ignored: they change nothing about the output.
 IGNORED = {"user", "store", "metadata", "service_tier"}
 # Known OpenAI parameters we do not implement, with their no-op values (accepted as such).
 UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "echo": (None, False),
-               "tools": (None, []), "tool_choice": (None, "none", "auto"),
                "functions": (None, []), "function_call": (None, "none", "auto"),
-               "parallel_tool_calls": (None, True, False), "audio": (None,),
-               "modalities": (None, ["text"]), "prediction": (None,),
-               "response_format": (None, {"type": "text"}), "reasoning_effort": (None,),
-               "web_search_options": (None,)}
+               "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+               "reasoning_effort": (None,), "web_search_options": (None,)}
+TOOL_KEYS = {"tools", "tool_choice", "parallel_tool_calls"}
+# /v1/completions has no tools: accepted there only as no-ops
+NO_TOOLS = {"tools": (None, []), "tool_choice": (None, "none", "auto"),
+            "parallel_tool_calls": (None, True, False)}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
           "seed", "stop", "presence_penalty", "frequency_penalty", "logprobs",
           # vLLM's extensions (the openai client sends them through ``extra_body``)
-          "top_k", "min_p", "repetition_penalty", "ignore_eos"}
+          "top_k", "min_p", "repetition_penalty", "ignore_eos"} | STRUCTURED_KEYS
 COMPLETION_KEYS = COMMON | {"prompt", "best_of"}
-CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | TOOL_KEYS
 
 
 def _is_int(x) -> bool:
@@ -105,7 +95,7 @@ def number(body: dict, name: str, lo: float, hi: Optional[float], default,
     if value is None or value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
         lo_s = f"({lo}" if lo_open else f"[{lo}"
         what = f"a number in {lo_s}, {hi}]" if hi is not None else f"a finite number > {lo}"
-        raise bad(name, f"{name} must be {what}, got {_short(x)}")
+        raise bad(name, f"{name} must be {what}, got {short(x)}")
     return value
 
 
@@ -118,11 +108,11 @@ def boolean(body: dict, name: str, default: bool = False) -> bool:
     return x
 
 
-def _check_keys(body: dict, known: set) -> None:
+def _check_keys(body: dict, known: set, unsupported: dict = UNSUPPORTED) -> None:
     for key in body:
-        if key not in known and key not in IGNORED and key not in UNSUPPORTED:
+        if key not in known and key not in IGNORED and key not in unsupported:
             raise bad(key, f"Unrecognized request argument supplied: {key}")
-    for key, allowed in UNSUPPORTED.items():
+    for key, allowed in unsupported.items():
         if key in body and body[key] not in allowed:
             raise bad(key, f"{key} is not supported by this server (accepted: "
                            f"{' or '.join(repr(a) for a in allowed if a is not None)} or "
@@ -189,8 +179,9 @@ def _object(body: Any) -> dict:
 def parse_completion(body: Any) -> ParsedRequest:
     """POST /v1/completions."""
     body = _object(body)
-    _check_keys(body, COMPLETION_KEYS)
+    _check_keys(body, COMPLETION_KEYS, dict(UNSUPPORTED, **NO_TOOLS))
     kw, n, stream, include_usage = _common(body)
+    kw.update(checked_constraint(constraint_sources(body)))
     best_of = integer(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != n:
         raise bad("best_of", f"best_of is not supported: leave it out or equal to n ({n}), "
@@ -212,7 +203,7 @@ def _prompts(prompt) -> list:
         prompts = list(prompt)
     else:
         raise bad("prompt", f"prompt must be a string, a list of token ids, or a non-empty "
-                            f"list of those, got {_short(prompt)}")
+                            f"list of those, got {short(prompt)}")
     for p in prompts:
         if not p or (isinstance(p, str) and not p.strip()):
             raise bad("prompt", "prompt is empty: give at least one non-blank character or "
@@ -220,8 +211,9 @@ def _prompts(prompt) -> list:
     return prompts
 
 
-def parse_chat(body: Any) -> ParsedRequest:
-    """POST /v1/chat/completions."""
+def parse_chat(body: Any, arguments_key: str = "arguments") -> ParsedRequest:
+    """POST /v1/chat/completions; ``arguments_key``: what a forced call's JSON names its
+    arguments (the tool-call family's: ``parameters`` for LLaMA 3)."""
     body = _object(body)
     _check_keys(body, CHAT_KEYS)
     kw, n, stream, include_usage = _common(body)
@@ -234,46 +226,15 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     else:
         logprobs = None
-    return ParsedRequest("chat", _model(body), [_messages(body.get("messages"))], kw, n,
-                         stream, include_usage, logprobs, (given or ["max_tokens"])[0])
-
-
-def _messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", f"messages must be a non-empty list of {{role, content}} "
-                              f"objects, got {_short(messages)}")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(where, f"{where} must be an object with role and content, got {_short(m)}")
-        if m.get("role") not in ROLES:
-            raise bad(f"{where}.role", f"{where}.role must be one of "
-                                       f"{', '.join(ROLES)}, got {m.get('role')!r}")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise bad(f"{where}.{sorted(extra)[0]}", f"{where} has fields this server does "
-                      f"not support: {', '.join(sorted(extra))} (accepted: role, content, name)")
-        out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), where)})
-    if all(not m["content"].strip() for m in out):
-        raise bad("messages", "messages are empty: give at least one non-blank content")
-    return out
-
-
-def _content(content, where: str) -> str:
-    """A string, or a list of text parts (``{"type": "text", "text": ...}``) joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise bad(f"{where}.content", f"{where}.content must be a string or a list of "
-                                  f"{{type: text, text}} parts (text only), got {_short(content)}")
-
-
-def _short(x) -> str:
-    s = repr(x)
-    return s if len(s) <= 80 else s[:77] + "..."
+    messages = parse_messages(body.get("messages"))
+    sources = constraint_sources(body)
+    tools, forced = parse_tools(body, arguments_key)
+    kw.update(checked_constraint(sources + forced))
+    if tools is not None and sources and tools.choice == "auto":
+        # the output is held to the response format: no call can come, none is shown
+        tools = attrs.evolve(tools, choice="none")
+    return ParsedRequest("chat", _model(body), [messages], kw, n, stream, include_usage,
+                         logprobs, (given or ["max_tokens"])[0], tools)
 
 
 # SamplingParams' field names in the engine's errors -> the request's parameter names

@@ -103,14 +103,21 @@ def _head(kind: str, rid: str, created: int, model: str, chunk: bool) -> dict:
 
 
 def body(kind: str, rid: str, created: int, model: str, choices: list[Choice],
-         use: dict, token_text: Callable[[int], str]) -> dict:
-    """The whole (non-streamed) response."""
+         use: dict, token_text: Callable[[int], str], shape=None) -> dict:
+    """The whole (non-streamed) response; ``shape()``: a chat choice's tool-call shaper
+    (``tool_calls/shaping.py``), or None: its text is the content."""
     out = []
     for c in choices:
         if kind == "chat":
             lp = None if c.logprobs is None else chat_logprobs(c.logprobs, token_text)
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp, "finish_reason": c.finish_reason})
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            shaper = shape() if shape is not None else None
+            if shaper is not None:
+                shaper.feed(c.text, c.token_ids)
+                shaper.finish()
+                message, finish = shaper.message(), shaper.finish_reason(finish)
+            out.append({"index": c.index, "message": message, "logprobs": lp,
+                        "finish_reason": finish})
         else:
             lp = None if c.logprobs is None else completion_logprobs(c.logprobs, token_text)
             out.append({"index": c.index, "text": c.text, "logprobs": lp,
@@ -122,12 +129,14 @@ class ChunkWriter:
     """The server-sent events of one streamed response, choice by choice as outputs come."""
 
     def __init__(self, kind: str, rid: str, model: str, n: int, include_usage: bool,
-                 token_text: Callable[[int], str], token_ids: bool = False):
+                 token_text: Callable[[int], str], token_ids: bool = False, shape=None):
         """``token_ids``: each completions chunk carries its tokens' ids (vLLM's
         ``token_ids`` field), and a chunk goes out for every new token even without text:
-        what a model without a tokenizer streams."""
+        what a model without a tokenizer streams. ``shape()``: a chat choice's tool-call
+        shaper: its deltas (content, tool_calls) are streamed instead of the text."""
         self.kind, self.include_usage, self.token_text = kind, include_usage, token_text
         self.token_ids = token_ids
+        self.shapers = [shape() for _ in range(n)] if shape is not None else None
         self.head = _head(kind, rid, now(), model, True)
         self.offsets = [0] * n  # completions' text_offset, per choice
         self.started = [False] * n  # chat: the role goes in a choice's first chunk
@@ -148,6 +157,8 @@ class ChunkWriter:
                 self.started[index] = True
                 events += self._chunk({"index": index, "logprobs": None, "finish_reason": None,
                                        "delta": {"role": "assistant", "content": ""}})
+            if self.shapers is not None:
+                return events + self._shaped(index, out, finish)
             if out.text or entries:
                 lp = None if entries is None else chat_logprobs(entries, self.token_text)
                 events += self._chunk({"index": index, "delta": {"content": out.text},
@@ -165,6 +176,22 @@ class ChunkWriter:
             if self.token_ids:
                 choice["token_ids"] = list(out.token_ids)
             events += self._chunk(choice)
+        return events
+
+    def _shaped(self, index: int, out, finish: Optional[str]) -> str:
+        shaper, entries = self.shapers[index], out.logprobs
+        deltas = shaper.feed(out.text, out.token_ids)
+        if finish:
+            deltas += shaper.finish()
+        lp = None if entries is None else chat_logprobs(entries, self.token_text)
+        if lp is not None and not deltas:  # (the text is held: its logprobs are not)
+            deltas = [{}]
+        events = "".join(self._chunk({"index": index, "delta": d, "finish_reason": None,
+                                      "logprobs": lp if k == 0 else None})
+                         for k, d in enumerate(deltas))
+        if finish:
+            events += self._chunk({"index": index, "delta": {}, "logprobs": None,
+                                   "finish_reason": shaper.finish_reason(finish)})
         return events
 
     def usage(self, use: dict) -> str:

@@ -23,6 +23,7 @@ from ..build import build
 from ..errors import InfergraftError, RankFailedError
 from ..memory import MAX_SEQ_LEN_DEFAULT
 from ..serving.body import DEFAULT_MAX_REQUEST_BYTES
+from ..serving.tool_calls import FAMILIES as TOOL_CALL_FAMILIES
 from ..units import parse_bytes
 from .config_cli import REVISION_HELP, add_config_argument, build_options
 
@@ -68,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one step carries at most, decode tokens and prompt chunks "
                         "together (default: the engine's)")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_FAMILIES), default=None,
+                   help="how chat requests with tools have the model's calls read back: "
+                        "hermes (Hermes, Qwen: <tool_call>), llama3_json (LLaMA 3.x: bare "
+                        "JSON), mistral ([TOOL_CALLS]); default: the one the chat template "
+                        "asks for, else hermes")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="caches without mixed-step graphs (contiguous): replay a captured "
                         "graph for a prompt prefilled with nothing else running (CUDA; the "
@@ -146,14 +152,15 @@ def run(args) -> int:
         aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
     engine = aengine.engine
     app = create_app(aengine, args.model, api_key=api_key,
-                     max_request_bytes=args.max_request_bytes)
+                     max_request_bytes=args.max_request_bytes,
+                     tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=GRACE_S, lifespan="on")
     server = uvicorn.Server(config)
     print(f"infergraft serve: {args.model} on http://{args.host}:{args.port} (max batch "
           f"{engine.plan.max_batch_size}, max_seq_len {engine.plan.max_seq_len}, max waiting "
-          f"{args.max_waiting}{', API key required' if api_key else ''})", file=sys.stderr,
-          flush=True)
+          f"{args.max_waiting}, tool calls read as {app.state.tool_family.name}"
+          f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it stopped on once it has shut down; under the default
     # SIGTERM action that would kill the process (exit 143) after a clean shutdown
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
