@@ -191,6 +191,24 @@ def test_random_shapes_read_as_their_config_says():
     assert SHAPES["llama3-8b"]["num_key_value_heads"] == 8  # the GQA shape
 
 
+@pytest.mark.parametrize("name, params, active", [
+    ("llama3-8b", 8.03e9, None), ("mixtral-8x7b", 46.7e9, 12.9e9),
+    ("qwen3-8b", 8.19e9, None), ("qwen3-30b-a3b", 30.5e9, 3.35e9)])
+def test_random_shapes_have_their_models_parameter_counts(name, params, active):
+    """Each shape is the model it is named after, as its policy describes it (Qwen3's
+    through the contrib package), to 1%: the published totals and active counts."""
+    from infergraft.core.selection import choose_policy
+    from infergraft.core.tools.bench import shape_config
+
+    cfg = shape_config(name)
+    from infergraft import core
+
+    spec = choose_policy(core.get_plugin_manager(), cfg, None).describe(cfg)
+    assert spec.param_count == pytest.approx(params, rel=0.01)
+    if active:
+        assert spec.active_param_count == pytest.approx(active, rel=0.01)
+
+
 def test_the_commit_is_what_the_sender_says_else_git_else_the_version(monkeypatch):
     from infergraft.core.tools import provenance
 

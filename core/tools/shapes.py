@@ -22,6 +22,18 @@ SHAPES = {  # random-initialised shapes: name -> config overrides (LLaMA's unles
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
                          max_position_embeddings=32768, rope_theta=1000000.0),
+    # Qwen3 (the contrib package's policies): q/k RMSNorm per head, GQA, head_dim 128
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                     rope_theta=1000000.0),
+    # 30.5B parameters, 3.3B active (top-8 of 128 small experts a layer)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          vocab_size=151936, max_position_embeddings=40960,
+                          rope_theta=1000000.0),
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
                  max_position_embeddings=2048),
@@ -31,10 +43,12 @@ SHAPES = {  # random-initialised shapes: name -> config overrides (LLaMA's unles
 def shape_config(name: str):
     """The HF config of the random shape ``name`` (a LlamaConfig unless it names its
     ``model_type``)."""
-    from transformers import LlamaConfig, MixtralConfig
+    from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     kw = dict(SHAPES[name])
     kind = kw.pop("model_type", "llama")
     cls, arch = {"llama": (LlamaConfig, "LlamaForCausalLM"),
-                 "mixtral": (MixtralConfig, "MixtralForCausalLM")}[kind]
+                 "mixtral": (MixtralConfig, "MixtralForCausalLM"),
+                 "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+                 "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM")}[kind]
     return cls(**kw, rms_norm_eps=1e-5, tie_word_embeddings=False, architectures=[arch])

@@ -10,6 +10,9 @@
 #   graphs, the fused decode layer) and the contrib Qwen3 / Qwen3-MoE suites;
 #   structured: the structured-output tests on CUDA (the device has no xgrammar: carry its
 #   wheel, .whl/, as the device README says, with PYTHONPATH=/tmp/site);
+# bench44: issue 44's targets, batch-1 / batch-32 TPOT beside HF eager and the roofline of
+#   the active weights: Qwen3-8B and Qwen3-30B-A3B shapes (contrib), Mixtral-8x7B where
+#   the card holds its 87 GiB (an H200);
 # steps45: issue 45's profile first, where a mixed step's time goes (step_profile.py) on the
 #   fixed 512/256 and sharegpt-like workloads, LLaMA-3-8B shape, 256 requests.
 set -u
@@ -48,5 +51,16 @@ if has steps45; then
       --model llama3-8b --dataset "$ds" --num-prompts 256 --skip 40 --steps 30 \
       > "$OUT/steps_$ds.txt" 2>&1
     echo "step_profile $ds rc $?"; head -14 "$OUT/steps_$ds.txt"
+  done
+fi
+if has bench44; then
+  models="qwen3-8b:1 qwen3-30b-a3b:1,32"
+  big=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory > 120e9)")
+  [ "$big" = True ] && models="$models mixtral-8x7b:1,32"
+  for mb in $models; do
+    m=${mb%%:*}; b=${mb#*:}
+    timeout "${BENCH44_TIMEOUT:-240}" infergraft bench --model "$m" --batches "$b" \
+      --systems infergraft,hf-eager --new-tokens 32 --out "$OUT/bench_$m" > "$OUT/bench_$m.txt" 2>&1
+    echo "bench $m rc $?"; grep -E "^\| [0-9]" "$OUT/bench_$m.txt" | head -8
   done
 fi
