@@ -55,6 +55,8 @@ class Engine:
         self.schedule_ahead, self._ahead = False, None  # scheduler.schedule_ahead's step
         self.runner = ModelRunner(model, cache, self.device, plan.parallel.micro_batches)
         self.lookahead = DecodeLookahead(self)  # greedy graph decode, one step ahead
+        # speculative.speculator.Speculator: proposed tokens verified in a step (build())
+        self.speculation = None
         # requests' logits processors (structured output); build() gives its plugins'
         self.constraints = RowConstraints(Vocabulary(spec.vocab_size, self.eos_token_ids,
                                                      tokenizer, self.device.type), self.device)
@@ -117,6 +119,8 @@ class Engine:
             step = step or self.scheduler.schedule()
             if step is None:
                 return []
+            if self.speculation is not None:  # drafts after decoding requests' tokens
+                step = self.speculation.extend(step)
             tokens = step_tokens(step)
             replay = self.runner.replays_decode(step)
             self._stepping = list(step.seqs)  # (+ samples forked in this step)
@@ -141,7 +145,10 @@ class Engine:
         logits = self.runner.forward(step, tokens, replay)
         for s, n in zip(seqs, step.counts):
             s.num_computed_tokens += n
-        if self.schedule_ahead:  # while the GPU runs this step (the sampling waits for it)
+        verify = None
+        if step.drafts is not None:  # (lengths move when drafts are verified: no look ahead)
+            seqs, logits, verify = self.speculation.split(step, logits)
+        elif self.schedule_ahead:  # while the GPU runs this step (the sampling waits for it)
             self._ahead = self.scheduler.schedule_ahead()
         if step.kind == "prefill":
             ready = [i for i, s in enumerate(seqs) if not s.prefilling]  # whole prompt fed
@@ -155,7 +162,8 @@ class Engine:
             self._append(seq, tok, now)
         for seq, tok in forked:
             self._append(seq, tok, now)
-        return seqs + [s for s, _ in forked]
+        drafted = self.speculation.accept(verify, now) if verify is not None else []
+        return seqs + [s for s, _ in forked] + drafted
 
     def _fork_samples(self, seqs, logits) -> list[tuple[Sequence, int]]:
         """Samples 2..n of a just-prefilled prompt share its K/V (cache.fork) and take
@@ -288,8 +296,9 @@ class Engine:
                 self.cache.free(seq_id)
 
     def stats(self) -> dict:
-        with self.lock:  # the scheduler's and the cache's counters
-            return self.scheduler.stats()
+        with self.lock:  # the scheduler's and the cache's counters, speculation's
+            extra = {} if self.speculation is None else self.speculation.stats()
+            return {**self.scheduler.stats(), **extra}
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         check_request(ids, params, self.plan.max_seq_len, self.spec, self.tokenizer)

@@ -58,6 +58,9 @@ def _check_params(p: "SamplingParams") -> None:
                                   f"got {p.repetition_penalty!r}")
     if not _finite(p.min_p) or not 0 <= p.min_p <= 1:
         raise InvalidRequestError(f"min_p must be a number in [0, 1] (0 = off), got {p.min_p!r}")
+    if not isinstance(p.speculative, bool):
+        raise InvalidRequestError(f"speculative must be True or False (False: this request "
+                                  f"never proposes tokens), got {p.speculative!r}")
 
 
 def _finite(x) -> bool:
@@ -97,6 +100,8 @@ class SamplingParams:
     jump_forward: bool = False  # tokens a constraint forces: appended, fed in one step
     # registered logits processors (core/logits_processor.py): name -> argument
     logits_processors: tuple = attrs.field(default=(), converter=named_processors)
+    # False: never proposes tokens where the engine speculates (core/speculative/)
+    speculative: bool = True
     #: the structured-output fields as one checked Constraint (None: none given)
     constraint: object = attrs.field(init=False, default=None, eq=False, repr=False)
     # Greedy with no logits processing and no logprobs: its token is the batch argmax, so
@@ -188,6 +193,8 @@ class Sequence:
         self._prompt_set: Optional[torch.Tensor] = None  # the prompt's distinct ids, on demand
         # a ConstraintState per processor of params.processors (the engine starts them)
         self.constraints: Optional[list] = None
+        # its speculative.adaptive.AdaptiveK once it speculates (the proposal length)
+        self.speculation = None
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()

@@ -108,6 +108,23 @@ class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
     def length(self, seq_id):
         return self._len[seq_id]
 
+    supports_truncate = True
+
+    def truncate(self, seq_id, length):
+        """Roll back to ``length`` tokens: whole blocks past it (taken by the last step,
+        never shared nor keyed: ``check_tables``) go back to the pool."""
+        if not 0 <= length <= self._len[seq_id]:
+            raise ValueError(f"sequence {seq_id!r} holds {self._len[seq_id]} tokens; it "
+                             f"cannot be truncated to {length}")
+        table = self._tables[seq_id]
+        keep = blocks_for(max(length, self._reserved[seq_id]), self.block_size)
+        gone = table[keep:]
+        for b in reversed(gone):
+            self._release(b)
+        del table[keep:]
+        self._rows.put(seq_id, keep, [0] * len(gone))
+        self._len[seq_id] = length
+
     def fork(self, parent, child):
         if child in self._tables:
             raise ValueError(f"sequence {child!r} is already allocated")

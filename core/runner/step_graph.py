@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graph import PinnedStaging, capture_graph, rows
+from .cuda_graph import PinnedStaging, capture_graph, rows as rows_of
 
 STEP_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
                 8192, 12288, 16384)
@@ -47,11 +47,11 @@ class StepGraphRunner:
         """Sequences a bucket of ``tokens`` rows is captured for (each feeds >= 1 row)."""
         return min(tokens, self.max_batch_size)
 
-    def bucket(self, counts) -> int | None:
-        """The bucket a step feeding ``counts`` tokens per sequence runs in, or None."""
-        t = sum(counts)
-        return next((b for b in self.buckets if b >= t and self.seqs_of(b) >= len(counts)),
-                    None)
+    def bucket(self, counts, rows=None) -> int | None:
+        """The bucket a step feeding ``counts`` tokens per sequence runs in, or None;
+        ``rows``: the rows whose logits it needs (default: each sequence's last)."""
+        t, n = sum(counts), max(len(counts), 0 if rows is None else len(rows))
+        return next((b for b in self.buckets if b >= t and self.seqs_of(b) >= n), None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -77,16 +77,18 @@ class StepGraphRunner:
         self.graphs[tokens] = graph
 
     @torch.inference_mode()
-    def run(self, seq_ids, counts, tokens: list[int]) -> torch.Tensor:
-        """One step: logits of each sequence's last fed row, [n, V] float32."""
-        length = self.bucket(counts)
+    def run(self, seq_ids, counts, tokens: list[int], rows=None) -> torch.Tensor:
+        """One step: logits of each sequence's last fed row, [n, V] float32 (``rows``: of
+        those rows instead, [len(rows), V]: a verify step's)."""
+        length = self.bucket(counts, rows)
         staging, dev, meta = self.inputs[length]
-        n = len(seq_ids)
         host = staging.next()
         t = len(tokens)
+        index = torch.tensor(counts).cumsum(0) - 1 if rows is None else torch.tensor(rows)
+        n = len(index)
         host[:t] = torch.tensor(tokens, dtype=torch.long)
         host[t:length] = 0  # padding token
-        host[length:length + n] = torch.tensor(counts).cumsum(0) - 1  # each one's last row
+        host[length:length + n] = index  # each one's last row, or the rows asked for
         host[length + n:] = 0
         dev.copy_(host, non_blocking=True)
         self.cache.prepare_step_into(meta, seq_ids, counts)
@@ -95,5 +97,4 @@ class StepGraphRunner:
             self.graphs[length].replay()
         else:
             self.logits[length] = self.model(dev[:length], self.cache, meta, dev[length:])
-        return rows(self.logits[length], n)
-
+        return rows_of(self.logits[length], n)

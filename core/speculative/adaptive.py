@@ -1,0 +1,46 @@
+"""How many tokens a request proposes next: its proposal length follows its acceptance.
+
+A draft wholly accepted earns one more token (up to the configured ``k``); one partly
+accepted shrinks to what was accepted and one more; one wholly refused halves it. After
+``MISSES_BEFORE_PAUSE`` wholly refused drafts in a row the request stops proposing for a
+pause of decode steps (its steps run as plain decode, at decode's cost), then tries one
+token again; each pause that follows without an accepted draft is twice as long, up to
+``MAX_PAUSE``. So a request whose text the proposer cannot guess costs a few verify
+steps and then nothing, and one whose text turns predictable again (a quote) comes back.
+"""
+from __future__ import annotations
+
+MISSES_BEFORE_PAUSE = 3
+FIRST_PAUSE, MAX_PAUSE = 4, 128
+
+
+class AdaptiveK:
+    def __init__(self, k: int):
+        self.k_max = self.k = k
+        self.misses = 0  # drafts wholly refused in a row
+        self.pause = 0  # decode steps left without proposing
+        self.next_pause = FIRST_PAUSE
+
+    @property
+    def active(self) -> bool:
+        """Proposing at the next decode step (not paused)."""
+        return self.pause == 0
+
+    def take(self) -> int:
+        """Tokens to propose at this decode step (0 while paused; counts the pause down)."""
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """A draft of ``proposed`` tokens was verified and ``accepted`` of them kept."""
+        if accepted >= proposed:
+            self.k, self.misses, self.next_pause = min(self.k_max, self.k + 1), 0, FIRST_PAUSE
+        elif accepted > 0:
+            self.k, self.misses, self.next_pause = accepted + 1, 0, FIRST_PAUSE
+        else:
+            self.k, self.misses = max(1, self.k // 2), self.misses + 1
+            if self.misses >= MISSES_BEFORE_PAUSE:
+                self.pause, self.misses = self.next_pause, 0
+                self.next_pause = min(MAX_PAUSE, 2 * self.next_pause)
