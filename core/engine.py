@@ -19,9 +19,10 @@ from .distributed.failure import across_ranks
 from .errors import InvalidRequestError
 from .appending import append_token
 from .fair_lock import FairRLock
+from .forks import fork_samples
 from .logits_processor import Vocabulary
-from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch,
-                      check_request, completion_of, encode_prompt, sampling_params)
+from .prompt import as_batch, check_request, encode_prompt
+from .request import SEED_LIMIT, Completion, SamplingParams, Sequence, completion_of, sampling_params
 from .runner.constraints import RowConstraints
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
@@ -166,27 +167,7 @@ class Engine:
         return seqs + [s for s, _ in forked] + drafted
 
     def _fork_samples(self, seqs, logits) -> list[tuple[Sequence, int]]:
-        """Samples 2..n of a just-prefilled prompt share its K/V (cache.fork) and take
-        their first token from its logits; one that cannot fork is queued on its own."""
-        out = []
-        for row, parent in enumerate(seqs):
-            for child in self._forks.pop(parent.id, ()):
-                try:
-                    if not self.scheduler.has_room():
-                        raise CacheFullError("no batch slot")
-                    self.cache.fork(parent.id, child.id)
-                except (CacheFullError, NotImplementedError):
-                    self.scheduler.add(child)  # prefilled later, like any request
-                    continue
-                child.num_prefill_tokens = parent.num_prefill_tokens
-                child.num_computed_tokens = parent.num_computed_tokens
-                # it holds the parent's K/V: their prompt's cached tokens are the same
-                child.count_admission(parent.num_cached_tokens)
-                self.scheduler.adopt(child)
-                self._stepping.append(child)
-                row_logits = None if logits is None else logits[row:row + 1]
-                out.append((child, self._sample(row_logits, [child])[0]))
-        return out
+        return fork_samples(self, seqs, logits)  # (n > 1: forks.py)
 
     def _sample(self, logits, seqs) -> list[int]:
         """One token per sequence; -1 where sampling failed (NaN logits, say): the step has

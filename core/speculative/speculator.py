@@ -201,8 +201,9 @@ def speculation_for(engine, config, proposers, build) -> Speculator | None:
                         f"tokens (KVCache.truncate), which cache backend "
                         f"{engine.plan.cache_backend!r} cannot here (the contiguous one: not "
                         f"with its rolling sliding-window rows); build with plugins=[\"paged\"]")
+    plan = engine.plan
     context = ProposerContext(engine.spec, engine.spec.vocab_size, engine.tokenizer,
-                              engine.device, getattr(torch, engine.plan.dtype), engine.plan.max_seq_len,
-                              engine.plan.max_batch_size, build)
+                              engine.device, getattr(torch, plan.dtype), plan.max_seq_len,
+                              plan.max_batch_size, build)
     drafter = proposers.get(config.method).create(context, **config.options)
     return Speculator(engine, config, drafter)

@@ -24,7 +24,8 @@ from ..errors import InfergraftError, RankFailedError
 from ..memory import MAX_SEQ_LEN_DEFAULT
 from ..serving.body import DEFAULT_MAX_REQUEST_BYTES
 from ..units import parse_bytes
-from .config_cli import REVISION_HELP, add_config_argument, build_options
+from .config_cli import (REVISION_HELP, add_config_argument, add_speculative_argument,
+                         build_options)
 
 DEFAULT_MODEL = "smollm2-135m"  # as `infergraft generate`
 GRACE_S = 30  # seconds open requests get after SIGTERM before they are cancelled
@@ -68,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one step carries at most, decode tokens and prompt chunks "
                         "together (default: the engine's)")
+    add_speculative_argument(p)
     p.add_argument("--prefill-graphs", action="store_true",
                    help="caches without mixed-step graphs (contiguous): replay a captured "
                         "graph for a prompt prefilled with nothing else running (CUDA; the "
@@ -121,7 +123,7 @@ def run(args) -> int:
         args.config, args.model, DEFAULT_MODEL, plugins=args.plugin or None,
         dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
-        revision=args.revision)
+        revision=args.revision, speculative=args.speculative)
     if not args.prefill_graphs:  # the build's default (None) only when asked for
         options.setdefault("prefill_graphs", False)
     options["progress"] = first
