@@ -116,12 +116,18 @@ def test_the_proposal_length_follows_acceptance():
     a = AdaptiveK(4)
     a.update(4, 4)
     assert a.take() == 4  # capped at k
-    a.update(4, 1)
-    assert a.take() == 2  # what was kept and one more
+    a.update(4, 0)
+    assert a.take() == 3  # a draft wholly refused costs a token
+    a.update(3, 1)
+    assert a.take() == 4  # any kept token earns one back
     for _ in range(MISSES_BEFORE_PAUSE):
         a.update(a.k, 0)
     assert not a.active
-    pause = [a.take() for _ in range(a.pause)]
-    assert pause and set(pause) == {0} and a.active and a.take() == 1  # then one token again
+    first = [a.take() for _ in range(a.pause)]
+    assert first and set(first) == {0} and a.active and a.take() >= 1  # then it tries again
+    for _ in range(MISSES_BEFORE_PAUSE):
+        a.update(a.k, 0)
+    assert a.pause == 2 * len(first)  # a second pause without a kept token: twice as long
+    a.pause = 0
     a.update(1, 1)
-    assert a.take() == 2  # and it grows back
+    assert a.take() == 2 and a.next_pause == len(first)  # kept: it grows, pauses reset

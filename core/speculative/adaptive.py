@@ -1,17 +1,18 @@
 """How many tokens a request proposes next: its proposal length follows its acceptance.
 
-A draft wholly accepted earns one more token (up to the configured ``k``); one partly
-accepted shrinks to what was accepted and one more; one wholly refused halves it. After
-``MISSES_BEFORE_PAUSE`` wholly refused drafts in a row the request stops proposing for a
-pause of decode steps (its steps run as plain decode, at decode's cost), then tries one
-token again; each pause that follows without an accepted draft is twice as long, up to
-``MAX_PAUSE``. So a request whose text the proposer cannot guess costs a few verify
-steps and then nothing, and one whose text turns predictable again (a quote) comes back.
+A draft of which any token was kept earns one more token (up to the configured ``k``):
+the tokens past the first refused one cost a few query rows of a step whose weights are
+read anyway. One wholly refused costs a token. After ``MISSES_BEFORE_PAUSE`` wholly
+refused drafts in a row the request stops proposing for a pause of decode steps (its steps
+run as plain decode, at decode's cost), then tries again; each pause that follows without
+a kept token is twice as long, up to ``MAX_PAUSE``. So a request whose text the proposer
+cannot guess costs a few verify steps and then next to nothing, and one whose text turns
+predictable again (a quote) comes back within a pause.
 """
 from __future__ import annotations
 
-MISSES_BEFORE_PAUSE = 3
-FIRST_PAUSE, MAX_PAUSE = 4, 128
+MISSES_BEFORE_PAUSE = 4
+FIRST_PAUSE, MAX_PAUSE = 2, 128
 
 
 class AdaptiveK:
@@ -35,12 +36,10 @@ class AdaptiveK:
 
     def update(self, proposed: int, accepted: int) -> None:
         """A draft of ``proposed`` tokens was verified and ``accepted`` of them kept."""
-        if accepted >= proposed:
+        if accepted > 0:
             self.k, self.misses, self.next_pause = min(self.k_max, self.k + 1), 0, FIRST_PAUSE
-        elif accepted > 0:
-            self.k, self.misses, self.next_pause = accepted + 1, 0, FIRST_PAUSE
-        else:
-            self.k, self.misses = max(1, self.k // 2), self.misses + 1
-            if self.misses >= MISSES_BEFORE_PAUSE:
-                self.pause, self.misses = self.next_pause, 0
-                self.next_pause = min(MAX_PAUSE, 2 * self.next_pause)
+            return
+        self.k, self.misses = max(1, self.k - 1), self.misses + 1
+        if self.misses >= MISSES_BEFORE_PAUSE:
+            self.pause, self.misses = self.next_pause, 0
+            self.next_pause = min(MAX_PAUSE, 2 * self.next_pause)
