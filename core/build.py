@@ -26,7 +26,7 @@ from .preemption import check_mode, policy_for
 from .runner.model import DecoderModel
 from .runner.model_runner import decode_graphs_for, prefill_graphs_for, step_graphs_for
 from .runner.weight_stream import host_slots, streamer_for
-from .speculative.config import parse_speculative
+from .speculative.config import draft_rows, parse_speculative
 from .speculative.speculator import speculation_for
 from .selection import (DEFAULT_CACHE_BACKEND, DEFAULT_PLANNER, DTYPES, choose_policy,
                         resolve_device, resolve_dtype, select_plugins)
@@ -213,7 +213,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     engine.prefill_graphs = prefill_graphs_for(net, cache, plan, engine.decode_graphs,
                                                prefill_graphs)
     engine.runner.step_graphs = step_graphs_for(net, cache, plan, engine.decode_graphs,
-                                                plan.max_num_batched_tokens, step_graphs)
+                                                plan.max_num_batched_tokens, step_graphs,
+                                                draft_rows(speculation, plan.max_batch_size))
     engine.speculation = speculation_for(engine, speculation, pm.proposers(), build)
     engine.build_seconds = time.perf_counter() - t0
     return engine

@@ -142,7 +142,7 @@ class Engine:
             raise across_ranks(e, self.ranks)  # tp / pp: RankFailedError, on every rank
 
     def _step_body(self, step, tokens, replay) -> list[Sequence]:
-        seqs = step.seqs
+        seqs, start = step.seqs, time.perf_counter()
         logits = self.runner.forward(step, tokens, replay)
         for s, n in zip(seqs, step.counts):
             s.num_computed_tokens += n
@@ -164,6 +164,8 @@ class Engine:
         for seq, tok in forked:
             self._append(seq, tok, now)
         drafted = self.speculation.accept(verify, now) if verify is not None else []
+        if self.speculation is not None:  # what its steps cost decides who proposes
+            self.speculation.observe(step, time.perf_counter() - start)
         return seqs + [s for s, _ in forked] + drafted
 
     def _fork_samples(self, seqs, logits) -> list[tuple[Sequence, int]]:

@@ -11,6 +11,7 @@ from infergraft import core
 from infergraft.core.errors import PlanError
 from infergraft.core.request import SamplingParams
 from infergraft.core.runner.step_graph import StepGraphRunner
+from infergraft.core.speculative.config import draft_rows
 from infergraft.core.testing.models import (random_model, random_prompt, tiny_gpt2_config,
                                             tiny_llama_config, tiny_mistral_config)
 
@@ -176,18 +177,29 @@ def test_a_request_ends_inside_an_accepted_run(how, models):
 
 def test_verify_steps_replay_the_step_graphs(models):
     """Drafted steps through the mixed-step graphs' static buffers (run eagerly on the
-    CPU): logits of every drafted row come back, the tokens are the plain engine's."""
+    CPU), with the logits rows build gives them for drafts: every verify step replays,
+    the logits of every drafted row come back, the tokens are the plain engine's."""
     hf = models["llama-paged"]
     opts = dict(KW, plugins=["paged"], block_size=4, max_num_batched_tokens=32,
                 cuda_graphs=False)
     want = [c.token_ids for c in tokens(core.build(hf, **opts), PROMPTS)]
     engine = core.build(hf, **opts, speculative=NGRAM)
+    extra = draft_rows(engine.speculation.config, KW["max_batch_size"])
+    assert extra == 4 * KW["max_batch_size"]
     runner = StepGraphRunner(engine.model, engine.cache, 32, KW["max_batch_size"],
-                             buckets=(8, 16, 32), use_graphs=False)
+                             buckets=(8, 16, 32), use_graphs=False, extra_rows=extra)
     runner.capture()
     engine.runner.step_graphs = runner
+    verified, split = [], engine.speculation.split
+    run = runner.run
+    runner.run = lambda ids, counts, toks, rows=None: (
+        verified.append(rows is not None), run(ids, counts, toks, rows))[1]
+    engine.speculation.split = lambda step, logits: (verified.append("split"),
+                                                     split(step, logits))[1]
     assert [c.token_ids for c in tokens(engine, PROMPTS)] == want
-    assert runner.replays > 0 and engine.stats()["spec_decode_num_drafts"] > 0
+    # each verify step's split came right after a replay with its rows
+    splits = [i for i, v in enumerate(verified) if v == "split"]
+    assert splits and all(verified[i - 1] is True for i in splits), verified
 
 
 def test_a_rolling_window_cache_is_refused():

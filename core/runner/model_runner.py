@@ -156,8 +156,9 @@ def prefill_graphs_for(net, cache, plan, decode_graphs, wanted) -> PrefillGraphR
     return PrefillGraphRunner(net, cache, plan.max_seq_len, share_pool_with=decode_graphs)
 
 
-def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted):
-    """Mixed steps under CUDA graphs (default: with the decode graphs, where the cache can)."""
+def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted, extra_rows=0):
+    """Mixed steps under CUDA graphs (default: with the decode graphs, where the cache can);
+    ``extra_rows``: logits rows beyond one a sequence (speculative drafts' verification)."""
     from infergraft.kernels import switches  # not at import: the kernels import triton
 
     if wanted is None:
@@ -169,6 +170,6 @@ def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted):
         raise PlanError(f"step_graphs=True needs decode CUDA graphs and a cache that can "
                         f"capture a mixed step (paged); got {plan.cache_backend}")
     runner = StepGraphRunner(net, cache, max_tokens, plan.max_batch_size,
-                             share_pool_with=decode_graphs)
+                             share_pool_with=decode_graphs, extra_rows=extra_rows)
     runner.capture()
     return runner

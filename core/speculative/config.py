@@ -74,3 +74,9 @@ def _positive(method: str, key: str, value: Any) -> None:
 
 def _names(proposers) -> str:
     return ", ".join(proposers.names()) or "none (no proposer plugin is loaded)"
+
+
+def draft_rows(config: SpeculativeConfig | None, max_batch_size: int) -> int:
+    """Proposed tokens one step can carry at most (the mixed-step graphs' logits rows
+    beyond one a sequence): ``k`` for each request that may speculate."""
+    return 0 if config is None else config.k * min(config.disable_by_batch_size, max_batch_size)

@@ -3,11 +3,12 @@ verified from its logits, rejected ones rolled back (docs/architecture.md: "How 
 flows").
 
 1) ``extend``: after the scheduler's step, each decoding request that speculates (its
-   ``SamplingParams.speculative``, no constraint, not paused by its ``AdaptiveK``) asks
-   the proposer for up to ``k`` tokens, fed after its last token in the same step: more
-   query rows of the varlen step. Not when more than ``disable_by_batch_size`` requests
-   decode, nor beyond the step's token budget, nor where the cache cannot take the extra
-   tokens (the step then runs as scheduled).
+   ``SamplingParams.speculative``, no constraint, not paused by its ``AdaptiveK``; a
+   greedy one only while its tokens are kept often enough to pay for what a proposed
+   token costs here: ``cost.py``) asks the proposer for up to ``k`` tokens, fed after its
+   last token in the same step: more query rows of the varlen step. Not when more than
+   ``disable_by_batch_size`` requests decode, nor beyond the step's token budget, nor
+   where the cache cannot take the extra tokens (the step then runs as scheduled).
 2) the runner computes logits at every row of a drafted request (one row for the others).
 3) ``split`` parts them: the other requests are sampled as in any step (their tokens are
    the ones they get without speculation); ``accept`` verifies each drafted request
@@ -24,6 +25,7 @@ import torch
 from ..errors import PlanError
 from ..step import tokens_of
 from .adaptive import AdaptiveK
+from .cost import SHARE_OFF, StepCost
 from .proposer import DraftRequest, Proposal, ProposerContext
 from ..runner.sampler import place_logprob
 from .verify import verify_request
@@ -36,6 +38,7 @@ class Speculator:
         # tokens verified, tokens kept, drafts verified (a request's in one step)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0
         self._known: set = set()  # requests the drafter was asked about and not released
+        self.cost = StepCost()  # what a proposed token costs, from this engine's steps
 
     # -- 1) the step's proposed tokens -------------------------------------------------
     def eligible(self, seq) -> bool:
@@ -61,15 +64,21 @@ class Speculator:
                 or scheduler.long_rope is not None:  # (LongRoPE: recomputed at its boundary)
             return step
         where, requests = [], []
+        share = self.cost.share(len(decoding))  # the keep rate a proposed token needs here
         for i in decoding:
             s = step.seqs[i]
-            if not self.eligible(s):
+            if not self.eligible(s) or s.params.greedy and share >= SHARE_OFF:
                 continue
             if s.speculation is None:
                 s.speculation = AdaptiveK(self.config.k)
             # the last token kept always comes with one more of the target's own
             k = min(s.speculation.take(), s.params.max_new_tokens - len(s.output_ids) - 1)
-            if k > 0:
+            # drafts that cost more than they give: held (greedy requests only, whose
+            # tokens do not depend on it; a sampled one's draws do, and its seed reproduces)
+            state = s.speculation
+            if k > 0 and s.params.greedy and state.rate < share and not state.probing:
+                state.hold()
+            elif k > 0:
                 where.append(i)
                 requests.append(DraftRequest(s.id, tokens_of(s), k))
         if not requests:
@@ -177,6 +186,11 @@ class Speculator:
         self.num_drafts += 1
         seq.metrics.on_draft(proposed, kept)
         seq.speculation.update(proposed, kept)
+
+    def observe(self, step, seconds: float) -> None:
+        """A step ran in ``seconds``: a point of the cost fit where no prompt was fed."""
+        if step.kind == "decode":
+            self.cost.observe(sum(step.counts), seconds, step.drafts is not None)
 
     def stats(self) -> dict:
         """Counters for ``engine.stats()`` and /metrics (names as vLLM's spec_decode ones)."""

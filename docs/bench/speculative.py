@@ -23,8 +23,9 @@ bound on what any proposer can gain: a verify step must give more tokens than th
 
 batch: ``--batch`` requests at once (``ignore_eos``, ``--batch-tokens`` each), of two
 workloads: the quoting one and an open-ended one (stories: little to look up), off and on
-in alternating rounds; out tok/s, and on's share of off's (the median over rounds of each
-round's ratio).
+in alternating rounds; out tok/s (prefills included) and decoding tok/s (the tokens after
+the last prompt's first, over the time after it), and on's share of off's (the median over
+rounds of each round's ratio).
 """
 from __future__ import annotations
 
@@ -154,6 +155,15 @@ def verify_part(args) -> list[dict]:
     return rows
 
 
+def decode_rate(seqs) -> float:
+    """Tokens a second while the whole batch decodes: those after the last request's first
+    token (every prompt prefilled), over the time from it to the last token."""
+    start = max(s.metrics.first_token for s in seqs)
+    end = max(s.metrics.token_times[-1] for s in seqs)
+    tokens = sum(sum(t > start for t in s.metrics.token_times) for s in seqs)
+    return tokens / (end - start) if end > start else float("nan")
+
+
 def batch_part(args) -> list[dict]:
     engine = core.build(args.model, plugins=["paged"], device=args.device, dtype=args.dtype,
                         max_batch_size=args.batch, max_seq_len=1024, prefix_caching=False,
@@ -163,7 +173,7 @@ def batch_part(args) -> list[dict]:
     rows = []
     for name, texts in (("quoting", quoting), ("open-ended", stories)):
         prompts = [texts[i % len(texts)] for i in range(args.batch)]
-        tok_s = {False: [], True: []}
+        tok_s, decode_tok_s = {False: [], True: []}, {False: [], True: []}
         accepted = []
         for r in range(args.rounds):
             for on in (False, True):
@@ -173,20 +183,28 @@ def batch_part(args) -> list[dict]:
                 seqs = run(engine, prompts, params)
                 seconds = time.perf_counter() - t0
                 tok_s[on].append(sum(len(s.output_ids) for s in seqs) / seconds)
+                decode_tok_s[on].append(decode_rate(seqs))
                 if on:
                     m = [s.metrics for s in seqs]
                     accepted.append((sum(x.num_accepted_tokens for x in m),
                                      sum(x.num_draft_tokens for x in m)))
         share = statistics.median(a / b for a, b in zip(tok_s[True], tok_s[False]))
+        decode_share = statistics.median(a / b for a, b in zip(decode_tok_s[True],
+                                                                decode_tok_s[False]))
         kept, proposed = map(sum, zip(*accepted))
         rows.append({"workload": name, "batch": args.batch, "off_tok_s": statistics.median(
             tok_s[False]), "on_tok_s": statistics.median(tok_s[True]), "on_share": share,
+            "off_decode_tok_s": statistics.median(decode_tok_s[False]),
+            "on_decode_tok_s": statistics.median(decode_tok_s[True]),
+            "on_decode_share": decode_share,
             "acceptance_rate": kept / proposed if proposed else None,
             "draft_tokens_per_request": proposed / args.rounds / args.batch})
         r = rows[-1]
-        print(f"  {name:<10} batch {args.batch}: off {r['off_tok_s']:8.1f} out tok/s  on "
-              f"{r['on_tok_s']:8.1f}  ({share:.1%} of off)  kept {r['acceptance_rate'] or 0:.0%} "
-              f"of {r['draft_tokens_per_request']:.1f} proposed a request", flush=True)
+        print(f"  {name:<10} batch {args.batch}: out tok/s off {r['off_tok_s']:7.1f} on "
+              f"{r['on_tok_s']:7.1f} ({share:.1%} of off); decoding off "
+              f"{r['off_decode_tok_s']:7.1f} on {r['on_decode_tok_s']:7.1f} ({decode_share:.1%})"
+              f"  kept {r['acceptance_rate'] or 0:.0%} of {r['draft_tokens_per_request']:.1f} "
+              f"proposed a request", flush=True)
     return rows
 
 
