@@ -8,7 +8,10 @@
 #   gelu_mul); families: the gpu-marked parity tests of Gemma, Mixtral and Phi-3 (CUDA
 #   graphs, the fused decode layer) and the contrib Qwen3 / Qwen3-MoE suites;
 #   structured: the structured-output tests on CUDA (the device has no xgrammar: carry its
-#   wheel, .whl/, as the device README says, with PYTHONPATH=/tmp/site).
+#   wheel, .whl/, as the device README says, with PYTHONPATH=/tmp/site);
+#   speculative (issue 47): its GPU tests (verify steps under the mixed-step graphs, the
+#   draft proposer, the look-ahead kept for opted-out requests), then
+#   docs/bench/speculative.py's H200 run (docs/bench/speculative.md says what it owes).
 set -u
 OUT=${1:?OUT_DIR}
 shift
@@ -38,4 +41,14 @@ if has structured; then
     -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
     > "$OUT/structured.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
+fi
+if has speculative; then
+  timeout "${SPECULATIVE_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short \
+    -p no:cacheprovider -m gpu tests/test_speculative_gpu.py > "$OUT/speculative-tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/speculative-tests.txt" | tail -15
+  timeout "${SPECULATIVE_TIMEOUT:-540}" python3 docs/bench/speculative.py --device cuda \
+    --dtype bfloat16 --parts tpot,verify,batch --rounds 3 --new-tokens 96 \
+    --verify-model llama2-7b --context 512 --batch 32 --batch-tokens 128 \
+    --out "$OUT/h200-speculative.json" > "$OUT/speculative.txt" 2>&1
+  tail -20 "$OUT/speculative.txt"
 fi

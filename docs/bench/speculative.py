@@ -114,8 +114,10 @@ def tpot_part(args) -> list[dict]:
 def verify_part(args) -> list[dict]:
     name, ctx = args.verify_model, args.context
     model = load_hf(name, args.device, args.dtype) if name in SHAPES else name
+    # (speculative: for the mixed-step graphs' logits rows a draft of max(KS) needs)
     engine = core.build(model, plugins=["paged"], device=args.device, dtype=args.dtype,
-                        max_batch_size=8, max_seq_len=ctx + 64, prefix_caching=False)
+                        max_batch_size=8, max_seq_len=ctx + 64, prefix_caching=False,
+                        speculative={"method": "ngram", "k": max(KS)})
     del model
     vocab = engine.spec.vocab_size
     seq = engine.add_request(random_prompts(1, ctx, vocab)[0],
