@@ -131,3 +131,16 @@ def test_the_proposal_length_follows_acceptance():
     a.pause = 0
     a.update(1, 1)
     assert a.take() == 2 and a.next_pause == len(first)  # kept: it grows, pauses reset
+
+
+def test_several_ranks_are_refused():
+    """tp / pp: each rank would verify on its own; speculation runs on one device."""
+    from types import SimpleNamespace
+
+    from infergraft.core.speculative.config import SpeculativeConfig
+    from infergraft.core.speculative.speculator import speculation_for
+
+    plan = SimpleNamespace(parallel=SimpleNamespace(world_size=2), cache_backend="paged")
+    engine = SimpleNamespace(plan=plan, cache=SimpleNamespace(supports_truncate=True))
+    with pytest.raises(PlanError, match="runs on one device; this plan has 2 ranks"):
+        speculation_for(engine, SpeculativeConfig("ngram", 4, 32), None, None)
