@@ -221,3 +221,19 @@ def test_rejected_tokens_free_their_blocks(models):
         if not seq.finished:
             assert engine.cache.length(seq.id) == seq.num_computed_tokens == seq.num_tokens - 1
     assert seq.metrics.num_draft_tokens > seq.metrics.num_accepted_tokens  # some refused
+
+
+def test_a_batch_larger_than_disable_by_batch_size_proposes_nothing(models):
+    """Two requests decoding, speculation allowed for one at a time: none proposes until
+    the short one has finished, then the long one does."""
+    engine = core.build(models["llama-paged"], **KW, plugins=["paged"], block_size=4,
+                        speculative={"method": "ngram", "k": 4, "disable_by_batch_size": 1})
+    short = engine.add_request(PROMPTS[3], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    long = engine.add_request(PROMPTS[3], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    drafts_while_both = 0
+    while engine.has_unfinished():
+        engine.step()
+        if not short.finished:
+            drafts_while_both = engine.stats()["spec_decode_num_drafts"]
+    assert drafts_while_both == 0 and short.metrics.num_drafts == 0
+    assert long.metrics.num_drafts > 0 and long.output_ids[:10] == short.output_ids

@@ -23,11 +23,11 @@ import attrs
 import torch
 
 from ..errors import PlanError
+from ..runner.sampler import place_logprob
 from ..step import tokens_of
 from .adaptive import AdaptiveK
 from .cost import SHARE_OFF, StepCost
 from .proposer import DraftRequest, Proposal, ProposerContext
-from ..runner.sampler import place_logprob
 from .verify import verify_request
 
 
@@ -41,16 +41,20 @@ class Speculator:
         self.cost = StepCost()  # what a proposed token costs, from this engine's steps
 
     # -- 1) the step's proposed tokens -------------------------------------------------
-    def eligible(self, seq) -> bool:
+    def eligible(self, seq, share: float) -> bool:
+        """Whether ``seq`` may propose where a proposed token must be kept ``share`` of the
+        time to pay (cost.py): no greedy request past ``SHARE_OFF``."""
         p = seq.params
-        return p.speculative and not p.constrained and not seq.prefilling
+        return p.speculative and not p.constrained and not seq.prefilling and \
+            not (p.greedy and share >= SHARE_OFF)
 
     def wants(self, seqs) -> bool:
         """Whether some of ``seqs`` would propose at their next decode step (the decode
         look-ahead, which launches that step before their tokens are known, must not)."""
         if len(seqs) > self.config.disable_by_batch_size:
             return False
-        return any(self.eligible(s) and (s.speculation is None or s.speculation.active)
+        share = self.cost.share(len(seqs))
+        return any(self.eligible(s, share) and (s.speculation is None or s.speculation.active)
                    for s in seqs)
 
     def extend(self, step):
@@ -67,7 +71,7 @@ class Speculator:
         share = self.cost.share(len(decoding))  # the keep rate a proposed token needs here
         for i in decoding:
             s = step.seqs[i]
-            if not self.eligible(s) or s.params.greedy and share >= SHARE_OFF:
+            if not self.eligible(s, share):
                 continue
             if s.speculation is None:
                 s.speculation = AdaptiveK(self.config.k)
