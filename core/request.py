@@ -15,6 +15,7 @@ from typing import Optional
 import attrs
 import torch
 
+from ._moved import moved_names
 from .errors import InvalidRequestError
 from .logits_processor import named_processors
 from .metrics import RequestMetrics
@@ -250,3 +251,6 @@ def completion_of(seq: Sequence, with_text: bool) -> Completion:
                       metrics=seq.metrics,
                       logprobs=None if seq.logprobs is None else list(seq.logprobs),
                       num_cached_tokens=seq.num_cached_tokens)
+
+
+__getattr__ = moved_names(__name__)  # names that moved out, for one release
