@@ -40,6 +40,8 @@ MOVED = {
 MOVED_NAMES = {
     "infergraft.core.quant": {"SlotPacker": "infergraft.core.loading.packing"},
     "infergraft.core.memory": {"spec_of": "infergraft.core.loading.source"},
+    "infergraft.core.request": {name: "infergraft.core.prompt"
+                                for name in ("as_batch", "check_request", "encode_prompt")},
     # the LLaMA layers became registered implementations (the layer-replacement hook)
     **{module: {"Norm": "infergraft.policies.llama_layers"}
        for module in ("infergraft.core.runner.layers", "infergraft.core.runner.model")},

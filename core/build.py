@@ -26,6 +26,8 @@ from .preemption import check_mode, policy_for
 from .runner.model import DecoderModel
 from .runner.model_runner import decode_graphs_for, prefill_graphs_for, step_graphs_for
 from .runner.weight_stream import host_slots, streamer_for
+from .speculative.config import draft_rows, parse_speculative
+from .speculative.speculator import speculation_for
 from .selection import (DEFAULT_CACHE_BACKEND, DEFAULT_PLANNER, DTYPES, choose_policy,
                         resolve_device, resolve_dtype, select_plugins)
 from .units import element_bytes
@@ -78,7 +80,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
           prefill_graphs: bool | None = None, step_graphs: bool | None = None,
           max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
           checkpoint=None, preemption: str = "auto", revision: str | None = None,
-          **plugin_options) -> Engine:
+          speculative=None, **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine.
 
     ``config``: a JSON file or a dict of these arguments and plugin options, or
@@ -105,6 +107,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     longer prompts are split (``max_prefill_tokens``: its old name, deprecated).
     ``preemption``: where the cache runs short, "swap" (K/V to host memory and back),
     "recompute" (prefilled again) or "auto" (the cheaper: core/preemption.py).
+    ``speculative``: speculative decoding, e.g. ``{"method": "ngram", "k": 4}`` or
+    ``{"method": "draft", "model": ..., "k": 4}`` (core/speculative/config.py; None: off).
     ``plugins=["tp"]`` under torchrun: tensor parallel over the ranks (core/distributed/)."""
     if config is not None:  # first statement: locals() are the arguments
         from .config import explicit_arguments, resolve_config
@@ -117,6 +121,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
         if value is not None and not isinstance(value, bool):
             raise PlanError(f"{flag} must be True, False or None (the default), got {value!r}")
     pm, sel = select_plugins(get_plugin_manager(), plugins)
+    speculation = parse_speculative(speculative, pm.proposers())  # checked before loading
     source = resolve_source(model, tokenizer, checkpoint=checkpoint, revision=revision)
     policy = choose_policy(pm, source.config, sel.policy)
     spec = policy.describe(source.config)
@@ -208,7 +213,9 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     engine.prefill_graphs = prefill_graphs_for(net, cache, plan, engine.decode_graphs,
                                                prefill_graphs)
     engine.runner.step_graphs = step_graphs_for(net, cache, plan, engine.decode_graphs,
-                                                plan.max_num_batched_tokens, step_graphs)
+                                                plan.max_num_batched_tokens, step_graphs,
+                                                draft_rows(speculation, plan.max_batch_size))
+    engine.speculation = speculation_for(engine, speculation, pm.proposers(), build)
     engine.build_seconds = time.perf_counter() - t0
     return engine
 

@@ -111,6 +111,16 @@ class KVCache:
         step failed): nothing it holds may be reused by a later request."""
         self.free(seq_id)
 
+    #: True if ``truncate`` works (speculative decoding needs it: core/speculative/)
+    supports_truncate: bool = False
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        """Forget ``seq_id``'s tokens at ``length`` and after (speculative tokens the
+        verification rejected; ``length`` at least its length before the last step): the
+        next step writes after ``length``, room no token needs any more is freed, and
+        nothing derived from the forgotten tokens (a prefix-cache key) is kept."""
+        raise NotImplementedError(f"{type(self).__name__} cannot truncate a sequence")
+
     def length(self, seq_id: Hashable) -> int:
         """Tokens written (or being written by the current step) for ``seq_id``."""
         raise NotImplementedError

@@ -19,7 +19,8 @@ from .errors import InfergraftError, InvalidRequestError
 from .memory import MAX_SEQ_LEN_DEFAULT
 from .request import SamplingParams
 from .tools import chat, plugins_cli, structured_cli
-from .tools.config_cli import REVISION_HELP, add_config_argument, build_options
+from .tools.config_cli import (REVISION_HELP, add_config_argument, add_speculative_argument,
+                               build_options)
 
 DEFAULT_MODEL = "smollm2-135m"
 # A write to a pipe whose reader went away: the status of a process that SIGPIPE killed
@@ -51,7 +52,7 @@ def _build(args):
     model, options = build_options(args.config, args.model, DEFAULT_MODEL,
                                    plugins=args.plugin or None, dtype=args.dtype,
                                    device=args.device, max_seq_len=args.max_seq_len,
-                                   revision=args.revision)
+                                   revision=args.revision, speculative=args.speculative)
     engine = build(model, progress=first, **options)
     if not first:
         sys.stdout = open(os.devnull, "w")
@@ -84,9 +85,12 @@ def cmd_generate(args) -> int:
         print(done.text)
         n, finish, metrics = len(done.token_ids), done.finish_reason, done.metrics
     if args.verbose:
+        drafts = "" if not metrics.num_drafts else \
+            (f", {metrics.mean_accepted_length:.2f} tokens per verify step, "
+             f"{metrics.acceptance_rate:.0%} of proposed kept")
         print(f"[{n} tokens, finish={finish}, TTFT {(metrics.ttft or 0) * 1e3:.1f} ms, "
               f"TPOT {(metrics.tpot or 0) * 1e3:.1f} ms, "
-              f"{metrics.tokens_per_s or 0:.1f} tok/s]", file=sys.stderr)
+              f"{metrics.tokens_per_s or 0:.1f} tok/s{drafts}]", file=sys.stderr)
     return 0
 
 
@@ -120,6 +124,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"context length: prompt + output tokens (default: {MAX_SEQ_LEN_DEFAULT})")
+    add_speculative_argument(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None,

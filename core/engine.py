@@ -19,9 +19,10 @@ from .distributed.failure import across_ranks
 from .errors import InvalidRequestError
 from .appending import append_token
 from .fair_lock import FairRLock
+from .forks import fork_samples
 from .logits_processor import Vocabulary
-from .request import (SEED_LIMIT, Completion, SamplingParams, Sequence, as_batch,
-                      check_request, completion_of, encode_prompt, sampling_params)
+from .prompt import as_batch, check_request, encode_prompt
+from .request import SEED_LIMIT, Completion, SamplingParams, Sequence, completion_of, sampling_params
 from .runner.constraints import RowConstraints
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
@@ -55,6 +56,8 @@ class Engine:
         self.schedule_ahead, self._ahead = False, None  # scheduler.schedule_ahead's step
         self.runner = ModelRunner(model, cache, self.device, plan.parallel.micro_batches)
         self.lookahead = DecodeLookahead(self)  # greedy graph decode, one step ahead
+        # speculative.speculator.Speculator: proposed tokens verified in a step (build())
+        self.speculation = None
         # requests' logits processors (structured output); build() gives its plugins'
         self.constraints = RowConstraints(Vocabulary(spec.vocab_size, self.eos_token_ids,
                                                      tokenizer, self.device.type), self.device)
@@ -117,6 +120,8 @@ class Engine:
             step = step or self.scheduler.schedule()
             if step is None:
                 return []
+            if self.speculation is not None:  # drafts after decoding requests' tokens
+                step = self.speculation.extend(step)
             tokens = step_tokens(step)
             replay = self.runner.replays_decode(step)
             self._stepping = list(step.seqs)  # (+ samples forked in this step)
@@ -137,11 +142,14 @@ class Engine:
             raise across_ranks(e, self.ranks)  # tp / pp: RankFailedError, on every rank
 
     def _step_body(self, step, tokens, replay) -> list[Sequence]:
-        seqs = step.seqs
+        seqs, start = step.seqs, time.perf_counter()
         logits = self.runner.forward(step, tokens, replay)
         for s, n in zip(seqs, step.counts):
             s.num_computed_tokens += n
-        if self.schedule_ahead:  # while the GPU runs this step (the sampling waits for it)
+        verify = None
+        if step.drafts is not None:  # (lengths move when drafts are verified: no look ahead)
+            seqs, logits, verify = self.speculation.split(step, logits)
+        elif self.schedule_ahead:  # while the GPU runs this step (the sampling waits for it)
             self._ahead = self.scheduler.schedule_ahead()
         if step.kind == "prefill":
             ready = [i for i, s in enumerate(seqs) if not s.prefilling]  # whole prompt fed
@@ -155,30 +163,13 @@ class Engine:
             self._append(seq, tok, now)
         for seq, tok in forked:
             self._append(seq, tok, now)
-        return seqs + [s for s, _ in forked]
+        drafted = self.speculation.accept(verify, now) if verify is not None else []
+        if self.speculation is not None:  # what its steps cost decides who proposes
+            self.speculation.observe(step, time.perf_counter() - start)
+        return seqs + [s for s, _ in forked] + drafted
 
     def _fork_samples(self, seqs, logits) -> list[tuple[Sequence, int]]:
-        """Samples 2..n of a just-prefilled prompt share its K/V (cache.fork) and take
-        their first token from its logits; one that cannot fork is queued on its own."""
-        out = []
-        for row, parent in enumerate(seqs):
-            for child in self._forks.pop(parent.id, ()):
-                try:
-                    if not self.scheduler.has_room():
-                        raise CacheFullError("no batch slot")
-                    self.cache.fork(parent.id, child.id)
-                except (CacheFullError, NotImplementedError):
-                    self.scheduler.add(child)  # prefilled later, like any request
-                    continue
-                child.num_prefill_tokens = parent.num_prefill_tokens
-                child.num_computed_tokens = parent.num_computed_tokens
-                # it holds the parent's K/V: their prompt's cached tokens are the same
-                child.count_admission(parent.num_cached_tokens)
-                self.scheduler.adopt(child)
-                self._stepping.append(child)
-                row_logits = None if logits is None else logits[row:row + 1]
-                out.append((child, self._sample(row_logits, [child])[0]))
-        return out
+        return fork_samples(self, seqs, logits)  # (n > 1: forks.py)
 
     def _sample(self, logits, seqs) -> list[int]:
         """One token per sequence; -1 where sampling failed (NaN logits, say): the step has
@@ -288,8 +279,9 @@ class Engine:
                 self.cache.free(seq_id)
 
     def stats(self) -> dict:
-        with self.lock:  # the scheduler's and the cache's counters
-            return self.scheduler.stats()
+        with self.lock:  # the scheduler's and the cache's counters, speculation's
+            extra = {} if self.speculation is None else self.speculation.stats()
+            return {**self.scheduler.stats(), **extra}
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         check_request(ids, params, self.plan.max_seq_len, self.spec, self.tokenizer)

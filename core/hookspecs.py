@@ -88,3 +88,15 @@ def infergraft_register_logits_processors(register):
     ``SamplingParams(logits_processors={name: arg})`` and the sampler masks the tokens
     its state disallows, all constrained rows of a step in one kernel.
     """
+
+
+@hookspec
+def infergraft_register_proposers(register):
+    """Register proposers: speculative tokens that one step of the engine verifies.
+
+    Call ``register(proposer)`` with an object implementing
+    :class:`infergraft.core.speculative.proposer.Proposer`: an engine built with
+    ``speculative={"method": name, "k": ...}`` asks its ``Drafter`` each step for up to
+    ``k`` tokens per request (an n-gram lookup, a draft model); the target model keeps the
+    longest prefix it agrees with, so the output is the target's whatever is proposed.
+    """

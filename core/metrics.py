@@ -14,6 +14,26 @@ class RequestMetrics:
     first_token: Optional[float] = None
     token_times: list[float] = attrs.field(factory=list)
     finished: Optional[float] = None
+    # speculative decoding: tokens proposed and verified, those kept, verify steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_drafts: int = 0
+
+    def on_draft(self, proposed: int, accepted: int) -> None:
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        self.num_drafts += 1
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        """Proposed tokens kept, 0 to 1 (None: nothing was proposed)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> Optional[float]:
+        """Tokens a verify step gave this request on average, the target's own included
+        (1 + kept tokens per draft; None: no draft was verified)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     def on_token(self, now: float) -> None:
         if self.first_token is None:
@@ -44,7 +64,9 @@ class RequestMetrics:
 
     def as_dict(self) -> dict:
         return {"ttft_s": self.ttft, "tpot_s": self.tpot, "tokens_per_s": self.tokens_per_s,
-                "output_tokens": len(self.token_times)}
+                "output_tokens": len(self.token_times), "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "mean_accepted_length": self.mean_accepted_length}
 
 
 def percentiles(values: Sequence[float], qs=(50, 90, 99)) -> dict[str, float]:

@@ -51,6 +51,7 @@ DEFAULT_PLUGINS = (
     "infergraft.plugins.tensor_parallel",
     "infergraft.plugins.pipeline_parallel",
     "infergraft.plugins.structured_output",
+    "infergraft.plugins.proposers",
 )
 _KINDS = KINDS  # (its old name here)
 
@@ -193,9 +194,13 @@ class PluginManager(EntryPointLoader):
     def logits_processors(self) -> Registry:
         return self._collect()["logits processor"]
 
+    def proposers(self) -> Registry:
+        """Speculative decoding's proposers (``infergraft_register_proposers``)."""
+        return self._collect()["proposer"]
+
     def registries(self) -> dict[str, Registry]:
         """Every kind's registry: the selectable kinds', the layer kinds', then the logits
-        processors'."""
+        processors' and the proposers'."""
         return dict(self._collect())
 
     def hook_names(self, plugin_name: str) -> list[str]:

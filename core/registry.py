@@ -14,7 +14,8 @@ _LAYERS = ("infergraft_register_layers", ("name", "kind", "build"))
 #: kind -> (hook name, attributes every registered object must have). The kinds a build
 #: selects by name (``plugins=[...]``) first; then the layer implementations, which a
 #: spec names (core/layer.py): one hook, its objects sorted by their ``kind``; then the
-#: logits processors, which requests name (core/logits_processor.py).
+#: logits processors, which requests name (core/logits_processor.py), and the proposers,
+#: which a build's ``speculative`` config names (core/speculative/proposer.py).
 KINDS = {
     "policy": ("infergraft_register_policies", ("name", "architectures", "describe", "weight_map")),
     "cache backend": ("infergraft_register_cache_backends", ("name", "create")),
@@ -23,6 +24,8 @@ KINDS = {
     **{kind: _LAYERS for kind in LAYER_KINDS},
     # per-request constraints on the next token, named by requests (SamplingParams)
     "logits processor": ("infergraft_register_logits_processors", ("name", "start")),
+    # speculative tokens, named by a build's speculative config (core/speculative/)
+    "proposer": ("infergraft_register_proposers", ("name", "create")),
 }
 SELECTABLE = ("policy", "cache backend", "quantizer", "planner")
 

@@ -12,8 +12,12 @@ class Step:
     kind: str  # "prefill" (some sequence feeds prompt tokens) | "decode" (none does)
     seqs: list
     # tokens each sequence feeds: 1 for a decoding sequence (one that is not
-    # ``prefilling``), the next chunk of its prompt for a prefilling one
+    # ``prefilling``), the next chunk of its prompt for a prefilling one; a decoding one
+    # with a draft: 1 + its proposed tokens
     counts: list
+    # speculative decoding (core/speculative/): a Proposal per sequence (None: none), its
+    # tokens fed after the sequence's last one and verified from the logits of every row
+    drafts: tuple | None = None
 
 
 def step_of(seqs: list[Sequence], counts: list[int]) -> Step:
@@ -28,12 +32,25 @@ def tokens_of(seq: Sequence) -> list[int]:
 
 def step_tokens(step: Step) -> list[int]:
     """The token ids ``step`` feeds, sequence after sequence: a prefilling sequence's next
-    ``count`` tokens, a decoding one's last sampled token."""
+    ``count`` tokens, a decoding one's last sampled token (then its draft's tokens)."""
     tokens = []
-    for s, n in zip(step.seqs, step.counts):
+    for i, (s, n) in enumerate(zip(step.seqs, step.counts)):
         if s.prefilling:
             done = s.num_computed_tokens
             tokens += tokens_of(s)[done:done + n]
         else:
             tokens.append(s.output_ids[-1])
+            if step.drafts is not None and step.drafts[i] is not None:
+                tokens += step.drafts[i].tokens
     return tokens
+
+
+def logit_rows(step: Step) -> list[int]:
+    """The rows of ``step``'s token dimension whose logits it needs: each sequence's last
+    row, and every row of a sequence with a draft (each verifies the token before it)."""
+    rows, at = [], 0
+    for i, n in enumerate(step.counts):
+        drafted = step.drafts is not None and step.drafts[i] is not None
+        rows += range(at, at + n) if drafted else [at + n - 1]
+        at += n
+    return rows

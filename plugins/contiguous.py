@@ -71,6 +71,21 @@ class ContiguousCache(ContiguousGraphInputs, KVCache):
     def length(self, seq_id):
         return self._len[seq_id]
 
+    @property
+    def supports_truncate(self) -> bool:
+        """Full rows: a token past the length is never read. A rolling window's ring has
+        overwritten keys a rolled-back query would still see."""
+        return self.window is None
+
+    def truncate(self, seq_id, length):
+        if self.window is not None:
+            raise NotImplementedError(f"the contiguous cache's rolling window ({self.window} "
+                                      "columns) cannot roll back overwritten keys")
+        if not 0 <= length <= self._len[seq_id]:
+            raise ValueError(f"sequence {seq_id!r} holds {self._len[seq_id]} tokens; it "
+                             f"cannot be truncated to {length}")
+        self._len[seq_id] = length
+
     def fork(self, parent, child):
         """The child gets its own row, a copy of the parent's (no sharing in this layout)."""
         src = self._row[parent]  # KeyError for an unknown parent, before anything changes

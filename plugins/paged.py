@@ -45,8 +45,7 @@ class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
         # the same tables, storage ids (a hole: block 0), for the graph steps' one gather;
         # physical = logical here (the offload cache, whose fast slots move, has no graphs)
         self._rows = TableRows(blocks_for(max_seq_len, block_size))
-        self._len: dict = {}
-        self._reserved: dict = {}  # tokens reserved by allocate (the prompt)
+        self._len, self._reserved = {}, {}  # tokens held; tokens reserved by allocate (the prompt)
         self._init_swap(swap_space)  # preemption by swap (kv_swap.py)
 
     def _storage(self, n, device, pin=False):
@@ -108,12 +107,24 @@ class PagedCache(SwapSpace, PrefixCaching, PagedGraphInputs, KVCache):
     def length(self, seq_id):
         return self._len[seq_id]
 
+    supports_truncate = True
+
+    def truncate(self, seq_id, length):
+        """Roll back to ``length`` tokens; whole blocks past it (unshared) freed."""
+        assert 0 <= length <= self._len[seq_id], (seq_id, length, self._len[seq_id])
+        table = self._tables[seq_id]
+        keep = blocks_for(max(length, self._reserved[seq_id]), self.block_size)
+        for b in reversed(table[keep:]):
+            self._release(b)
+        self._rows.put(seq_id, keep, [0] * (len(table) - keep))
+        del table[keep:]
+        self._len[seq_id] = length
+
     def fork(self, parent, child):
         if child in self._tables:
             raise ValueError(f"sequence {child!r} is already allocated")
         n, table = self._len[parent], self._tables[parent]
-        full = n // self.block_size
-        partial = n % self.block_size != 0
+        full, partial = n // self.block_size, n % self.block_size != 0
         new = self.allocator.take(1 if partial else 0)  # raises before anything changes
         for b in table[:full]:
             if b != HOLE:

@@ -7,6 +7,7 @@ from infergraft.core.testing.cache_kit import CacheBackendTests
 from infergraft.core.testing.logits_kit import LogitsProcessorTests
 from infergraft.core.testing.planner_kit import PlannerTests
 from infergraft.core.testing.policy_kit import PolicyTests
+from infergraft.core.testing.proposer_kit import ProposerTests
 
 
 LLAMA_CONFIGS = {"gqa-untied": {}, "mqa-tied": dict(tie_word_embeddings=True, num_key_value_heads=1)}
@@ -100,3 +101,31 @@ class TestGrammarProcessor(LogitsProcessorTests):
     @pytest.fixture
     def bad_arg(self):
         return {"type": "object"}  # a schema, not the Constraint SamplingParams makes of it
+
+
+class TestNgramProposer(ProposerTests):
+    @pytest.fixture
+    def proposer(self):
+        return core.get_plugin_manager().proposers().get("ngram")
+
+    @pytest.fixture
+    def proposer_options(self):
+        return {"min_n": 1, "max_n": 3}
+
+    @pytest.fixture
+    def bad_options(self):
+        return {"min_n": 0}
+
+
+class TestDraftProposer(ProposerTests):
+    @pytest.fixture
+    def proposer(self):
+        return core.get_plugin_manager().proposers().get("draft")
+
+    @pytest.fixture
+    def proposer_options(self):
+        return {"model": random_model(tiny_llama_config(num_hidden_layers=1), seed=3, scale=5.0)}
+
+    @pytest.fixture
+    def bad_options(self):
+        return {"model": None}

@@ -51,7 +51,7 @@ def test_the_decode_look_ahead_stops_short_of_the_boundary():
     a = seq(6, max_new_tokens=10)
     sched.add(a)
     apply(sched, cache, sched.schedule())
-    engine = types.SimpleNamespace(scheduler=sched, cache=cache)
+    engine = types.SimpleNamespace(scheduler=sched, cache=cache, speculation=None)
     look = DecodeLookahead(engine)
     assert look._can_look_ahead([a])  # in flight: position 6; next: 7
     a.num_computed_tokens = 7  # in flight: position 7; next: 8, the boundary

@@ -10,7 +10,7 @@ import pytest
 from infergraft.core import hookspecs
 from infergraft.core.plugin_manager import _KINDS, PluginManager
 from infergraft.core.testing import (cache_kit, layer_kit, logits_kit, planner_kit, policy_kit,
-                                     quant_kit)
+                                     proposer_kit, quant_kit)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = (ROOT / "docs" / "plugins.md").read_text()
@@ -66,7 +66,8 @@ def test_every_plugin_kind_has_an_aggregate_conformance_class():
     kits = {"policy": policy_kit.PolicyTests, "cache backend": cache_kit.CacheBackendTests,
             "quantizer": quant_kit.QuantizerTests, "planner": planner_kit.PlannerTests,
             **{kind: layer_kit.LayerTests for kind in ("attention", "mlp", "norm")},
-            "logits processor": logits_kit.LogitsProcessorTests}
+            "logits processor": logits_kit.LogitsProcessorTests,
+            "proposer": proposer_kit.ProposerTests}
     assert set(kits) == set(_KINDS)
     for kind, cls in kits.items():
         tests = [n for n in dir(cls) if n.startswith("test_")]

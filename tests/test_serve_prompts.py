@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from infergraft.core.errors import InvalidRequestError
 from infergraft.core.loading.demo import ensure_demo_model
-from infergraft.core.request import encode_prompt
+from infergraft.core.prompt import encode_prompt
 from infergraft.core.serving.prompts import PromptEncoder, TokenBound, byte_chars, token_bound
 from infergraft.core.serving.protocol import OpenAIError, parse_chat, parse_completion
 

@@ -36,11 +36,11 @@ def test_every_parameter_reaches_the_sampling_arguments():
                               stop=["a", "b"], logprobs=2, presence_penalty=0.5,
                               frequency_penalty=-1, top_k=4, min_p=0.1,
                               repetition_penalty=1.2, ignore_eos=True, stream=True,
-                              stream_options={"include_usage": True}))
+                              stream_options={"include_usage": True}, speculative=False))
     assert r.sampling == {"max_new_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": 4,
                           "seed": 7, "stop": ("a", "b"), "ignore_eos": True,
                           "presence_penalty": 0.5, "frequency_penalty": -1, "min_p": 0.1,
-                          "repetition_penalty": 1.2}
+                          "repetition_penalty": 1.2, "speculative": False}
     assert (r.n, r.logprobs, r.stream, r.include_usage) == (3, 2, True, True)
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError, PlanError
 from ..memory import MAX_SEQ_LEN_DEFAULT
 from ..preemption import MODES
+from ..speculative.config import parse_speculative
 from .deepspeed import dtype
-from .values import boolean, positive_int, wrong
+from .values import boolean, positive_int, show, wrong
 from .weights import checkpoint
 
 # build()'s arguments, the config's own keys -> what each accepts (docs/config.md)
@@ -33,6 +35,8 @@ OWN_KEYS = {
                   "sequence makes room when the cache runs short",
     "revision": "a branch, tag or commit: the snapshot of a hub id model (org/name) in the "
                 "Hugging Face cache (default: main)",
+    "speculative": "an object such as {\"method\": \"ngram\", \"k\": 4} or {\"method\": "
+                   "\"draft\", \"model\": DIR, \"k\": 4}: speculative decoding (null: off)",
 }
 _KERNELS = ("auto", "triton", "torch")
 
@@ -78,6 +82,15 @@ def _revision(key, value):
     return value
 
 
+def _speculative(r, key, value):
+    """Checked as build checks it (the method registered, every value), kept as given."""
+    try:
+        parse_speculative(value, r.pm.proposers())
+    except PlanError as e:
+        raise ConfigError(f"config key {key}={show(value)} is not valid: {e}") from None
+    r.claim(key, value, key)
+
+
 def _memory(key, value):
     if isinstance(value, bool) or not isinstance(value, (str, int)) or \
             isinstance(value, int) and value < 1:
@@ -94,8 +107,10 @@ OWN_HANDLERS = {
     **{k: _own(lambda key, v: boolean(key, v, none=True))
        for k in ("cuda_graphs", "prefill_graphs", "step_graphs")},
     "checkpoint": checkpoint, "preemption": _own(_preemption), "revision": _own(_revision),
+    "speculative": _speculative,
 }
 # the keys passed on as they are (dtype, plugins and checkpoint are decided from several)
 PASSED = ("model", "device", "max_seq_len", "max_batch_size", "tokenizer", "kernels",
           "progress", "device_memory", "cuda_graphs", "prefill_graphs", "step_graphs",
-          "max_num_batched_tokens", "max_prefill_tokens", "preemption", "revision")
+          "max_num_batched_tokens", "max_prefill_tokens", "preemption", "revision",
+          "speculative")

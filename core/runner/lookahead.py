@@ -76,6 +76,10 @@ class DecodeLookahead:
             return False
         if any(a is not b for a, b in zip(running, seqs)):
             return False
+        # a request that speculates proposes after its next token, which this launch hides
+        speculation = self.engine.speculation
+        if speculation is not None and speculation.wants(seqs):
+            return False
         # after the step in flight each has one more token; the next must stay in bounds
         if any(len(s.output_ids) + 2 > s.params.max_new_tokens for s in seqs):
             return False

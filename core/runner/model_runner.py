@@ -18,6 +18,7 @@ from ..distributed.micro_batches import forward_groups
 from ..errors import PlanError
 from .cuda_graph import CudaGraphRunner
 from .prefill_graph import PrefillGraphRunner
+from ..step import logit_rows
 from .step_graph import StepGraphRunner
 
 
@@ -33,39 +34,44 @@ class ModelRunner:
         self.long_rope = None
 
     def replays_decode(self, step) -> bool:
-        """True where ``step`` is a decode step whose batch size has a captured graph."""
+        """True where ``step`` is a decode step whose batch size has a captured graph (not
+        one carrying drafts: those are mixed steps)."""
         graphs = self.decode_graphs
-        return step.kind == "decode" and graphs is not None \
+        return step.kind == "decode" and step.drafts is None and graphs is not None \
             and graphs.bucket(len(step.seqs)) is not None
 
     def forward(self, step, tokens: list[int], replay: bool):
         """The step's logits [rows we sample from, V] float32: one row per sequence of a
-        decode step, the last fed row of each sequence of a prefill step (None on a
-        pipeline stage before the last)."""
+        decode step, the last fed row of each sequence of a prefill step, every row of a
+        sequence with a draft (``step.logit_rows``; None on a pipeline stage before the
+        last)."""
         seqs, counts = step.seqs, step.counts
         if replay:
             return self._watched(self.decode_graphs.decode([s.id for s in seqs], tokens))
         # rows a LongRoPE position does not place (graphs are captured without them)
         long_rows = None if self.long_rope is None else \
             self.long_rope.long_rows(seqs, counts, self.device)
+        rows = None if step.drafts is None else logit_rows(step)  # a verify step's
+        mixed = step.kind == "prefill" or rows is not None
         steps = self.step_graphs
-        if steps is not None and step.kind == "prefill" and long_rows is None \
-                and steps.bucket(counts) is not None:
-            return self._watched(steps.run([s.id for s in seqs], counts, tokens))  # [B, V]
+        if steps is not None and mixed and long_rows is None \
+                and steps.bucket(counts, rows) is not None:
+            return self._watched(steps.run([s.id for s in seqs], counts, tokens, rows))
         graphs = self.prefill_graphs
-        if step.kind == "prefill" and graphs is not None and long_rows is None \
-                and graphs.bucket(seqs, counts):
+        if step.kind == "prefill" and rows is None and graphs is not None \
+                and long_rows is None and graphs.bucket(seqs, counts):
             return self._watched(graphs.prefill(seqs[0].id, tokens))  # [1, V]
         token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         if self._pipelined():
             return forward_groups(self.model, self.cache, [s.id for s in seqs], counts,
                                   token_t, self.micro_batches, step.kind != "decode", long_rows)
         meta = self.cache.prepare([s.id for s in seqs], counts)
-        if step.kind == "decode":
+        if not mixed:
             return self.model(token_t, self.cache, meta, None)  # [B, V]
-        last = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
-        return self.model(token_t, self.cache, meta, last.to(self.device),
-                          long_rows=long_rows)  # [B, V]
+        if rows is None:
+            rows = torch.tensor(counts).cumsum(0) - 1  # [B] row of each sequence's last token
+        index = torch.as_tensor(rows).to(self.device)
+        return self.model(token_t, self.cache, meta, index, long_rows=long_rows)  # [R, V]
 
     def every_row(self, seq_id, ids: list[int]):
         """Logits of every position of a sequence the cache just allocated: [len, V]
@@ -150,8 +156,9 @@ def prefill_graphs_for(net, cache, plan, decode_graphs, wanted) -> PrefillGraphR
     return PrefillGraphRunner(net, cache, plan.max_seq_len, share_pool_with=decode_graphs)
 
 
-def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted):
-    """Mixed steps under CUDA graphs (default: with the decode graphs, where the cache can)."""
+def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted, extra_rows=0):
+    """Mixed steps under CUDA graphs (default: with the decode graphs, where the cache can);
+    ``extra_rows``: logits rows beyond one a sequence (speculative drafts' verification)."""
     from infergraft.kernels import switches  # not at import: the kernels import triton
 
     if wanted is None:
@@ -163,6 +170,6 @@ def step_graphs_for(net, cache, plan, decode_graphs, max_tokens, wanted):
         raise PlanError(f"step_graphs=True needs decode CUDA graphs and a cache that can "
                         f"capture a mixed step (paged); got {plan.cache_backend}")
     runner = StepGraphRunner(net, cache, max_tokens, plan.max_batch_size,
-                             share_pool_with=decode_graphs)
+                             share_pool_with=decode_graphs, extra_rows=extra_rows)
     runner.capture()
     return runner

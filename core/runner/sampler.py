@@ -108,19 +108,30 @@ def _draw(logits: torch.Tensor, seq, argmax: int) -> int:
     """logits: [V] float32 on the host -> this sequence's token (``argmax``: the raw
     logits' argmax, the token of a greedy row without penalties)."""
     p = seq.params
-    penalised = _penalised(p)
-    if penalised:
-        logits = penalise(logits, p, seq.prompt_id_set(), seq.output_ids)
-    if p.greedy:  # the distribution before truncation: temperature 1 for greedy rows
-        scaled = logits
-        token = int(logits.argmax()) if penalised else argmax
+    scaled, masked = process(logits, seq)
+    if masked is None:  # greedy
+        token = int(scaled.argmax()) if _penalised(p) else argmax
     else:
-        scaled = logits / p.temperature
-        masked = truncate(scaled, p.top_k, p.top_p, p.min_p)
         token = int(torch.multinomial(masked.softmax(-1), 1, generator=seq.generator))
     if p.logprobs is not None:
         _record(seq, token, scaled.log_softmax(-1), p.logprobs)
     return token
+
+
+def process(logits: torch.Tensor, seq, output_ids=None):
+    """logits: [V] float32 on the host -> (the logits of the distribution a token is drawn
+    from, after the penalties and the temperature: what logprobs report; those logits
+    truncated by top-k, top-p and min-p, or None for a greedy row, whose token is the first
+    one's argmax). ``output_ids``: the output the penalties see (default: ``seq``'s; a
+    speculative token's row sees the proposed tokens before it too)."""
+    p = seq.params
+    if _penalised(p):
+        out = seq.output_ids if output_ids is None else output_ids
+        logits = penalise(logits, p, seq.prompt_id_set(), out)
+    if p.greedy:  # the distribution before truncation: temperature 1 for greedy rows
+        return logits, None
+    scaled = logits / p.temperature
+    return scaled, truncate(scaled, p.top_k, p.top_p, p.min_p)
 
 
 def _penalised(p) -> bool:
@@ -129,11 +140,21 @@ def _penalised(p) -> bool:
 
 def _record(seq, token: int, logprobs: torch.Tensor, k: int) -> None:
     """Append ``token``'s TokenLogprob to ``seq.logprobs`` (logprobs: [V] float32)."""
+    place_logprob(seq, logprob_entry(token, logprobs, k))
+
+
+def logprob_entry(token: int, logprobs: torch.Tensor, k: int) -> TokenLogprob:
+    """``token``'s TokenLogprob and the ``k`` most likely tokens' (logprobs: [V] float32)."""
     top = ()
     if k:
         values, ids = torch.topk(logprobs, k)  # sorted, most likely first
         top = tuple(zip(ids.tolist(), values.tolist()))
-    # The entry for output position len(output_ids): a step retried after a failure (or
-    # recomputed after an interrupt between sampling and appending) replaces its own.
+    return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def place_logprob(seq, entry: TokenLogprob) -> None:
+    """``entry`` as the logprob of output position len(output_ids): a step retried after a
+    failure (or recomputed after an interrupt between sampling and appending) replaces its
+    own."""
     del seq.logprobs[len(seq.output_ids):]
-    seq.logprobs.append(TokenLogprob(token, float(logprobs[token]), top))
+    seq.logprobs.append(entry)

@@ -5,7 +5,9 @@ per layer from Python; replaying a captured graph removes that host work, which 
 hundred tokens can exceed the GPU's. A step of ``t`` tokens over ``n`` sequences runs in
 the smallest bucket ``T >= t``, captured for ``T`` rows and ``min(T, max_batch_size)``
 sequences: rows ``t..T-1`` are padding (token 0, written nowhere, attending to nothing)
-and sequences ``n..`` feed no row; only each sequence's last row goes through the LM head.
+and sequences ``n..`` feed no row; only each sequence's last row goes through the LM head,
+or the rows a step asks for: a speculative verify step's, every row of a sequence with a
+draft (``extra_rows`` beyond the batch: ``min(T, max_batch_size + extra_rows)`` in all).
 The attention of the whole step is one varlen kernel launch, whose grid depends on the
 bucket's shapes alone, so the graph replays any mix of lengths.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graph import PinnedStaging, capture_graph, rows
+from .cuda_graph import PinnedStaging, capture_graph, rows as rows_of
 
 STEP_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
                 8192, 12288, 16384)
@@ -25,18 +27,20 @@ STEP_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 409
 
 class StepGraphRunner:
     def __init__(self, model, cache, max_tokens: int, max_batch_size: int,
-                 buckets=STEP_BUCKETS, use_graphs: bool = True, share_pool_with=None):
+                 buckets=STEP_BUCKETS, use_graphs: bool = True, share_pool_with=None,
+                 extra_rows: int = 0):
         self.model, self.cache, self.use_graphs = model, cache, use_graphs
         self._pool_owner = share_pool_with  # keeps the shared pool alive (prefill_graph.py)
         self.pool = getattr(share_pool_with, "pool", None)
         self.device = next(iter(model.buffers())).device
         self.max_batch_size = max_batch_size
+        self.extra_rows = extra_rows  # logits rows beyond a row a sequence (drafts')
         self.buckets = sorted({b for b in buckets if b < max_tokens} | {max_tokens})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # T -> (pinned staging [T + S], device [T + S]: tokens, then each sequence's
-        # last row; the cache's meta)
+        # T -> (pinned staging [T + R], device [T + R]: tokens, then the rows whose logits
+        # the step needs; the cache's meta)
         self.inputs: dict[int, tuple] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # T -> [S, V] float32
+        self.logits: dict[int, torch.Tensor] = {}  # T -> [R, V] float32
         self.replays = 0
 
     @staticmethod
@@ -47,11 +51,16 @@ class StepGraphRunner:
         """Sequences a bucket of ``tokens`` rows is captured for (each feeds >= 1 row)."""
         return min(tokens, self.max_batch_size)
 
-    def bucket(self, counts) -> int | None:
-        """The bucket a step feeding ``counts`` tokens per sequence runs in, or None."""
-        t = sum(counts)
-        return next((b for b in self.buckets if b >= t and self.seqs_of(b) >= len(counts)),
-                    None)
+    def rows_of(self, tokens: int) -> int:
+        """Rows of logits a bucket of ``tokens`` rows computes (``R``)."""
+        return min(tokens, self.max_batch_size + self.extra_rows)
+
+    def bucket(self, counts, rows=None) -> int | None:
+        """The bucket a step feeding ``counts`` tokens per sequence runs in, or None;
+        ``rows``: the rows whose logits it needs (default: each sequence's last)."""
+        t, n = sum(counts), len(counts) if rows is None else len(rows)
+        return next((b for b in self.buckets if b >= t and self.seqs_of(b) >= len(counts)
+                     and self.rows_of(b) >= n), None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -62,31 +71,33 @@ class StepGraphRunner:
 
     def _capture(self, tokens: int) -> None:
         seqs = self.seqs_of(tokens)
-        host = torch.zeros(tokens + seqs, dtype=torch.long)
+        host = torch.zeros(tokens + self.rows_of(tokens), dtype=torch.long)
         staging = PinnedStaging(host, self.device.type == "cuda")
-        dev = host.to(self.device)  # [T] tokens, then [S] the rows whose logits we need
+        dev = host.to(self.device)  # [T] tokens, then [R] the rows whose logits we need
         meta = self.cache.static_step_meta(tokens, seqs)  # all rows padding until filled
         self.inputs[tokens] = (staging, dev, meta)
         if not self.use_graphs:
             return
         ids, index = dev[:tokens], dev[tokens:]
-        graph, self.logits[tokens] = capture_graph(  # logits [S, V]
+        graph, self.logits[tokens] = capture_graph(  # logits [R, V]
             lambda: self.model(ids, self.cache, meta, index), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[tokens] = graph
 
     @torch.inference_mode()
-    def run(self, seq_ids, counts, tokens: list[int]) -> torch.Tensor:
-        """One step: logits of each sequence's last fed row, [n, V] float32."""
-        length = self.bucket(counts)
+    def run(self, seq_ids, counts, tokens: list[int], rows=None) -> torch.Tensor:
+        """One step: logits of each sequence's last fed row, [n, V] float32 (``rows``: of
+        those rows instead, [len(rows), V]: a verify step's)."""
+        length = self.bucket(counts, rows)
         staging, dev, meta = self.inputs[length]
-        n = len(seq_ids)
         host = staging.next()
         t = len(tokens)
+        index = torch.tensor(counts).cumsum(0) - 1 if rows is None else torch.tensor(rows)
+        n = len(index)
         host[:t] = torch.tensor(tokens, dtype=torch.long)
         host[t:length] = 0  # padding token
-        host[length:length + n] = torch.tensor(counts).cumsum(0) - 1  # each one's last row
+        host[length:length + n] = index  # each one's last row, or the rows asked for
         host[length + n:] = 0
         dev.copy_(host, non_blocking=True)
         self.cache.prepare_step_into(meta, seq_ids, counts)
@@ -95,5 +106,4 @@ class StepGraphRunner:
             self.graphs[length].replay()
         else:
             self.logits[length] = self.model(dev[:length], self.cache, meta, dev[length:])
-        return rows(self.logits[length], n)
-
+        return rows_of(self.logits[length], n)

@@ -28,7 +28,8 @@ import time
 from ..cpu_threads import use_cores
 from ..distributed.failure import CENSUS_S, group_timeout
 from ..errors import InfergraftError, InvalidRequestError
-from ..request import SamplingParams, check_request
+from ..prompt import check_request
+from ..request import SamplingParams
 from .engine_thread import EngineThread, Inbox, Submission, engine_stats, refusal
 from .lockstep import Lockstep, follow
 from .outputs import RequestOutput, coalesce

@@ -34,7 +34,7 @@ class EngineView:
         self.tokenizer, self.spec, self.plan = tokenizer, spec, plan
 
     def encode(self, prompt) -> list[int]:
-        from ..request import encode_prompt
+        from ..prompt import encode_prompt
 
         return encode_prompt(prompt, self.tokenizer, self.spec.vocab_size)
 

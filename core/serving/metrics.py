@@ -19,7 +19,10 @@ GAUGES = {"requests_running": ("requests_running", "Requests in the running batc
           "kv_cache_usage_ratio": ("kv_cache_usage_ratio",
                                    "K/V cache in use, 0 to 1 (blocks or rows)."),
           "kv_blocks": ("kv_blocks_total", "K/V blocks in the pool (0: a row per sequence)."),
-          "kv_blocks_free": ("kv_blocks_free", "K/V blocks of the pool free now.")}
+          "kv_blocks_free": ("kv_blocks_free", "K/V blocks of the pool free now."),
+          "spec_decode_draft_acceptance_rate": (
+              "spec_decode_draft_acceptance_rate",
+              "Speculative decoding: proposed tokens kept, 0 to 1, since the start.")}
 COUNTERS = {"prompt_tokens": ("prompt_tokens_total", "Prompt tokens prefilled."),
             "generation_tokens": ("generation_tokens_total", "Tokens generated."),
             "prefix_cache_queries": ("prefix_cache_queries",
@@ -35,7 +38,14 @@ COUNTERS = {"prompt_tokens": ("prompt_tokens_total", "Prompt tokens prefilled.")
             "engine_steps": ("num_steps", "Engine steps taken (prefill and decode)."),
             "engine_prefill_steps": ("num_prefill_steps",
                                      "Engine steps that prefilled (decode tokens may ride)."),
-            "engine_step_seconds": ("step_seconds_total", "Seconds spent in engine steps.")}
+            "engine_step_seconds": ("step_seconds_total", "Seconds spent in engine steps."),
+            "spec_decode_num_drafts": ("spec_decode_num_drafts",
+                                       "Speculative decoding: drafts verified (a request's "
+                                       "proposed tokens in one step)."),
+            "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",
+                                             "Speculative decoding: proposed tokens verified."),
+            "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",
+                                                "Speculative decoding: proposed tokens kept.")}
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,

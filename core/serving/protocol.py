@@ -53,7 +53,9 @@ NO_TOOLS = {"tools": (None, []), "tool_choice": (None, "none", "auto"),
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
           "seed", "stop", "presence_penalty", "frequency_penalty", "logprobs",
           # vLLM's extensions (the openai client sends them through ``extra_body``)
-          "top_k", "min_p", "repetition_penalty", "ignore_eos"} | STRUCTURED_KEYS
+          "top_k", "min_p", "repetition_penalty", "ignore_eos",
+          # ours: false keeps this request out of speculative decoding
+          "speculative"} | STRUCTURED_KEYS
 COMPLETION_KEYS = COMMON | {"prompt", "best_of"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | TOOL_KEYS
 
@@ -143,7 +145,8 @@ def _common(body: dict) -> tuple[dict, int, bool, bool]:
           "presence_penalty": number(body, "presence_penalty", -2, 2, 0.0),
           "frequency_penalty": number(body, "frequency_penalty", -2, 2, 0.0),
           "repetition_penalty": number(body, "repetition_penalty", 0, None, 1.0, lo_open=True),
-          "min_p": number(body, "min_p", 0, 1, 0.0)}
+          "min_p": number(body, "min_p", 0, 1, 0.0),
+          "speculative": boolean(body, "speculative", True)}
     if kw["top_p"] == 1:
         kw["top_p"] = None
     n = integer(body, "n", 1, MAX_N, default=1)
@@ -243,6 +246,7 @@ PARAM_OF_FIELD = {"max_new_tokens": "max_tokens", "temperature": "temperature",
                   "logprobs": "logprobs", "presence_penalty": "presence_penalty",
                   "frequency_penalty": "frequency_penalty", "min_p": "min_p",
                   "repetition_penalty": "repetition_penalty", "prompt": "prompt",
+                  "speculative": "speculative",
                   "token": "prompt"}
 
 

@@ -9,6 +9,7 @@ plugin's own suite subclasses, providing a few fixtures:
 * ``planner_kit.PlannerTests``        (fixture ``planner``)
 * ``layer_kit.LayerTests``            (fixtures ``layer_impl``, ``spec``: an attention, MLP or norm)
 * ``logits_kit.LogitsProcessorTests`` (fixtures ``processor``, ``processor_arg``, ``bad_arg``)
+* ``proposer_kit.ProposerTests``      (fixtures ``proposer``, ``proposer_options``, ``bad_options``)
 
 ``strategies`` holds the public hypothesis strategies, ``models`` tiny random HF models,
 ``parity`` the comparisons with HF transformers, and ``fixtures`` the pytest fixtures

@@ -6,6 +6,7 @@ defaults to None and the command fills its own default afterwards."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 HELP = ("a JSON config: core.build's keyword arguments and plugin options, or DeepSpeed's "
@@ -19,6 +20,32 @@ REVISION_HELP = ("a branch, tag or commit: which snapshot of a hub id model (org
 
 def add_config_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", default=None, help=HELP)
+
+
+SPECULATIVE_HELP = ("speculative decoding: a JSON object such as '{\"method\": \"ngram\", "
+                    "\"k\": 4}' (prompt lookup) or '{\"method\": \"draft\", \"model\": DIR, "
+                    "\"k\": 4}' (a smaller model of the same tokenizer), or a method name; "
+                    "docs/config.md lists the keys")
+
+
+def add_speculative_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", metavar="JSON", type=speculative_flag, default=None,
+                   help=SPECULATIVE_HELP)
+
+
+def speculative_flag(text: str):
+    """``--speculative``'s value: a JSON object, or a bare method name ("ngram")."""
+    if not text.strip().startswith("{"):
+        return text.strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at column {e.colno}): give an "
+                                         f"object such as '{{\"method\": \"ngram\", \"k\": "
+                                         f"4}}' or a method name") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def given(**flags) -> dict:

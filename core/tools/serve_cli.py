@@ -25,7 +25,8 @@ from ..memory import MAX_SEQ_LEN_DEFAULT
 from ..serving.body import DEFAULT_MAX_REQUEST_BYTES
 from ..serving.tool_calls import FAMILIES as TOOL_CALL_FAMILIES
 from ..units import parse_bytes
-from .config_cli import REVISION_HELP, add_config_argument, build_options
+from .config_cli import (REVISION_HELP, add_config_argument, add_speculative_argument,
+                         build_options)
 
 DEFAULT_MODEL = "smollm2-135m"  # as `infergraft generate`
 GRACE_S = 30  # seconds open requests get after SIGTERM before they are cancelled
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "hermes (Hermes, Qwen: <tool_call>), llama3_json (LLaMA 3.x: bare "
                         "JSON), mistral ([TOOL_CALLS]); default: the one the chat template "
                         "asks for, else hermes")
+    add_speculative_argument(p)
     p.add_argument("--prefill-graphs", action="store_true",
                    help="caches without mixed-step graphs (contiguous): replay a captured "
                         "graph for a prompt prefilled with nothing else running (CUDA; the "
@@ -127,7 +129,7 @@ def run(args) -> int:
         args.config, args.model, DEFAULT_MODEL, plugins=args.plugin or None,
         dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
-        revision=args.revision)
+        revision=args.revision, speculative=args.speculative)
     if not args.prefill_graphs:  # the build's default (None) only when asked for
         options.setdefault("prefill_graphs", False)
     options["progress"] = first

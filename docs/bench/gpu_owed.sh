@@ -15,6 +15,9 @@
 #   the card holds its 87 GiB (an H200);
 # steps45: issue 45's profile first, where a mixed step's time goes (step_profile.py) on the
 #   fixed 512/256 and sharegpt-like workloads, LLaMA-3-8B shape, 256 requests.
+#   speculative (issue 47): its GPU tests (verify steps under the mixed-step graphs, the
+#   draft proposer, the look-ahead kept for opted-out requests), then
+#   docs/bench/speculative.py's H200 run (docs/bench/speculative.md says what it owes).
 set -u
 OUT=${1:?OUT_DIR}
 shift
@@ -63,4 +66,14 @@ if has bench44; then
       --systems infergraft,hf-eager --new-tokens 32 --out "$OUT/bench_$m" > "$OUT/bench_$m.txt" 2>&1
     echo "bench $m rc $?"; grep -E "^\| [0-9]" "$OUT/bench_$m.txt" | head -8
   done
+fi
+if has speculative; then
+  timeout "${SPECULATIVE_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short \
+    -p no:cacheprovider -m gpu tests/test_speculative_gpu.py > "$OUT/speculative-tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/speculative-tests.txt" | tail -15
+  timeout "${SPECULATIVE_TIMEOUT:-540}" python3 docs/bench/speculative.py --device cuda \
+    --dtype bfloat16 --parts tpot,verify,batch --rounds 3 --new-tokens 96 \
+    --verify-model llama2-7b --context 512 --batch 32 --batch-tokens 128 \
+    --out "$OUT/h200-speculative.json" > "$OUT/speculative.txt" 2>&1
+  tail -20 "$OUT/speculative.txt"
 fi

@@ -1,0 +1,75 @@
+"""The built-in ``ngram`` proposer: prompt lookup decoding (Saxena's "prompt lookup",
+vLLM's ``ngram``). Where the output repeats what came before it (an edit, a summary, code
+that quotes its input), the tokens after an earlier occurrence of the text's last few
+tokens are a good guess at what comes next, and they cost no model.
+
+``lookup`` takes the longest suffix of the request's tokens (prompt, then output) of
+``min_n`` to ``max_n`` tokens that occurs earlier, at its latest earlier occurrence that
+``k`` tokens follow (else its latest), and proposes the up to ``k`` tokens after it. The
+search runs over the tokens as bytes (``bytes.rfind``, 4 bytes a token): a loop in C, not
+in Python, however long the request.
+"""
+from __future__ import annotations
+
+from array import array
+
+from ..errors import PlanError
+from .proposer import Drafter, Proposal, Proposer
+
+_ITEM = array("i").itemsize  # bytes a token takes in the search
+
+
+def lookup(tokens, k: int, min_n: int = 1, max_n: int = 4) -> tuple[int, ...]:
+    """Up to ``k`` tokens that followed an earlier occurrence of the longest suffix of
+    ``tokens`` with ``min_n`` <= length <= ``max_n``: its latest occurrence that ``k``
+    tokens follow, else its latest (in a repeating run, that one's followers reach the
+    end); none: ``()``."""
+    n_tokens = len(tokens)
+    if k < 1 or n_tokens <= min_n:
+        return ()
+    data = array("i", tokens).tobytes()
+    for n in range(min(max_n, n_tokens - 1), min_n - 1, -1):
+        needle = data[(n_tokens - n) * _ITEM:]
+        # a match must end before the last token, so that at least one token follows it
+        at = _rfind(data, needle, n_tokens - k) if n_tokens - k >= n else -1
+        at = at if at >= 0 else _rfind(data, needle, n_tokens - 1)
+        if at >= 0:
+            return tuple(tokens[at + n:at + n + k])
+    return ()
+
+
+def _rfind(data: bytes, needle: bytes, end: int) -> int:
+    """The token index of the last whole-token occurrence of ``needle`` ending at or
+    before token ``end`` (-1: none); not bytes straddling two tokens."""
+    end *= _ITEM
+    while True:
+        at = data.rfind(needle, 0, end)
+        if at < 0 or at % _ITEM == 0:
+            return at // _ITEM if at >= 0 else -1
+        end = at + len(needle) - 1  # look before this misaligned hit
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests):
+        return [Proposal(lookup(r.token_ids, r.k, self.min_n, self.max_n)) for r in requests]
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+    options = {"min_n": 1, "max_n": 4}
+
+    def check(self, options):
+        for key in ("min_n", "max_n"):
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"speculative ngram: {key} must be an integer >= 1 (tokens of "
+                                f"the suffix looked up), got {value!r}")
+        if options["min_n"] > options["max_n"]:
+            raise PlanError(f"speculative ngram: min_n={options['min_n']} is more than "
+                            f"max_n={options['max_n']}; accepted: 1 <= min_n <= max_n")
+
+    def create(self, context, min_n=1, max_n=4):
+        return NgramDrafter(min_n, max_n)
