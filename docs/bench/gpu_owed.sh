@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# The GPU runs this session's CPU work owes (issues 43, 44, 46), in the order to spend scarce
-# device time on them; one call each part or several, e.g.
-#   bash docs/bench/gpu_owed.sh OUT kernels families
-#   INT4_TIMEOUT=280 PROFILE_TIMEOUT=280 bash docs/bench/gpu_quant_profile.sh OUT int4 profile
-#   bash docs/bench/gpu_quant_next.sh OUT   (issue 43: the MMA kernels, INFERGRAFT_QUANT_MMA off / on)
+# The GPU runs the CPU work owes (issues 43-47), in the order to spend scarce device time on
+# them (30 minutes a session, a machine's start included); one call each part or several:
+#   1. bash docs/bench/gpu_quant_next.sh OUT   (issue 43, < 9 min: the MMA kernels' CUDA
+#      tests, their sweep, bench int8,int4,fp8 with INFERGRAFT_QUANT_MMA off then on)
+#   2. bash docs/bench/gpu_owed.sh OUT kernels families structured   (< 10 min; carry .whl,
+#      made by docs/bench/device_wheels.sh: xgrammar, FastAPI, openai for the structured part)
+#   3. bash docs/bench/gpu_owed.sh OUT steps45 bench44   (issues 45, 44)
+#   4. bash docs/bench/gpu_owed.sh OUT speculative   (issue 47)
+#   then, for issue 43's profile: bash docs/bench/gpu_quant_profile.sh OUT profile ncu
 # kernels: the CUDA cases of the kernels written or changed without a GPU (int4_mma, fp8_mma,
 #   token_bitmask, fused_moe, softcapped paged / varlen attention, rms_norm's unit offset,
 #   gelu_mul); families: the gpu-marked parity tests of Gemma, Mixtral and Phi-3 (CUDA
 #   graphs, the fused decode layer) and the contrib Qwen3 / Qwen3-MoE suites;
-#   structured: the structured-output tests on CUDA (the device has no xgrammar: carry its
-#   wheel, .whl/, as the device README says, with PYTHONPATH=/tmp/site);
+#   structured: the structured-output and tool-calling tests on CUDA (the wheels of .whl/
+#   installed into /tmp/site when the call carries them);
 # bench44: issue 44's targets, batch-1 / batch-32 TPOT beside HF eager and the roofline of
 #   the active weights: Qwen3-8B and Qwen3-30B-A3B shapes (contrib), Mixtral-8x7B where
 #   the card holds its 87 GiB (an H200);
@@ -26,6 +30,10 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . ./contrib/infergraft-qwen \
   >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then  # what the device lacks (docs/bench/device_wheels.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 if has kernels; then
   timeout "${KERNELS_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
@@ -45,8 +53,14 @@ fi
 if has structured; then
   timeout "${STRUCTURED_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
+    tests/test_serve_structured.py tests/test_tool_call_parsers.py \
     > "$OUT/structured.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
+  # issue 46's overhead target: 256 concurrent requests, a schema each, LLaMA-3-8B shape
+  timeout "${STRUCTURED_BENCH_TIMEOUT:-240}" python3 docs/bench/structured_overhead.py \
+    --model llama3-8b --requests 256 --new-tokens 64 --rounds 2 --device cuda \
+    --out "$OUT/h200-structured-overhead.json" > "$OUT/structured-overhead.txt" 2>&1
+  tail -6 "$OUT/structured-overhead.txt"
 fi
 if has steps45; then
   for ds in fixed sharegpt-like; do

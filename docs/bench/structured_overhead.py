@@ -2,7 +2,7 @@
 own (never seen before: every one is compiled), against the same N requests
 unconstrained, in the same run; and each new schema's compile time.
 
-``python docs/bench/structured_overhead.py [--model smollm2-135m] [--requests 32]
+``python docs/bench/structured_overhead.py [--model smollm2-135m | llama3-8b] [--requests 32]
 [--new-tokens 64] [--rounds 2] [--device cpu] [--out FILE.json]``
 
 Both runs generate exactly ``--new-tokens`` per request, so they run the same batches:
@@ -55,6 +55,30 @@ def run(engine, prompts, params) -> dict:
             "host_ms_per_step": (engine.constraints.host_seconds - host0) / steps * 1e3}
 
 
+def build(args, n: int):
+    """The engine of ``--model``: a checkpoint or alias with its own tokenizer, or a random
+    shape (``infergraft bench``'s, e.g. llama3-8b) speaking the demo model's tokenizer (its
+    ids fit every shape's vocabulary; the ids past it are masked like any other)."""
+    from infergraft.core.tools.bench_cli import SHAPES, load_hf
+
+    options = dict(plugins=["paged"], device=args.device, max_batch_size=n, max_seq_len=256)
+    if args.model not in SHAPES:
+        return core.build(args.model, dtype=args.dtype, **options)
+    import torch
+    from transformers import AutoTokenizer
+
+    from infergraft.core.loading.demo import ensure_demo_model
+
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    tok = AutoTokenizer.from_pretrained(ensure_demo_model("smollm2-135m", quiet=True))
+    hf = load_hf(args.model, torch.device(args.device), dtype)
+    if hf.config.vocab_size < len(tok):
+        raise SystemExit(f"--model {args.model}: its vocabulary ({hf.config.vocab_size}) is "
+                         f"smaller than the demo tokenizer's ({len(tok)}); take a shape of "
+                         f"{len(tok)} tokens or more, e.g. llama3-8b")
+    return core.build(hf, tokenizer=tok, **options)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -66,8 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     n, m = args.requests, args.new_tokens
-    engine = core.build(args.model, plugins=["paged"], device=args.device, dtype=args.dtype,
-                        max_batch_size=n, max_seq_len=256)
+    engine = build(args, n)
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write notes on "
                                          f"{TOPICS[i % len(TOPICS)]} as JSON."}],
