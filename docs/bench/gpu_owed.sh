@@ -90,4 +90,8 @@ if has speculative; then
     --verify-model llama2-7b --context 512 --batch 32 --batch-tokens 128 \
     --out "$OUT/h200-speculative.json" > "$OUT/speculative.txt" 2>&1
   tail -20 "$OUT/speculative.txt"
+  timeout "${SPECULATIVE_K8_TIMEOUT:-120}" python3 docs/bench/speculative.py --device cuda \
+    --dtype bfloat16 --parts tpot --k 8 --rounds 3 --new-tokens 96 \
+    --out "$OUT/h200-speculative-k8.json" > "$OUT/speculative-k8.txt" 2>&1
+  tail -5 "$OUT/speculative-k8.txt"
 fi
