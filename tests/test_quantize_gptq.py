@@ -219,9 +219,11 @@ def test_the_cli_writes_a_checkpoint_that_generates(tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"wrote {out}: 14 projections, gptq int4 in groups of 64, 512 calibration tokens" \
         in done.stderr
+    assert "512 calibration tokens, act-order" in done.stderr  # the default
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (qc["group_size"], qc["meta"]["seed"], qc["meta"]["calibration_tokens"]) == \
         (64, 3, 512)
+    assert qc["desc_act"] is True and qc["static_groups"] is True
     assert main(["generate", "hello", "--model", str(out), "--device", "cpu",
                  "--max-new-tokens", "4", "--raw"]) == 0
 
@@ -286,3 +288,22 @@ def test_demo_model_quantised_by_gptq_act_order(tmp_path):
           f"answer {demo_answer(engine)!r}, opening as float32's: {answer!r}")
     assert ratio <= 1.10, ratio
     assert "Paris" in answer, answer
+
+
+@pytest.mark.parametrize("args, desc_act", [(["--no-act-order"], False), ([], True),
+                                            (["--method", "rtn"], False)])
+def test_act_order_is_gptqs_default_and_can_be_turned_off(tmp_path, args, desc_act):
+    _, src = _tiny_dir(tmp_path)
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), "--out", str(out), "--group-size", "64",
+                 "--calibration-tokens", "512", *args]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc.get("desc_act") == desc_act
+
+
+def test_act_order_with_rtn_is_refused_by_name(tmp_path, capsys):
+    _, src = _tiny_dir(tmp_path)
+    assert main(["quantize", str(src), "--out", str(tmp_path / "o"), "--method", "rtn",
+                 "--act-order"]) == 2
+    assert "act_order is a GPTQ setting" in capsys.readouterr().err
+

@@ -33,10 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_TOKENS})")
     p.add_argument("--seed", type=int, default=0,
                    help="GPTQ: draws the calibration sequences (default 0)")
-    p.add_argument("--act-order", action="store_true",
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: columns in descending order of their inputs' energy, each "
                         "group's scale and zero fixed first (static groups: the groups stay "
-                        "contiguous and the checkpoint loads as any other)")
+                        "contiguous and the checkpoint loads as any other); default: on "
+                        "for gptq (--no-act-order: off, plain GPTQ)")
 
 
 def run(args) -> int:
@@ -46,7 +47,7 @@ def run(args) -> int:
                           act_order=args.act_order, progress=True)
     calibrated = f", {done.calibration_tokens} calibration tokens" if done.method == "gptq" \
         else ""
-    calibrated += ", act-order" if args.act_order else ""
+    calibrated += ", act-order" if done.act_order else ""
     print(f"wrote {done.out}: {done.projections} projections, {done.method} int4 in groups of "
           f"{done.group_size}{calibrated}, {done.seconds:.1f} s", file=sys.stderr)
     return 0
