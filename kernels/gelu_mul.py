@@ -3,8 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, pdl_enter, pdl_launch, row_chunk_launch, tl, triton
+from ._triton import HAVE_TRITON, pdl_enter, tl, triton
 from .gelu import _approximate
+from .silu_mul import launch_gated
 
 
 def gelu_mul_torch(x: torch.Tensor, approximate: str = "gelu_tanh") -> torch.Tensor:
@@ -39,18 +40,5 @@ if HAVE_TRITON:
 
 
 def gelu_mul_triton(x: torch.Tensor, approximate: str = "gelu_tanh") -> torch.Tensor:
-    # x: [T, 2I] (gate | up; rows any stride, last dim contiguous) -> new [T, I]
     tanh = _approximate(approximate) == "tanh"
-    assert x.dim() == 2, f"x must be [T, 2I], got shape {tuple(x.shape)}"
-    t, two_i = x.shape
-    assert two_i % 2 == 0, f"last dim must be even (gate | up), got {two_i}"
-    assert x.is_floating_point(), f"x must be floating point, got {x.dtype}"
-    assert two_i == 0 or x.stride(1) == 1, f"x must be contiguous in its last dim, strides {x.stride()}"
-    i = two_i // 2
-    out = torch.empty((t, i), dtype=x.dtype, device=x.device)
-    if t == 0 or i == 0:
-        return out
-    grid, meta = row_chunk_launch(t, i)
-    _gelu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), i, TANH=tanh, **meta,
-                           **pdl_launch(x.device))
-    return out
+    return launch_gated(_gelu_mul_kernel, x, TANH=tanh)

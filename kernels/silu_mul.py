@@ -29,8 +29,9 @@ if HAVE_TRITON:
                  (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    # x: [T, 2I] (gate | up; rows any stride, last dim contiguous) -> new [T, I]
+def launch_gated(kernel, x: torch.Tensor, **constexprs) -> torch.Tensor:
+    """x: [T, 2I] (gate | up; rows any stride, last dim contiguous) -> new [T, I], by
+    ``kernel`` (a gated activation's: x, out, their row strides, I, its ``constexprs``)."""
     assert x.dim() == 2, f"x must be [T, 2I], got shape {tuple(x.shape)}"
     t, two_i = x.shape
     assert two_i % 2 == 0, f"last dim must be even (gate | up), got {two_i}"
@@ -41,5 +42,10 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if t == 0 or i == 0:
         return out
     grid, meta = row_chunk_launch(t, i)
-    _silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), i, **meta, **pdl_launch(x.device))
+    kernel[grid](x, out, x.stride(0), out.stride(0), i, **constexprs, **meta,
+                 **pdl_launch(x.device))
     return out
+
+
+def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    return launch_gated(_silu_mul_kernel, x)
