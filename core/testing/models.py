@@ -11,9 +11,13 @@ def tiny_llama_config(**overrides):
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
               pad_token_id=0)
-    kw.update(overrides)
-    cfg = LlamaConfig(**kw)
-    cfg.architectures = ["LlamaForCausalLM"]
+    return _config(LlamaConfig, "LlamaForCausalLM", kw, overrides)
+
+
+def _config(cls, architecture: str, defaults: dict, overrides: dict):
+    """``cls(**defaults)`` with ``overrides`` over them, naming ``architecture``."""
+    cfg = cls(**{**defaults, **overrides})
+    cfg.architectures = [architecture]
     return cfg
 
 
@@ -64,10 +68,7 @@ def tiny_mistral_config(**overrides):
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=512, sliding_window=16, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    kw.update(overrides)
-    cfg = MistralConfig(**kw)
-    cfg.architectures = ["MistralForCausalLM"]
-    return cfg
+    return _config(MistralConfig, "MistralForCausalLM", kw, overrides)
 
 
 def longrope_parameters(rotary_dim: int, theta: float = 10000.0, **extra):
@@ -89,10 +90,7 @@ def tiny_phi3_config(**overrides):
               original_max_position_embeddings=32, sliding_window=None, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
               rope_parameters=longrope_parameters(12, partial_rotary_factor=0.75))
-    kw.update(overrides)
-    cfg = Phi3Config(**kw)
-    cfg.architectures = ["Phi3ForCausalLM"]
-    return cfg
+    return _config(Phi3Config, "Phi3ForCausalLM", kw, overrides)
 
 
 def tiny_gpt2_config(**overrides):
@@ -101,10 +99,7 @@ def tiny_gpt2_config(**overrides):
     kw = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
               activation_function="gelu_new", layer_norm_epsilon=1e-5,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    kw.update(overrides)
-    cfg = GPT2Config(**kw)
-    cfg.architectures = ["GPT2LMHeadModel"]
-    return cfg
+    return _config(GPT2Config, "GPT2LMHeadModel", kw, overrides)
 
 
 def tiny_qwen2_config(**overrides):
@@ -115,10 +110,7 @@ def tiny_qwen2_config(**overrides):
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    kw.update(overrides)
-    cfg = Qwen2Config(**kw)
-    cfg.architectures = ["Qwen2ForCausalLM"]
-    return cfg
+    return _config(Qwen2Config, "Qwen2ForCausalLM", kw, overrides)
 
 
 def tiny_qwen3_config(**overrides):
@@ -129,10 +121,7 @@ def tiny_qwen3_config(**overrides):
               num_attention_heads=4, num_key_value_heads=2, head_dim=24,
               max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
               use_sliding_window=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    kw.update(overrides)
-    cfg = Qwen3Config(**kw)
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    return cfg
+    return _config(Qwen3Config, "Qwen3ForCausalLM", kw, overrides)
 
 
 def tiny_mixtral_config(**overrides):
@@ -144,10 +133,7 @@ def tiny_mixtral_config(**overrides):
               num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-5,
               sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
               pad_token_id=0)
-    kw.update(overrides)
-    cfg = MixtralConfig(**kw)
-    cfg.architectures = ["MixtralForCausalLM"]
-    return cfg
+    return _config(MixtralConfig, "MixtralForCausalLM", kw, overrides)
 
 
 def tiny_qwen3_moe_config(**overrides):
@@ -161,10 +147,7 @@ def tiny_qwen3_moe_config(**overrides):
               decoder_sparse_step=1, max_position_embeddings=512, rms_norm_eps=1e-6,
               tie_word_embeddings=False, use_sliding_window=False, bos_token_id=1,
               eos_token_id=2, pad_token_id=0)
-    kw.update(overrides)
-    cfg = Qwen3MoeConfig(**kw)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    return cfg
+    return _config(Qwen3MoeConfig, "Qwen3MoeForCausalLM", kw, overrides)
 
 
 def tiny_gemma2_config(**overrides):
@@ -180,9 +163,7 @@ def tiny_gemma2_config(**overrides):
               query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
               final_logit_softcapping=3.0, tie_word_embeddings=True,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    kw.update(overrides)
-    cfg = Gemma2Config(**kw)
-    cfg.architectures = ["Gemma2ForCausalLM"]
+    cfg = _config(Gemma2Config, "Gemma2ForCausalLM", kw, overrides)
     cfg._attn_implementation = "eager"
     return cfg
 
@@ -201,9 +182,7 @@ def tiny_gemma3_config(**overrides):
                                "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                   "rope_theta": 1_000_000.0}},
               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    kw.update(overrides)
-    cfg = Gemma3TextConfig(**kw)
-    cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg = _config(Gemma3TextConfig, "Gemma3ForCausalLM", kw, overrides)
     cfg._attn_implementation = "eager"  # as Gemma 2's: the same reference on every version
     return cfg
 
