@@ -24,6 +24,8 @@ from collections import defaultdict
 
 import torch
 
+from .throughput_report import fed_flops
+
 # (part, substrings of a kernel's name, lower case): the first part whose substring the
 # name holds takes it; attention first, as FlashAttention-style kernels run GEMM tiles
 PARTS = (
@@ -48,17 +50,8 @@ def part_of(kernel_name: str) -> str:
 def window_flops(spec, fed: list[tuple[int, int]], sampled: int) -> dict:
     """{gemm, attention}: FLOPs of feeding each (first position, tokens) span of ``fed``
     through the layers and sampling ``sampled`` rows from the LM head."""
-    h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
-    layer_weights = h * (q + 2 * kv) + q * h + h * i * (3 if spec.gated_mlp else 2)
-    tokens = sum(n for _, n in fed)
-    keys = 0
-    for layer in range(spec.num_layers):
-        window = spec.layer_attention(layer).window
-        for start, n in fed:
-            keys += sum(min(p + 1, window or p + 1) for p in range(start, start + n))
-    return {"gemm": 2 * spec.num_layers * layer_weights * tokens
-            + 2 * h * spec.vocab_size * sampled,
-            "attention": 4 * q * keys}
+    flops = fed_flops(spec, fed, sampled)
+    return {"gemm": flops["matmul"] + flops["lm_head"], "attention": flops["attention"]}
 
 
 class StepRecorder:

@@ -45,14 +45,23 @@ def _ratio(x, ref):
 def workload_flops(spec, requests) -> dict:
     """{matmul, lm_head, attention, total}: the FLOPs of ``requests``
     (serve_workload.Request) on a model of ``spec``, counted as the module says."""
+    return fed_flops(spec, [(0, len(r.prompt) + r.output_len - 1) for r in requests],
+                     sum(r.output_len for r in requests))
+
+
+def fed_flops(spec, fed, sampled: int) -> dict:
+    """{matmul, lm_head, attention, total}: the FLOPs of feeding each (first position,
+    tokens) span of ``fed`` through the layers and sampling ``sampled`` rows."""
     h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
     layer_weights = h * (q + 2 * kv) + q * h + h * i * (3 if spec.gated_mlp else 2)
-    fed = sum(len(r.prompt) + r.output_len - 1 for r in requests)
-    sampled = sum(r.output_len for r in requests)
-    # keys summed over the layers (each its own window)
-    keys = sum(_keys_attended(len(r.prompt) + r.output_len - 1, spec.layer_attention(n).window)
-               for r in requests for n in range(spec.num_layers))
-    out = {"matmul": 2 * spec.num_layers * layer_weights * fed,
+    tokens = sum(n for _, n in fed)
+    # keys summed over the layers (each its own window): those of positions [start, start + n)
+    keys = 0
+    for layer in range(spec.num_layers):
+        window = spec.layer_attention(layer).window
+        keys += sum(_keys_attended(start + n, window) - _keys_attended(start, window)
+                    for start, n in fed)
+    out = {"matmul": 2 * spec.num_layers * layer_weights * tokens,
            "lm_head": 2 * h * spec.vocab_size * sampled,
            "attention": 4 * q * keys}
     return dict(out, total=sum(out.values()))
