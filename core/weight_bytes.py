@@ -25,17 +25,13 @@ def weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None, device=None,
 def step_read_bytes(spec, dtype: torch.dtype, weight_quantizer, device,
                     kernels: Optional[str]) -> Optional[int]:
     """Bytes of weights a decode step reads where that differs from what is held: where the
-    quantiser keeps dequantised copies (``Quantizer.dense_on``) the GEMMs read those, not
-    the packed forms beside them. None where the step reads all that is held."""
-    from .slots import slot_layout
-
+    quantiser keeps dequantised copies (``Quantizer.dense_on``) the GEMMs read those, in the
+    model's dtype, not the packed forms beside them: every weight as if unquantised. None
+    where the step reads all that is held."""
     q = weight_quantizer
     if q is None or device is None or not q.dense_on(torch.device(device), kernels):
         return None
-    e = element_bytes(dtype)
-    packed = sum(q.packed_bytes_of(shape, e) for slot, (shape, _) in slot_layout(spec).items()
-                 if q.quantizes(slot))
-    return weight_bytes(spec, dtype, q, device, kernels) - packed
+    return spec.param_count * element_bytes(dtype)
 
 
 def active_weight_bytes(spec, dtype: torch.dtype, weight_quantizer=None) -> int:
