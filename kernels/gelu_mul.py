@@ -7,6 +7,9 @@ from ._triton import HAVE_TRITON, pdl_enter, tl, triton
 from .gelu import _approximate
 from .silu_mul import launch_gated
 
+if HAVE_TRITON:
+    from .silu_mul import gate_up_rows, store_gated
+
 
 def gelu_mul_torch(x: torch.Tensor, approximate: str = "gelu_tanh") -> torch.Tensor:
     # x: [T, 2I] (gate | up) -> [T, I]; HF's act_fn(gate_proj(x)) * up_proj(x)
@@ -20,12 +23,7 @@ if HAVE_TRITON:
     def _gelu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, TANH: tl.constexpr,
                          BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
-        # grid (T, cdiv(I, BLOCK)): wide MLPs (I ~ 14k) split a row over several programs
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)            # [BLOCK]
-        mask = cols < I
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0)
+        row, cols, mask, gate, up = gate_up_rows(x_ptr, stride_x, I, BLOCK)
         g = gate.to(tl.float32)
         if TANH:
             # 0.5 * (1 + tanh(u)) == sigmoid(2u), clamped so that exp() stays finite
@@ -33,10 +31,7 @@ if HAVE_TRITON:
             act = g * tl.sigmoid(tl.minimum(tl.maximum(2.0 * u, -80.0), 80.0))
         else:
             act = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))  # g / sqrt(2)
-        # round gelu(gate) to the input dtype before the product, as F.gelu(..) * up does
-        act = act.to(gate.dtype).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols,
-                 (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+        store_gated(out_ptr, stride_out, row, cols, mask, act, gate, up)
 
 
 def gelu_mul_triton(x: torch.Tensor, approximate: str = "gelu_tanh") -> torch.Tensor:

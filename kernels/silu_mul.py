@@ -14,19 +14,30 @@ def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
 if HAVE_TRITON:
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
+    def gate_up_rows(x_ptr, stride_x, I, BLOCK: tl.constexpr):
+        """This program's chunk of a gated activation's row: (row, cols, mask, gate, up)."""
         # grid (T, cdiv(I, BLOCK)): wide MLPs (I ~ 14k) split a row over several programs
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)            # [BLOCK]
         mask = cols < I
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        # round silu(gate) to the input dtype before the product, as F.silu(..) * up does
-        act = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
+        return row, cols, mask, gate, up
+
+    @triton.jit
+    def store_gated(out_ptr, stride_out, row, cols, mask, act, gate, up):
+        """act(gate) * up stored: act rounded to the input dtype before the product, as
+        F.silu(..) * up (or F.gelu) does."""
+        act = act.to(gate.dtype).to(tl.float32)
         tl.store(out_ptr + row * stride_out + cols,
                  (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        row, cols, mask, gate, up = gate_up_rows(x_ptr, stride_x, I, BLOCK)
+        g = gate.to(tl.float32)
+        store_gated(out_ptr, stride_out, row, cols, mask, g * tl.sigmoid(g), gate, up)
 
 
 def launch_gated(kernel, x: torch.Tensor, **constexprs) -> torch.Tensor:
