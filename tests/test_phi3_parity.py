@@ -9,8 +9,8 @@ import torch
 
 from infergraft import core
 from infergraft.core.errors import PlanError
-from infergraft.core.testing.models import (random_model, random_prompt, tiny_phi3_config,
-                                            with_random_norm_weights)
+from infergraft.core.testing.models import (longrope_parameters, random_model, random_prompt,
+                                            tiny_phi3_config, with_random_norm_weights)
 from infergraft.core.testing.parity import (assert_greedy_match, assert_logits_match,
                                             hf_greedy, hf_logits, relative_error)
 from infergraft.core.testing.policy_kit import PolicyTests
@@ -207,7 +207,8 @@ def test_cuda_graphs_across_the_original_length(cache):
     """Decode graphs (the greedy look-ahead among them) place rows past 32 from the
     positions inside the graph; a step with a long prompt's rows below 32 runs eagerly
     (the step and prefill graphs are captured without them): HF's tokens throughout."""
-    hf = phi3(hidden_size=128, intermediate_size=256).cuda()
+    hf = phi3(hidden_size=128, intermediate_size=256,  # 32-dim heads: 24 rotated, 12 factors
+              rope_parameters=longrope_parameters(24, partial_rotary_factor=0.75)).cuda()
     engine = core.build(hf, plugins=[cache], device="cuda", max_seq_len=96, max_batch_size=4,
                         max_num_batched_tokens=16)
     assert engine.decode_graphs is not None

@@ -37,7 +37,10 @@ def test_greedy_tokens_through_the_graphs(hf, speculative):
     before = steps.replays
     done = engine.generate(PROMPTS, max_new_tokens=48, ignore_eos=True)
     assert [c.token_ids for c in done] == want
-    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    stats = engine.stats()
+    assert stats["spec_decode_num_drafts"] > 0, stats  # verify steps ran
+    if "model" in speculative:  # the target as its own draft: its tokens hold (but ties)
+        assert stats["spec_decode_draft_acceptance_rate"] > 0.9, stats
     assert steps.replays > before
     engine.cache.check_invariants()
 

@@ -136,3 +136,10 @@ def test_which_caches_capture_mixed_steps_and_the_errors(hf):
     with pytest.raises(PlanError, match="step_graphs=True needs decode CUDA graphs"):
         core.build(hf, plugins=["paged"], max_seq_len=64, cuda_graphs=False, step_graphs=True)
     assert plain(hf).runner.step_graphs is None  # off without decode graphs (the CPU)
+
+
+def test_the_torch_reference_ops_are_never_captured(hf):
+    """The reference ops read values back on the host (a padding row's check), which a
+    capture forbids: asked for, graphs over kernels='torch' are refused, naming the choices."""
+    with pytest.raises(PlanError, match="cannot capture kernels='torch'.*kernels='triton'"):
+        core.build(hf, plugins=["paged"], max_seq_len=64, kernels="torch", cuda_graphs=True)

@@ -109,11 +109,16 @@ def decode_graphs_for(net, cache, plan, device, wanted) -> CudaGraphRunner | Non
     layers' weights stream in, each graph holds its step's copies too (``WeightStreamer``)."""
     across = graphs_across_ranks(plan)
     if wanted is None:
-        wanted = device.type == "cuda" and CudaGraphRunner.supported(cache) and across is None
+        wanted = device.type == "cuda" and CudaGraphRunner.supported(cache) and across is None \
+            and plan.kernels != "torch"
     if not wanted:
         return None
     if across is not None:
         raise PlanError(f"cuda_graphs=True cannot run here: {across}")
+    if plan.kernels == "torch":  # the reference ops read values back (padding rows' checks)
+        raise PlanError("cuda_graphs=True cannot capture kernels='torch': the reference ops "
+                        "synchronise with the host; use kernels='triton' or 'auto', or "
+                        "cuda_graphs=False")
     if device.type != "cuda" or not CudaGraphRunner.supported(cache):
         raise PlanError(f"cuda_graphs=True needs a CUDA device and a cache backend that "
                         f"supports them (contiguous, paged); got {device} / {plan.cache_backend}")
