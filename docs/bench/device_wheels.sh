@@ -19,7 +19,7 @@ for pkg in xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydanti
     sniffio==1.3.1 h11==0.16.0 click==8.5.1 idna==3.21 openai==3.63.0 distro==1.9.0 \
     jiter==0.19.0 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 \
     gguf==0.19.0 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 \
-    charset-normalizer; do
+    charset-normalizer opentelemetry-api==1.45.3 annotated-doc==0.0.7; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp $PLATFORMS -d .whl "$pkg" 2>&1 | grep -v "^WARNING: Location" || true
 done
