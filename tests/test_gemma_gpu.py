@@ -1,7 +1,9 @@
 """Gemma 2 / 3 on the GPU: the Triton kernels (the softcap in the decode and mixed-step
 attention, Gemma's RMSNorm, gelu_mul) under CUDA graphs (decode, mixed steps, the
-contiguous cache's prefill), against HF in float32; bfloat16 against the torch reference
-ops. Skipped cleanly without CUDA (CI); run on the GPU machine."""
+contiguous cache's prefill), against HF in float32; in bfloat16 (and the torch reference
+ops, eager), as close to HF's float32 logits as HF's own bfloat16 forward. Skipped cleanly without CUDA (CI); run on the GPU machine."""
+import copy
+
 import pytest
 import torch
 
@@ -39,12 +41,20 @@ def test_fp32_greedy_matches_hf_through_graphs(family, backend):
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_bf16_triton_matches_the_torch_reference_ops(family):
-    hf = random_gemma(CONFIGS[family](), seed=1)
+def test_bf16_is_as_close_to_float32_as_hfs_own_bf16(family):
+    """bfloat16 through the Triton kernels (the softcapped attention, Gemma's RMSNorm,
+    gelu_mul; decode graphs on) and through the torch reference ops: each no further from
+    HF's float32 logits than HF's own bfloat16 forward is, give or take half."""
+    hf = random_gemma(CONFIGS[family](), seed=1, scale=3.0, norm_std=0.5)
+    ids = random_prompt(40, 256, 4)
+    truth = hf_logits(hf, ids)
+    hf_bf16 = relative_error(hf_logits(copy.deepcopy(hf).to(torch.bfloat16).cuda(), ids), truth)
+    assert hf_bf16 < 0.05, hf_bf16  # a model tame enough in bf16 for the bound to mean much
     kw = dict(plugins=["paged"], device="cuda", dtype=torch.bfloat16, max_seq_len=96,
               max_batch_size=2)
-    ref, engine = core.build(hf, kernels="torch", **kw), core.build(hf, kernels="triton", **kw)
-    assert not engine.model.norms_folded  # Gemma's layers run the plain (unfused) path
-    ids = random_prompt(40, 256, 4)
-    err = relative_error(engine.logits(ids).float(), ref.logits(ids).float())
-    assert err < 3e-2, err
+    for kernels in ("triton", "torch"):
+        engine = core.build(hf, kernels=kernels, **kw)
+        assert (engine.decode_graphs is not None) == (kernels == "triton")
+        assert not engine.model.norms_folded  # Gemma's layers run the plain (unfused) path
+        err = relative_error(engine.logits(ids).float().cpu(), truth)
+        assert err < 1.5 * hf_bf16, (kernels, err, hf_bf16)
