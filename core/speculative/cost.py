@@ -1,28 +1,44 @@
 """What a proposed token costs here: the engine's own step times, fitted as they come.
 
-A step's time grows with the tokens it feeds, ``seconds ~ c0 + c1 * tokens``: on a GPU at
-a small batch ``c1`` is a sliver of ``c0`` (the weights are read once for every row), on
-the CPU, or at a large batch, it is not. One more proposed token costs ``c1`` and gives
-a token with the chance ``p`` that it is kept; a decoding request's token costs ``(c0 + c1
-* B) / B`` at batch ``B``. So the proposed token pays for itself where ``p`` exceeds
-``share(B) = c1 * B / (c0 + c1 * B)``: a greedy request whose tokens are kept less often
-than that stops proposing (speculator.py), and past ``SHARE_OFF`` none does. Each decode
-or verify step (no prompt chunk in it) is a point of an exponentially weighted
-least-squares fit, so the fit follows the machine's load and the sequences' growing
-context; until the points differ in tokens a proposed token is taken to cost nothing.
+A step's time grows with the tokens it feeds and is larger where it carries drafts,
+``seconds ~ c0 + c1 * tokens + c2 * drafted``: on a GPU at a small batch ``c1`` is a sliver
+of ``c0`` (the weights are read once for every row), on the CPU, or at a large batch, it is
+not; ``c2`` is what a step with drafts costs beyond its tokens: the proposer's time, and the
+decode look-ahead it gives up (a plain step is launched before the last one's tokens are
+read, a verify step only after: a small model's step is mostly host time, which the
+look-ahead hides). So ``D`` proposed tokens in a step of ``B`` decoding requests cost
+``c1 * D + c2`` and give ``p * D`` tokens, each worth ``(c0 + c1 * B) / B`` of a plain step:
+they pay where the chance ``p`` that one is kept exceeds
+``share(B, D) = (c1 * D + c2) * B / (D * (c0 + c1 * B))``. A greedy request whose tokens are
+kept less often than that stops proposing (speculator.py), and past ``SHARE_OFF`` none
+does. Each decode or verify step (no prompt chunk in it) is a point of an exponentially
+weighted least-squares fit, so the fit follows the machine's load and the sequences'
+growing context. Until the points tell ``c1`` apart (steps of different sizes) it is 0,
+and until steps with and without drafts were both seen ``c2`` is; before either, a
+proposed token is taken to cost nothing.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 DECAY = 0.98  # the weight of a point falls by this much with each later one
 WARMUP, OUTLIER = 2, 4.0
 #: a share at which no greedy request proposes, nor probes (the CPU at a large batch,
 #: where a step's time is in proportion to its tokens: a draft hardly ever pays)
 SHARE_OFF = 0.9
+_TINY = 1e-9
+
+
+class Fit(NamedTuple):
+    c0: float  # seconds a plain step costs beyond its tokens
+    c1: float  # seconds a fed token costs
+    c2: float  # seconds a step with drafts costs beyond its tokens and c0
 
 
 class StepCost:
     def __init__(self):
-        self.n = self.x = self.y = self.xx = self.xy = 0.0  # weighted sums
+        # weighted sums over the points (t: tokens, d: drafted 0/1, y: seconds)
+        self.n = self.t = self.d = self.tt = self.td = self.y = self.ty = self.dy = 0.0
         self.seen = {False: 0, True: 0}  # steps observed, without drafts and with
 
     def observe(self, tokens: int, seconds: float, drafted: bool) -> None:
@@ -32,29 +48,75 @@ class StepCost:
         times slower than the fit expects (the process descheduled meanwhile)."""
         self.seen[drafted] += 1
         fit = self.fit()
-        if self.seen[drafted] <= WARMUP or \
-                fit is not None and seconds > OUTLIER * (fit[0] + fit[1] * tokens):
+        if self.seen[drafted] <= WARMUP or fit is not None and \
+                seconds > OUTLIER * (fit.c0 + fit.c1 * tokens + fit.c2 * drafted):
             return
-        d = DECAY
-        self.n, self.x, self.y = d * self.n + 1, d * self.x + tokens, d * self.y + seconds
-        self.xx, self.xy = d * self.xx + tokens * tokens, d * self.xy + tokens * seconds
+        k, t, d, y = DECAY, float(tokens), float(drafted), seconds
+        self.n, self.t, self.d = k * self.n + 1, k * self.t + t, k * self.d + d
+        self.tt, self.td = k * self.tt + t * t, k * self.td + t * d
+        self.y, self.ty, self.dy = k * self.y + y, k * self.ty + t * y, k * self.dy + d * y
 
-    def fit(self) -> tuple[float, float] | None:
-        """(c0, c1) >= 0, or None while the points do not tell ``c1`` apart."""
+    def fit(self) -> Fit | None:
+        """(c0, c1, c2), each >= 0, or None while the points tell neither ``c1`` nor
+        ``c2`` apart."""
         if self.n < 2:
             return None
-        mx, my = self.x / self.n, self.y / self.n
-        var = self.xx / self.n - mx * mx
-        if var <= 1e-6 * max(1.0, mx * mx):
-            return None
-        c1 = max(0.0, (self.xy / self.n - mx * my) / var)
-        return max(0.0, my - c1 * mx), c1
+        n = self.n
+        var_t = self.tt / n - (self.t / n) ** 2
+        var_d = self.d / n - (self.d / n) ** 2  # (d * d = d)
+        has_t, has_d = var_t > 1e-6 * max(1.0, (self.t / n) ** 2), var_d > 1e-3
+        if has_t and has_d:
+            full = self._solve3()
+            if full is not None:
+                return full
+        if has_d:  # one token count a kind (batch 1, a fixed k): the difference is c2's
+            return self._solve2(self.d, self.d, self.dy, lambda c0, c: Fit(c0, 0.0, c))
+        if has_t:
+            return self._solve2(self.t, self.tt, self.ty, lambda c0, c: Fit(c0, c, 0.0))
+        return None
 
-    def share(self, batch: int) -> float:
-        """The chance of being kept a proposed token needs at ``batch`` decoding requests
-        to pay for itself (0 to 1; 0 while unknown)."""
+    def _solve2(self, sx, sxx, sxy, make) -> Fit:
+        """Least squares of y on (1, x): intercept and slope, the slope at least 0."""
+        n = self.n
+        mx, my = sx / n, self.y / n
+        slope = max(0.0, (sxy / n - mx * my) / (sxx / n - mx * mx))
+        return make(max(0.0, my - slope * mx), slope)
+
+    def _solve3(self) -> Fit | None:
+        """Least squares of y on (1, tokens, drafted); None where the three are nearly
+        collinear (every step with drafts the same size: c1 and c2 not apart)."""
+        a = [[self.n, self.t, self.d], [self.t, self.tt, self.td], [self.d, self.td, self.d]]
+        b = [self.y, self.ty, self.dy]
+        det = _det(a)
+        if abs(det) <= _TINY * max(1.0, abs(a[0][0] * a[1][1] * a[2][2])):
+            return None
+        c = []
+        for col in range(3):
+            m = [row[:] for row in a]
+            for r in range(3):
+                m[r][col] = b[r]
+            c.append(_det(m) / det)
+        c0, c1, c2 = c
+        if c1 < 0 or c2 < 0:  # noise: refit without the term that went negative
+            return None
+        return Fit(max(0.0, c0), c1, c2)
+
+    def share(self, batch: int, proposed: int | None = None) -> float:
+        """The chance of being kept a proposed token needs, at ``batch`` decoding requests
+        proposing ``proposed`` tokens together (default one each), to pay for itself (0 to
+        1; 0 while unknown)."""
         fit = self.fit()
         if fit is None:
             return 0.0
-        c0, c1 = fit
-        return min(1.0, c1 * batch / (c0 + c1 * batch)) if c0 + c1 * batch > 0 else 0.0
+        c0, c1, c2 = fit
+        proposed = max(1, proposed if proposed is not None else batch)
+        plain = c0 + c1 * batch
+        if plain <= 0:
+            return 0.0
+        return min(1.0, (c1 * proposed + c2) * batch / (proposed * plain))
+
+
+def _det(m) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))

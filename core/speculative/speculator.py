@@ -53,9 +53,17 @@ class Speculator:
         look-ahead, which launches that step before their tokens are known, must not)."""
         if len(seqs) > self.config.disable_by_batch_size:
             return False
-        share = self.cost.share(len(seqs))
+        share = self._share(seqs)
         return any(self.eligible(s, share) and (s.speculation is None or s.speculation.active)
                    for s in seqs)
+
+    def _share(self, decoding) -> float:
+        """The keep rate a proposed token needs at this batch, with the tokens its requests
+        would propose together (each its current ``k``) sharing a drafted step's overhead."""
+        p = self.config.k
+        proposed = sum(p if s.speculation is None else s.speculation.k * s.speculation.active
+                       for s in decoding if s.params.speculative and not s.params.constrained)
+        return self.cost.share(len(decoding), proposed)
 
     def extend(self, step):
         """``step`` with proposed tokens after its decoding requests' last ones (as
@@ -68,7 +76,7 @@ class Speculator:
                 or scheduler.long_rope is not None:  # (LongRoPE: recomputed at its boundary)
             return step
         where, requests = [], []
-        share = self.cost.share(len(decoding))  # the keep rate a proposed token needs here
+        share = self._share([step.seqs[i] for i in decoding])  # the keep rate a token needs
         for i in decoding:
             s = step.seqs[i]
             if not self.eligible(s, share):
