@@ -114,7 +114,7 @@ class Engine:
             self._stepping = []  # (a scheduler that raises has run no sequence)
             if self.lookahead.inflight is not None:  # a greedy decode step already launched
                 self._stepping = list(self.lookahead.inflight[0])
-                return self._guarded(self.lookahead.advance)
+                return self._ahead_step(len(self._stepping), self.lookahead.advance)
             ahead, self._ahead = self._ahead, None
             step = None if ahead is None else self.scheduler.resume(ahead)
             step = step or self.scheduler.schedule()
@@ -126,8 +126,18 @@ class Engine:
             replay = self.runner.replays_decode(step)
             self._stepping = list(step.seqs)  # (+ samples forked in this step)
             if replay and self.lookahead.eligible(step.seqs):
-                return self._guarded(lambda: self.lookahead.run(step.seqs, tokens))
+                return self._ahead_step(len(step.seqs),
+                                        lambda: self.lookahead.run(step.seqs, tokens))
             return self._guarded(lambda: self._step_body(step, tokens, replay))
+
+    def _ahead_step(self, rows: int, run_step):
+        """A look-ahead decode step, timed for speculation's cost fit: back to back, its
+        call lasts one step of the pipeline (what a plain token costs while drafts pause)."""
+        start = time.perf_counter()
+        done = self._guarded(run_step)
+        if self.speculation is not None:
+            self.speculation.cost.observe(rows, time.perf_counter() - start, False)
+        return done
 
     def _guarded(self, run_step):
         try:

@@ -57,3 +57,5 @@ def test_opted_out_requests_keep_the_look_ahead(hf):
         engine.step()
     assert [s.output_ids for s in seqs] == [c.token_ids for c in want]
     assert launched and engine.stats()["spec_decode_num_drafts"] == 0
+    # the look-ahead's steps are points of the cost fit (what a plain token costs there)
+    assert engine.speculation.cost.seen[False] >= len(launched), engine.speculation.cost.seen
