@@ -191,6 +191,9 @@ def test_forced_calls_cut_short_keep_what_was_begun():
         {"name": "add", "arguments": '{"a": 1}'}, {"name": "get_weather", "arguments": '{"ci'}]
     assert shaper.finish_reason("length") == "length" and shaper.finish_reason("stop") == \
         "tool_calls"
+    named = ForcedShaper(ids(), "add")  # OpenAI's: a named function's call ends "stop"
+    shaped(named, ['{"a": 1, "b": 2}'])
+    assert named.calls and named.finish_reason("stop") == "stop"
     early, deltas = shaped(ForcedShaper(ids()), ['{"name": "ad'])  # no name read: content
     assert early == {"role": "assistant", "content": '{"name": "ad'}
     assert deltas == [{"content": '{"name": "ad'}]

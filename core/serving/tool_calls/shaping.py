@@ -16,7 +16,9 @@ message by construction.
   forces (``request.py``): the named function's arguments, or ``{"name", ARGS_KEY}``
   objects (one, or an array of them), so each call's id and name are sent as soon as the
   name is read and its arguments stream as they are written. A text cut short (``length``)
-  keeps the calls begun; one where no name was read yet is content.
+  keeps the calls begun; one where no name was read yet is content. Finish reasons as
+  OpenAI's: "tool_calls" where calls were made (``auto``, ``required``), but "stop" for a
+  named function.
 """
 from __future__ import annotations
 
@@ -146,6 +148,11 @@ class ForcedShaper(Shaper):
         self.call: Optional[int] = None  # the current object's call, once its name is read
         self.args: Optional[JsonScanner] = None  # its arguments' scanner, once they begin
         self.sent = 0  # its arguments' characters sent
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        """As OpenAI's: a named function's call ends "stop" (the caller chose the call),
+        ``required``'s ends "tool_calls"."""
+        return reason if self.function is not None else super().finish_reason(reason)
 
     def feed(self, text: str, token_ids=()) -> list[dict]:
         self.text += text
