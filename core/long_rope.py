@@ -5,8 +5,9 @@ with the long factors if L > ``original_max_position_embeddings`` (b), with the 
 ones otherwise (``dynamic_rope_update``: the longest position of the forward decides).
 Its generate never mixes the two in one cache: at the step where the sequence reaches
 b + 1 tokens, ``Phi3ForCausalLM.prepare_inputs_for_generation`` drops the cache and
-recomputes the whole sequence with the long factors. So at every step the logits are
-those of one forward over the whole sequence so far.
+recomputes the whole sequence with the long factors (transformers 5.25; 5.17 feeds the
+newest token alone there: docs/architecture.md, LongRoPE). So at every step the logits
+are those of one forward over the whole sequence so far: what we compute.
 
 Ours, per sequence (vLLM instead picks one table for the whole engine: the long one
 whenever max_model_len > b, so its short sequences differ from HF's):
