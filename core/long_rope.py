@@ -18,7 +18,9 @@ whenever max_model_len > b, so its short sequences differ from HF's):
 - a short sequence about to feed position b (its K/V below b short) is recomputed first
   (``recompute_at_boundary``, at the start of each ``Scheduler.schedule``: freed and
   requeued at the front, its tokens so far prefilled again as a long sequence), exactly
-  where HF's generate drops its cache; the decode look-ahead stops short of it;
+  where HF's generate drops its cache; the decode look-ahead stops short of it, and so
+  does the step scheduled while a decode step runs (``Scheduler.schedule_ahead``: the
+  look-ahead's step is not counted yet, ``in_flight``);
 - prefill rows of a long sequence below b are the only ones whose table does not follow
   from the position: the runner passes them to the model (``long_rows``), and runs
   their steps eagerly (the step and prefill graphs are captured without them; decode
@@ -70,11 +72,12 @@ class LongRopeSwitch:
         return torch.cat([torch.full((n, ), flag) for n, flag in spans]).to(device)
 
 
-def recompute_due(scheduler) -> list:
+def recompute_due(scheduler, ahead: int = 0) -> list:
     """The scheduler's running sequences that must be recomputed before their next row
-    (``LongRopeSwitch.stale``), oldest first; [] without LongRoPE's two tables."""
+    (``LongRopeSwitch.stale``; ``ahead``: rows already fed but not yet counted), oldest
+    first; [] without LongRoPE's two tables."""
     switch = scheduler.long_rope
-    return [] if switch is None else [s for s in scheduler.running if switch.stale(s)]
+    return [] if switch is None else [s for s in scheduler.running if switch.stale(s, ahead)]
 
 
 def recompute_at_boundary(scheduler) -> None:

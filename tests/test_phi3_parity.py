@@ -213,8 +213,9 @@ def test_quantised_weights_and_kv_run_across_the_original_length():
 def test_cuda_graphs_across_the_original_length(cache):
     """Decode graphs (the greedy look-ahead among them) place rows past 32 from the
     positions inside the graph; a step with a long prompt's rows below 32 runs eagerly
-    (the step and prefill graphs are captured without them): HF's tokens of the whole
-    sequence throughout."""
+    (the step and prefill graphs are captured without them); the step scheduled while the
+    last short decode step runs leaves the sequence to its recompute (the test above, on
+    the CPU): HF's tokens of the whole sequence throughout."""
     hf = phi3(hidden_size=128, intermediate_size=256,  # 32-dim heads: 24 rotated, 12 factors
               rope_parameters=longrope_parameters(24, partial_rotary_factor=0.75)).cuda()
     engine = core.build(hf, plugins=[cache], device="cuda", max_seq_len=96, max_batch_size=4,
@@ -230,6 +231,36 @@ def test_cuda_graphs_across_the_original_length(cache):
     assert alone == outs[1]
     ids = random_prompt(70, 256, 9)
     assert relative_error(engine.logits(ids), hf_logits(hf, ids)) < 1e-4
+
+
+def test_the_step_scheduled_during_the_last_short_decode_step_recomputes_first():
+    """The decode graphs' greedy path (run eagerly here: ``use_graphs=False``) with the next
+    step scheduled while one runs, as on CUDA: the step feeding 31 is read before its row
+    is counted, so the step scheduled meanwhile must see the sequence due its recompute
+    and leave it to ``schedule``, not feed 32 over the short K/V (the GPU test's token 21,
+    94 where the whole sequence's forward gives 105)."""
+    from infergraft.core.runner.cuda_graph import CudaGraphRunner
+
+    hf = phi3(hidden_size=128, intermediate_size=256,
+              rope_parameters=longrope_parameters(24, partial_rotary_factor=0.75))
+    engine = core.build(hf, plugins=["paged"], max_seq_len=96, max_batch_size=4,
+                        max_num_batched_tokens=16, cuda_graphs=False)
+    runner = CudaGraphRunner(engine.model, engine.cache, 4, use_graphs=False)
+    runner.capture()
+    engine.decode_graphs, engine.schedule_ahead = runner, True
+    scheduler = engine.scheduler
+    resume, fed_over_short = scheduler.resume, []
+
+    def resume_watched(step):  # rows at 32 or past it of a sequence still short
+        fed_over_short.extend(s.num_computed_tokens for s in step.seqs
+                              if scheduler.long_rope.stale(s))
+        return resume(step)
+    scheduler.resume = resume_watched
+    prompt = random_prompt(12, 256, 72)
+    ours = engine.generate(prompt, max_new_tokens=24)[0].token_ids
+    assert fed_over_short == [] and runner.replays > 0
+    assert ours == greedy_by_full_forwards(hf, prompt, 24)
+    assert scheduler.long_rope.recomputes == 1
 
 
 def test_steps_with_long_rows_leave_the_mixed_step_graphs_to_the_others():
