@@ -5,8 +5,9 @@ with the long factors if L > ``original_max_position_embeddings`` (b), with the 
 ones otherwise (``dynamic_rope_update``: the longest position of the forward decides).
 Its generate never mixes the two in one cache: at the step where the sequence reaches
 b + 1 tokens, ``Phi3ForCausalLM.prepare_inputs_for_generation`` drops the cache and
-recomputes the whole sequence with the long factors. So at every step the logits are
-those of one forward over the whole sequence so far.
+recomputes the whole sequence with the long factors (transformers 5.25; 5.17 feeds the
+newest token alone there: docs/architecture.md, LongRoPE). So at every step the logits
+are those of one forward over the whole sequence so far: what we compute.
 
 Ours, per sequence (vLLM instead picks one table for the whole engine: the long one
 whenever max_model_len > b, so its short sequences differ from HF's):
@@ -17,7 +18,9 @@ whenever max_model_len > b, so its short sequences differ from HF's):
 - a short sequence about to feed position b (its K/V below b short) is recomputed first
   (``recompute_at_boundary``, at the start of each ``Scheduler.schedule``: freed and
   requeued at the front, its tokens so far prefilled again as a long sequence), exactly
-  where HF's generate drops its cache; the decode look-ahead stops short of it;
+  where HF's generate drops its cache; the decode look-ahead stops short of it, and so
+  does the step scheduled while a decode step runs (``Scheduler.schedule_ahead``: the
+  look-ahead's step is not counted yet, ``in_flight``);
 - prefill rows of a long sequence below b are the only ones whose table does not follow
   from the position: the runner passes them to the model (``long_rows``), and runs
   their steps eagerly (the step and prefill graphs are captured without them; decode
@@ -69,11 +72,12 @@ class LongRopeSwitch:
         return torch.cat([torch.full((n, ), flag) for n, flag in spans]).to(device)
 
 
-def recompute_due(scheduler) -> list:
+def recompute_due(scheduler, ahead: int = 0) -> list:
     """The scheduler's running sequences that must be recomputed before their next row
-    (``LongRopeSwitch.stale``), oldest first; [] without LongRoPE's two tables."""
+    (``LongRopeSwitch.stale``; ``ahead``: rows already fed but not yet counted), oldest
+    first; [] without LongRoPE's two tables."""
     switch = scheduler.long_rope
-    return [] if switch is None else [s for s in scheduler.running if switch.stale(s)]
+    return [] if switch is None else [s for s in scheduler.running if switch.stale(s, ahead)]
 
 
 def recompute_at_boundary(scheduler) -> None:

@@ -86,12 +86,14 @@ class Scheduler:
         self._last_kind = step.kind if step else None
         return step
 
-    def schedule_ahead(self) -> Step | None:
-        """The next step, scheduled while this one runs (its counts fed, its tokens not yet
-        sampled), or None where the cache is short or a swapped sequence could come back:
-        pausing, preempting, swapping in see the step's outcome. Admits as ``schedule``
-        does; ``resume`` takes the step once this one is done."""
-        if can_swap_in_now(self) or recompute_due(self):  # ``schedule`` must run those first
+    def schedule_ahead(self, in_flight: int = 0) -> Step | None:
+        """The next step, scheduled while this one runs (its tokens not yet sampled; its
+        counts fed, or ``in_flight`` tokens a sequence not yet counted: the decode
+        look-ahead's), or None where the cache is short, a swapped sequence could come
+        back or LongRoPE's recompute is due: pausing, preempting, swapping in,
+        recomputing see the step's outcome. Admits as ``schedule`` does; ``resume`` takes
+        the step once this one is done."""
+        if can_swap_in_now(self) or recompute_due(self, in_flight):  # ``schedule`` runs those
             return None
         seqs, counts, short = self._running_part()
         return None if short or not seqs else self._take(seqs, counts, admit=not self.swapped)

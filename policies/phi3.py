@@ -11,7 +11,8 @@ What Phi-3 configs add, each read by the shared pieces:
   per frequency, cos and sin scaled by sqrt(1 + ln(s) / ln(original)) with s =
   max_position_embeddings / original_max_position_embeddings (core/rope.py); a sequence
   longer than original_max_position_embeddings reads the long table at every position,
-  and one that grows past it is recomputed, as HF's generate does (core/long_rope.py);
+  and one that grows past it is recomputed: HF's forward over the whole sequence
+  (core/long_rope.py; transformers 5.17's generate differs there);
 - partial rotary (``partial_rotary_factor``, 0.75 in Phi-4-mini): the first rotary_dim
   dims of each head rotate, the rest pass through (RopeSpec.rotary_dim; the fused qkv
   GEMM keeps RoPE out of its epilogue then: kernels/fused_linear.py);

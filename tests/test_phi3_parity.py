@@ -1,7 +1,11 @@
 """Phi-3 / Phi-4 (``Phi3ForCausalLM``) against HF on random-initialised configs (float32,
 CPU): the fused qkv_proj / gate_up_proj checkpoint tensors, LongRoPE on both sides of
 original_max_position_embeddings (32 here) through the paged and contiguous caches and
-chunked prefill, partial rotary, a sliding window and tied embeddings."""
+chunked prefill, partial rotary, a sliding window and tied embeddings.
+
+Greedy tokens that cross 32 are compared with HF's forward over the whole sequence at
+each step (``greedy_by_full_forwards``), not with its generate: that one changed there
+between transformers 5.17 and 5.25 (docs/architecture.md, LongRoPE)."""
 import os
 
 import pytest
@@ -12,7 +16,8 @@ from infergraft.core.errors import PlanError
 from infergraft.core.testing.models import (longrope_parameters, random_model, random_prompt,
                                             tiny_phi3_config, with_random_norm_weights)
 from infergraft.core.testing.parity import (assert_greedy_match, assert_logits_match,
-                                            hf_greedy, hf_logits, relative_error)
+                                            greedy_by_full_forwards, hf_logits,
+                                            relative_error)
 from infergraft.core.testing.policy_kit import PolicyTests
 
 B = 32  # original_max_position_embeddings of tiny_phi3_config
@@ -41,6 +46,7 @@ def policy():
 
 
 class TestPhi3Policy(PolicyTests):
+    hf_full_forwards = True  # its greedy tokens cross 32
     @pytest.fixture
     def hf_model(self, phi3_model):
         return phi3_model
@@ -86,19 +92,20 @@ def test_logits_match_hf_both_sides_of_the_original_length(phi3_model, cache):
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_chunked_prefill_and_generation_across_the_original_length(cache):
     """16 tokens a step: a long prompt's first chunks (all below 32) read the long table;
-    short prompts that grow past 32 are recomputed there, as HF's generate does, in steps
-    that mix prompt chunks with decode tokens."""
+    short prompts that grow past 32 are recomputed there (HF's forward over the whole
+    sequence), in steps that mix prompt chunks with decode tokens."""
     hf = phi3()
     engine = core.build(hf, plugins=[cache], max_seq_len=96, max_batch_size=4,
                         max_num_batched_tokens=16)
     prompts = [random_prompt(n, 256, 40 + n) for n in (12, 28, 45)]
     outs = [c.token_ids for c in engine.generate(prompts, max_new_tokens=24)]
-    assert outs == [hf_greedy(hf, p, 24) for p in prompts]
+    assert outs == [greedy_by_full_forwards(hf, p, 24) for p in prompts]
     assert all(len(o) == 24 for o in outs) and len({t for o in outs for t in o}) >= 12
     # the two that started short crossed the boundary: each recomputed once, not preempted
     assert engine.scheduler.long_rope.recomputes == 2
     assert engine.scheduler.num_preemptions == 0
-    assert_greedy_match(engine, hf, random_prompt(30, 256, 7), 8)  # crosses on its 3rd token
+    assert_greedy_match(engine, hf, random_prompt(30, 256, 7), 8,  # crosses on its 3rd token
+                        reference=greedy_by_full_forwards)
 
 
 def test_each_rule_of_the_per_sequence_choice_is_needed():
@@ -111,7 +118,7 @@ def test_each_rule_of_the_per_sequence_choice_is_needed():
                             max_num_batched_tokens=16)
         setattr(getattr(engine, part), "long_rope", None)
         ours = engine.generate(prompt, max_new_tokens=24)[0].token_ids
-        assert ours != hf_greedy(hf, prompt, 24), part
+        assert ours != greedy_by_full_forwards(hf, prompt, 24), part
 
 
 def test_within_the_original_length_only_the_short_table_exists():
@@ -169,7 +176,7 @@ def test_two_tensor_parallel_and_two_pipeline_ranks_match_hf():
 
     prompts = [random_prompt(25, 256, 1), random_prompt(40, 256, 2)]
     common = dict(config=tiny_phi3_config(), prompts=prompts, max_seq_len=64,
-                  max_num_batched_tokens=16)
+                  max_num_batched_tokens=16, hf_full_forwards=True)
     cases = [dict(common, plugins=["tp", "paged"]),
              dict(common, plugins=["pp", "paged"], planner_options=dict(micro_batches=2))]
     ranks = run_ranks(tp_parity_cases, 2, cases, timeout=600)
@@ -206,7 +213,9 @@ def test_quantised_weights_and_kv_run_across_the_original_length():
 def test_cuda_graphs_across_the_original_length(cache):
     """Decode graphs (the greedy look-ahead among them) place rows past 32 from the
     positions inside the graph; a step with a long prompt's rows below 32 runs eagerly
-    (the step and prefill graphs are captured without them): HF's tokens throughout."""
+    (the step and prefill graphs are captured without them); the step scheduled while the
+    last short decode step runs leaves the sequence to its recompute (the test above, on
+    the CPU): HF's tokens of the whole sequence throughout."""
     hf = phi3(hidden_size=128, intermediate_size=256,  # 32-dim heads: 24 rotated, 12 factors
               rope_parameters=longrope_parameters(24, partial_rotary_factor=0.75)).cuda()
     engine = core.build(hf, plugins=[cache], device="cuda", max_seq_len=96, max_batch_size=4,
@@ -215,13 +224,43 @@ def test_cuda_graphs_across_the_original_length(cache):
     replays = engine.decode_graphs.replays
     prompts = [random_prompt(n, 256, 60 + n) for n in (12, 28, 45, 3)]
     outs = [c.token_ids for c in engine.generate(prompts, max_new_tokens=24)]
-    assert outs == [hf_greedy(hf, p, 24) for p in prompts]
+    assert outs == [greedy_by_full_forwards(hf, p, 24) for p in prompts]
     assert engine.decode_graphs.replays > replays
     assert engine.scheduler.long_rope.recomputes == 2
     alone = engine.generate(prompts[1], max_new_tokens=24)[0].token_ids  # the look-ahead
     assert alone == outs[1]
     ids = random_prompt(70, 256, 9)
     assert relative_error(engine.logits(ids), hf_logits(hf, ids)) < 1e-4
+
+
+def test_the_step_scheduled_during_the_last_short_decode_step_recomputes_first():
+    """The decode graphs' greedy path (run eagerly here: ``use_graphs=False``) with the next
+    step scheduled while one runs, as on CUDA: the step feeding 31 is read before its row
+    is counted, so the step scheduled meanwhile must see the sequence due its recompute
+    and leave it to ``schedule``, not feed 32 over the short K/V (the GPU test's token 21,
+    94 where the whole sequence's forward gives 105)."""
+    from infergraft.core.runner.cuda_graph import CudaGraphRunner
+
+    hf = phi3(hidden_size=128, intermediate_size=256,
+              rope_parameters=longrope_parameters(24, partial_rotary_factor=0.75))
+    engine = core.build(hf, plugins=["paged"], max_seq_len=96, max_batch_size=4,
+                        max_num_batched_tokens=16, cuda_graphs=False)
+    runner = CudaGraphRunner(engine.model, engine.cache, 4, use_graphs=False)
+    runner.capture()
+    engine.decode_graphs, engine.schedule_ahead = runner, True
+    scheduler = engine.scheduler
+    resume, fed_over_short = scheduler.resume, []
+
+    def resume_watched(step):  # rows at 32 or past it of a sequence still short
+        fed_over_short.extend(s.num_computed_tokens for s in step.seqs
+                              if scheduler.long_rope.stale(s))
+        return resume(step)
+    scheduler.resume = resume_watched
+    prompt = random_prompt(12, 256, 72)
+    ours = engine.generate(prompt, max_new_tokens=24)[0].token_ids
+    assert fed_over_short == [] and runner.replays > 0
+    assert ours == greedy_by_full_forwards(hf, prompt, 24)
+    assert scheduler.long_rope.recomputes == 1
 
 
 def test_steps_with_long_rows_leave_the_mixed_step_graphs_to_the_others():
@@ -239,7 +278,7 @@ def test_steps_with_long_rows_leave_the_mixed_step_graphs_to_the_others():
     engine.runner.step_graphs = runner
     prompts = [random_prompt(12, 256, 52), random_prompt(45, 256, 85)]
     outs = [c.token_ids for c in engine.generate(prompts, max_new_tokens=24)]
-    assert outs == [hf_greedy(hf, p, 24) for p in prompts]
+    assert outs == [greedy_by_full_forwards(hf, p, 24) for p in prompts]
     assert runner.replays > 0
 
 

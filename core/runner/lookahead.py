@@ -54,7 +54,9 @@ class DecodeLookahead:
         if self._can_look_ahead(seqs):
             self.inflight = (seqs, engine.decode_graphs.launch([s.id for s in seqs], None))
         elif engine.schedule_ahead:  # the next step differs: schedule it while this one runs
-            engine._ahead = engine.scheduler.schedule_ahead()
+            # (this one's row is not counted yet: a sequence it brings to LongRoPE's
+            # boundary must be recomputed, not fed its next row from the short K/V)
+            engine._ahead = engine.scheduler.schedule_ahead(in_flight=1)
         new = pending.get()  # waits for that step only
         now = time.perf_counter()
         got = []

@@ -125,16 +125,20 @@ def tp_parity_cases(cases: list[dict]) -> list[dict]:
 
 def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int = 12,
               seed: int = 0, scale: float = 25.0, device: str = "cpu",
-              planner_options: dict | None = None, **build_options) -> dict:
+              planner_options: dict | None = None, hf_full_forwards: bool = False,
+              **build_options) -> dict:
     """On one rank: build ``plugins`` around a seeded random HF model of ``config`` (the
-    same weights on every rank) and compare with HF's own forward and greedy generate,
+    same weights on every rank) and compare with HF's own forward and greedy generate
+    (``hf_full_forwards``: parity.greedy_by_full_forwards, a forward over the whole
+    sequence a step),
     which every rank runs whole, and with the same plugins in one process. Returns the
     errors, our, HF's and the lone engine's tokens, a sampled continuation without a
     seed (ranks must agree on it) and the plan's sizes."""
     from infergraft import core
 
     from .models import random_model
-    from .parity import hf_greedy, hf_logits, relative_error
+    from . import parity
+    from .parity import hf_logits, relative_error
 
     hf = random_model(config, seed=seed, scale=scale)  # on the CPU: the same on every rank
     if device == "cuda":
@@ -142,6 +146,7 @@ def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int =
     engine = core.build(hf, plugins=plugins, dtype="float32", device=device,
                         max_batch_size=len(prompts), **build_options, **(planner_options or {}))
     errors = [relative_error(engine.logits(ids), hf_logits(hf, ids)) for ids in prompts]
+    reference = parity.greedy_by_full_forwards if hf_full_forwards else parity.hf_greedy
     ours = [c.token_ids for c in engine.generate(prompts, max_new_tokens=new_tokens)]
     planners = set(core.get_plugin_manager().planners().names())
     alone = core.build(hf, plugins=[p for p in plugins if p not in planners], dtype="float32",
@@ -149,7 +154,7 @@ def tp_parity(config, plugins: list, prompts: list[list[int]], new_tokens: int =
     sampled = engine.generate(prompts[0], max_new_tokens=new_tokens, temperature=1.0)
     return {"errors": errors, "ours": ours,  # alone: the same plugins in this process only
             "alone": [c.token_ids for c in alone.generate(prompts, max_new_tokens=new_tokens)],
-            "hf": [hf_greedy(hf, ids, new_tokens) for ids in prompts],
+            "hf": [reference(hf, ids, new_tokens) for ids in prompts],
             "sampled": sampled[0].token_ids,
             "tensor_parallel": engine.plan.parallel.tensor_parallel,
             "stages": len(engine.plan.parallel.stages),

@@ -49,9 +49,31 @@ def hf_greedy(hf_model, ids: list[int], max_new_tokens: int, kv_int8: bool = Fal
                             min_new_tokens=0, do_sample=False,
                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
                             pad_token_id=hf_model.config.eos_token_id or 0, **cache)
-    new = out[0, len(ids):].tolist()
-    eos = hf_model.config.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return _through_eos(out[0, len(ids):].tolist(), hf_model.config)
+
+
+@torch.inference_mode()
+def greedy_by_full_forwards(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF greedy continuation as one forward over the whole sequence at each step (no
+    cache), cut after the first EOS: the semantics we follow where HF's generate changed
+    across transformers versions. Phi-3 past LongRoPE's original length: 5.25's generate
+    recomputes the whole sequence where it crosses (these tokens), 5.17's feeds the new
+    token alone without its context from there on (docs/architecture.md, LongRoPE)."""
+    seq, eos = list(ids), _eos_ids(hf_model.config)
+    for _ in range(max_new_tokens):
+        seq.append(int(hf_logits(hf_model, seq)[-1].argmax()))
+        if seq[-1] in eos:
+            break
+    return seq[len(ids):]
+
+
+def _eos_ids(config) -> set:
+    eos = config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+def _through_eos(new: list[int], config) -> list[int]:
+    eos = _eos_ids(config)
     for n, t in enumerate(new):
         if t in eos:
             return new[:n + 1]
@@ -64,9 +86,11 @@ def assert_logits_match(engine, hf_model, ids: list[int], rtol: float = 1e-4) ->
     return err
 
 
-def assert_greedy_match(engine, hf_model, ids: list[int], max_new_tokens: int = 32) -> list[int]:
+def assert_greedy_match(engine, hf_model, ids: list[int], max_new_tokens: int = 32,
+                        reference=hf_greedy) -> list[int]:
+    """Our greedy tokens are ``reference``'s (HF's generate, or ``greedy_by_full_forwards``)."""
     ours = engine.generate([ids], max_new_tokens=max_new_tokens)[0].token_ids
-    ref = hf_greedy(hf_model, ids, max_new_tokens)
+    ref = reference(hf_model, ids, max_new_tokens)
     assert ours == ref, f"greedy tokens differ from HF:\n ours {ours}\n HF   {ref}"
     return ours
 
