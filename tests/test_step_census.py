@@ -111,8 +111,12 @@ def test_on_cuda_graph_steps_get_their_gpu_time_from_events(tmp_path, capsys):
                    "--step-census", "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr().out
     data = json.loads((tmp_path / "throughput.json").read_text())["infergraft"]
-    steps = data["step_census"]["steps"]
+    census = data["step_census"]
+    steps = census["steps"]
     assert steps["kind"] == KINDS and steps["rows"] == ROWS and steps["tokens"] == TOKENS
     assert all(g is not None and 0 < g for g in steps["gpu_ms"])
-    assert sum(steps["gpu_ms"]) <= sum(steps["wall_ms"]) * 1.05
+    # the GPU runs the steps one after another within the run (a look-ahead step's time
+    # may reach into the call before its own: not each step within its call's wall)
+    assert sum(steps["gpu_ms"]) / 1e3 < census["wall_s"]
+    assert sum(c["wall_share"] for c in census["classes"].values()) == pytest.approx(1.0)
     assert data["device"]["decode_graph_replays"] >= 3  # the look-ahead's, timed too
