@@ -106,6 +106,8 @@ REFUSED = [  # (flags, environment's WORLD_SIZE, what the message must say)
      "--compare-plugins is not run with --tensor-parallel"),
     (["throughput"] + TINY + ["--tensor-parallel", "2", "--compare-options",
                               "max_seq_len=64"], "2", "--compare-options is not run"),
+    (["throughput"] + TINY + ["--tensor-parallel", "2", "--step-census"], "2",
+     "--step-census is not run with --tensor-parallel"),
     (["throughput"] + TINY + ["--pipeline-parallel", "2"], None, "not under torchrun"),
 ]
 

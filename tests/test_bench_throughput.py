@@ -64,6 +64,7 @@ def test_a_run_measures_ours_and_hf_on_the_same_requests_beside_the_floor(tmp_pa
     # ours: one step with every prompt, then decode steps to the longest output
     steps = data["infergraft"]["engine"]
     assert steps["num_prefill_steps"] == 1 and steps["num_steps"] == max(lens)
+    assert "step_census" not in data["infergraft"]  # off unless asked (--step-census)
     assert data["engine_config"]["max_batch_size"] == 6  # every request in one batch
     assert data["engine_config"]["max_seq_len"] == max(len(r.prompt) + r.output_len
                                                        for r in requests)
@@ -273,7 +274,7 @@ def test_help_lists_every_flag(capsys):
     for flag in ("--model", "--num-prompts", "--dataset", "--prompt-len", "--output-len",
                  "--out", "--max-batch-size", "--max-num-batched-tokens", "--max-seq-len",
                  "--dtype", "--device", "--plugins", "--no-hf", "--seed", "--hf-num-prompts",
-                 "--step-gaps", "--compare-plugins", "--compare-options", "--num-blocks",
+                 "--step-gaps", "--step-census", "--compare-plugins", "--compare-options", "--num-blocks",
                  "--block-size", "--gpu-memory-utilization", "--preemption", "--check-alone"):
         assert flag in out, flag
 

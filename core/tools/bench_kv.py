@@ -62,9 +62,11 @@ def base_options(args) -> dict:
     return {k: getattr(args, k) for k in BUILD_FLAGS if getattr(args, k) is not None}
 
 
-def measured_run(engine, requests, after_warm_up=None, check_alone: int | None = None) -> dict:
+def measured_run(engine, requests, after_warm_up=None, check_alone: int | None = None,
+                 after_run=None) -> dict:
     """``offline_summary`` of ``requests`` on ``engine``, with ``kv``, ``full_length``
-    and (``check_alone`` K) ``alone`` as the module says."""
+    and (``check_alone`` K) ``alone`` as the module says; ``after_run()``, if given, is
+    called once the requests have finished, before anything else runs on the engine."""
     seen = Recording(engine)
     before, device_before = {}, {}
 
@@ -75,6 +77,8 @@ def measured_run(engine, requests, after_warm_up=None, check_alone: int | None =
         if after_warm_up is not None:
             after_warm_up()
     summary = offline_summary(seen, requests, None, after_warm_up=warmed_up)
+    if after_run is not None:
+        after_run()
     summary["kv"] = run_stats(before, engine.stats())
     after = device_counts(engine)
     summary["device"] = {k: v if k in PEAKS else v - device_before.get(k, 0)

@@ -41,7 +41,8 @@ from .provenance import provenance
 from .serve_hf import hf_summary
 from .serve_report import jsonable
 from .serve_workload import make_requests
-from .step_gaps import StepGaps
+from .step_census import StepTimers
+from .step_floors import StepFloors, copy_rate
 from .throughput_report import compute_floor, plot, table, vs_base
 
 MAX_BATCH = 256  # the default batch's cap, as vLLM's max_num_seqs
@@ -64,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-gaps", action=argparse.BooleanOptionalAction, default=None,
                    help="time the GPU's busy steps and idle gaps between them "
                         "(step_gaps.py; default: on with --device cuda)")
+    p.add_argument("--step-census", action="store_true", help="every step of each run of "
+                   "ours classed, timed, set against its floor at the matmul and copy rates "
+                   "measured first: where the run's wall time goes (step_census.py)")
     p.add_argument("--max-seq-len", type=_positive, default=None,
                    help="our engine's context length (default: the longest request's "
                         "prompt + output)")
@@ -109,7 +113,8 @@ def resolve(args):
                           args.compare_options, args.config_options)
     budgets = args.max_num_batched_tokens or []
     parallel.resolve(args, refused=[("--compare-plugins", args.compare_plugins), (
-        "--compare-options", args.compare_options), ("a budget sweep", len(budgets) > 1)])
+        "--compare-options", args.compare_options), ("a budget sweep", len(budgets) > 1),
+        ("--step-census", args.step_census)])
     for flag in ("--compare-plugins", "--compare-options"):
         if getattr(args, flag[2:].replace("-", "_")) and len(budgets) > 1:
             raise PlanError(f"{flag} with the --max-num-batched-tokens sweep "
@@ -128,6 +133,7 @@ def resolve(args):
                             f"least {longest}, or leave it out")
     args.max_seq_len = args.max_seq_len or longest
     args.max_batch_size = args.max_batch_size or min(args.num_prompts, MAX_BATCH)
+    args.rates = None  # (matmul, copy): measure() takes both for --step-census's floors
     if args.step_gaps is None:
         args.step_gaps = args.device.startswith("cuda")
     if args.step_gaps and not args.device.startswith("cuda"):
@@ -158,6 +164,7 @@ def measure(args) -> int:
     rate = matmul_rate(device, args.dtype, n)
     measured = f"{str(args.dtype)[6:]} {n}^3 torch.matmul on {device}, best of 5"
     print(f"matmul rate {rate / 1e12:.3f} TFLOP/s ({measured})", file=sys.stderr)
+    args.rates = (rate, copy_rate(device)) if args.step_census else None
     # 2) Both models on the same weights: HF's random shape or checkpoint, ours built from
     # it, once per token budget of a sweep
     budgets = args.max_num_batched_tokens or [None]
@@ -207,12 +214,11 @@ def _ours(args, engine, name: str = BASE):
     budget = engine.scheduler.max_num_batched_tokens
     print(f"{name} ({budget}-token steps): {len(args.requests)} requests at once ...",
           file=sys.stderr)
-    gaps = []
-    ours = bench_kv.measured_run(engine, args.requests, after_warm_up=(
-        (lambda: gaps.append(StepGaps(engine))) if args.step_gaps else None),
-        check_alone=args.check_alone)
-    if gaps:
-        ours["step_gaps"] = gaps[0].summary()
+    floors = args.rates and StepFloors.of(engine, *args.rates)  # --step-census's
+    timers = StepTimers(engine, args.step_gaps, floors)
+    ours = bench_kv.measured_run(engine, args.requests, after_warm_up=timers.start,
+                                 check_alone=args.check_alone, after_run=timers.stop)
+    ours.update(timers.results())
     config = {"max_batch_size": engine.plan.max_batch_size,
               "max_seq_len": engine.plan.max_seq_len, "max_num_batched_tokens": budget,
               "cache_backend": engine.plan.cache_backend,

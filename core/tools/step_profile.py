@@ -3,27 +3,35 @@
 A workload of ``bench throughput`` (its datasets, all requests at once) runs through our
 engine; after ``--skip`` steps, ``--steps`` engine steps run under the torch profiler.
 Each kernel of the window is put in a part (``PARTS``: GEMMs, attention, norms, rotary,
-activations, sampling, copies, other) and each part's GPU time is set beside its floor:
+activations, sampling, copies, other) and each part's GPU time is set beside its floor
+(step_floors.py), at the matmul rate and the copy rate measured in the same run
+(``bench.matmul_rate``, ``bench.copy_bandwidth``):
 
 - GEMMs: 2 FLOPs a weight for every token the window fed through the layers, plus the LM
-  head's rows, at the matmul rate measured in the same run (``bench.matmul_rate``);
-- attention: QK^T and PV, 4 q_size FLOPs for each key a fed token attends to, at the
-  same rate (what FlashAttention reaches on Hopper is a share of it);
+  head's rows, at the matmul rate; a step that reads its weights for longer (a few rows),
+  that read;
+- attention: each sequence's span of a step, the longer of its QK^T and PV FLOPs (4
+  q_size a key attended) at the matmul rate and the K/V bytes it reads at the copy rate:
+  a decoding row reads its whole context for one query (what FlashAttention reaches on
+  Hopper is a share of either);
 - the rest: no floor (their bytes are small beside the weights').
 
 The window's wall time less its kernels' time is the GPU's idle time (the host between
-steps). The tokens come from the sequences themselves (``num_computed_tokens`` before and
-after each step), so the FLOPs are those of the steps as the scheduler packed them.
+steps). The tokens come from the steps as the engine runs them (step_census.py records
+each step's sequences, the first position and the tokens each feeds), so the floors are
+those of the steps as the scheduler packed them. ``--census``: the whole run instead,
+every step classed and timed without the profiler (step_census.py's table).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections import defaultdict
 
 import torch
 
+from .step_census import StepCensus, table as census_table
+from .step_floors import StepFloors, copy_rate
 from .throughput_report import fed_flops
 
 # (part, substrings of a kernel's name, lower case): the first part whose substring the
@@ -54,47 +62,26 @@ def window_flops(spec, fed: list[tuple[int, int]], sampled: int) -> dict:
     return {"gemm": flops["matmul"] + flops["lm_head"], "attention": flops["attention"]}
 
 
-class StepRecorder:
-    """What each profiled engine step fed: (first position, tokens) per sequence, and the
-    rows it sampled (sequences whose output grew)."""
-
-    def __init__(self, engine):
-        self.engine, self.fed, self.sampled, self.steps = engine, [], 0, 0
-
-    def step(self) -> None:
-        seqs = self.engine.scheduler.running + list(self.engine.scheduler.waiting)
-        before = {s.id: (s.num_computed_tokens, len(s.output_ids)) for s in seqs}
-        self.engine.step()
-        self.steps += 1
-        for s in seqs:
-            c0, o0 = before[s.id]
-            # a preempted sequence recomputes from 0: count what it fed this step only
-            c1 = s.num_computed_tokens
-            if c1 > c0:
-                self.fed.append((c0, c1 - c0))
-            self.sampled += len(s.output_ids) > o0
-
-
 def _kernel_events(prof, device_type: str):
     return [ev for ev in prof.events() if ev.device_type.name == device_type]
 
 
 def profile_steps(engine, steps: int) -> dict:
     """Run ``steps`` engine steps under the torch profiler: wall seconds, each part's
-    kernel seconds and kernel counts, the top kernels, and the window's fed tokens."""
+    kernel seconds and kernel counts, the top kernels, and the window's steps
+    (step_census.StepRecord), the spans they fed and the rows they sampled."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
-    record = StepRecorder(engine)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with profile(activities=activities) as prof:
         sync()
-        t = time.perf_counter()
-        while record.steps < steps and engine.has_unfinished():
-            record.step()
+        census = StepCensus(engine)
+        while len(census.steps) < steps and engine.has_unfinished():
+            engine.step()
         sync()
-        wall = time.perf_counter() - t
+        census.stop()
     kernels = defaultdict(float)
     if cuda:
         for ev in _kernel_events(prof, "CUDA"):
@@ -106,14 +93,26 @@ def profile_steps(engine, steps: int) -> dict:
     parts = defaultdict(float)
     for name, s in kernels.items():
         parts[part_of(name)] += s
-    return {"wall_s": wall, "steps": record.steps, "parts_s": dict(parts),
+    return {"wall_s": census.end - census.start, "steps": len(census.steps),
+            "parts_s": dict(parts),
             "kernels_s": dict(sorted(kernels.items(), key=lambda kv: -kv[1])),
-            "fed": record.fed, "sampled": record.sampled}
+            "records": census.steps, "fed": [x for s in census.steps for x in s.spans],
+            "sampled": sum(s.sampled for s in census.steps)}
 
 
-def report(profiled: dict, spec, rate: float, top: int = 12) -> str:
-    """The window's parts against their floors at ``rate`` FLOP/s, then the top kernels."""
-    flops = window_flops(spec, profiled["fed"], profiled["sampled"])
+def window_floors(profiled: dict, floors) -> dict:
+    """{gemm, attention}: the window's floor seconds, step by step (step_floors.py)."""
+    out = {"gemm": 0.0, "attention": 0.0}
+    for step in profiled["records"]:
+        for part, s in floors.parts_s(step).items():
+            out[part] += s
+    return out
+
+
+def report(profiled: dict, floors, top: int = 12) -> str:
+    """The window's parts against their floors (``floors``: step_floors.StepFloors), then
+    the top kernels."""
+    floor = window_floors(profiled, floors)
     wall, parts = profiled["wall_s"], profiled["parts_s"]
     busy = sum(parts.values())
     tokens = sum(n for _, n in profiled["fed"])
@@ -122,13 +121,26 @@ def report(profiled: dict, spec, rate: float, top: int = 12) -> str:
              f"(idle {max(wall - busy, 0) / wall:.1%} of the wall)",
              f"{'part':<12}{'ms':>10}{'of wall':>9}{'floor ms':>10}{'floor/ms':>9}"]
     for part, s in sorted(parts.items(), key=lambda kv: -kv[1]):
-        floor = flops[part] / rate if part in flops else None
+        f = floor.get(part)
         lines.append(f"{part:<12}{s * 1e3:>10.2f}{s / wall:>9.1%}"
-                     + (f"{floor * 1e3:>10.2f}{floor / s:>9.1%}" if floor and s else ""))
+                     + (f"{f * 1e3:>10.2f}{f / s:>9.1%}" if f and s else ""))
+    flop_s, byte_s = floors.attention_bounds_s(profiled["fed"])
+    lines.append(f"attention floor {floor['attention'] * 1e3:.2f} ms, span by span the "
+                 f"longer of FLOPs ({flop_s * 1e3:.2f} ms in all) and K/V bytes read "
+                 f"({byte_s * 1e3:.2f} ms in all)")
     lines.append("top kernels:")
     for name, s in list(profiled["kernels_s"].items())[:top]:
         lines.append(f"  {s * 1e3:9.2f} ms  {part_of(name):<10} {name[:90]}")
     return "\n".join(lines)
+
+
+def census_run(engine, floors) -> str:
+    """Every remaining step of ``engine``'s requests under the step census: its table."""
+    census = StepCensus(engine)
+    while engine.has_unfinished():
+        engine.step()
+    census.stop()
+    return census_table(census.summary(floors))
 
 
 def main(argv=None) -> int:
@@ -150,26 +162,37 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=20, help="steps run before the window")
     p.add_argument("--steps", type=int, default=20, help="steps profiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--census", action="store_true",
+                   help="every step of the whole run classed and timed, no profiler "
+                        "(step_census.py), instead of the window")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from .bench_throughput import vocab_size
 
+    # the rates first, before the model and its K/V pool take the device's memory
+    rate = matmul_rate(device, dtype, 8192 if device.type == "cuda" else 1024)
+    copy = copy_rate(device)
     requests = make_requests(args.dataset, args.num_prompts, args.prompt_len,
                              args.output_len, vocab_size(args.model))
     longest = max(len(r.prompt) + r.output_len for r in requests)
     _, engine = load_models(args.model, device, dtype, min(len(requests), 256), longest,
                             max_num_batched_tokens=args.max_num_batched_tokens)
+    floors = StepFloors.of(engine, rate, copy)
+    print(f"{args.model} {args.dataset} ({args.num_prompts} requests, "
+          f"{engine.scheduler.max_num_batched_tokens}-token steps) on {device}, matmul rate "
+          f"{rate / 1e12:.1f} TFLOP/s, copy rate {copy / 1e9:.0f} GB/s:")
+    if args.census:  # a short request first: the first steps of a shape compile
+        engine.generate(list(requests[0].prompt), max_new_tokens=min(4, args.output_len))
     for r in requests:
         engine.add_request(list(r.prompt), SamplingParams(max_new_tokens=r.output_len,
                                                           ignore_eos=True))
+    if args.census:
+        print(census_run(engine, floors))
+        return 0
     for _ in range(args.skip):
         engine.step()
-    profiled = profile_steps(engine, args.steps)
-    rate = matmul_rate(device, dtype, 8192 if device.type == "cuda" else 1024)
-    print(f"{args.model} {args.dataset} ({args.num_prompts} requests, "
-          f"{engine.scheduler.max_num_batched_tokens}-token steps) on {device}, matmul rate "
-          f"{rate / 1e12:.1f} TFLOP/s:\n" + report(profiled, engine.spec, rate))
+    print(report(profile_steps(engine, args.steps), floors))
     return 0
 
 

@@ -19,10 +19,12 @@ weight read a step), not compute: there ours / floor is far below 1 by nature.
 """
 from __future__ import annotations
 
+import collections
 import math
 from pathlib import Path
 
 from .serve_report import SECTIONS, fmt
+from .step_census import table as census_table
 
 LABEL, COLUMN = 34, 14
 QUANTILES = ("p50", "p90", "p99")
@@ -55,16 +57,32 @@ def fed_flops(spec, fed, sampled: int) -> dict:
     h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
     layer_weights = h * (q + 2 * kv) + q * h + h * i * (3 if spec.gated_mlp else 2)
     tokens = sum(n for _, n in fed)
-    # keys summed over the layers (each its own window): those of positions [start, start + n)
-    keys = 0
-    for layer in range(spec.num_layers):
-        window = spec.layer_attention(layer).window
-        keys += sum(_keys_attended(start + n, window) - _keys_attended(start, window)
-                    for start, n in fed)
+    windows = layer_windows(spec)
+    keys = sum(span_keys(windows, start, n) for start, n in fed)
     out = {"matmul": 2 * spec.num_layers * layer_weights * tokens,
            "lm_head": 2 * h * spec.vocab_size * sampled,
            "attention": 4 * q * keys}
     return dict(out, total=sum(out.values()))
+
+
+def layer_windows(spec) -> dict:
+    """{attention window (None: the whole context): the layers that have it}."""
+    return collections.Counter(spec.layer_attention(i).window for i in range(spec.num_layers))
+
+
+def span_keys(windows: dict, start: int, n: int) -> int:
+    """The keys positions [start, start + n) attend to, summed over the layers (each its
+    own window: ``layer_windows``): the QK^T and PV products of the span."""
+    return sum(layers * (_keys_attended(start + n, w) - _keys_attended(start, w))
+               for w, layers in windows.items())
+
+
+def span_keys_read(windows: dict, start: int, n: int) -> int:
+    """The keys positions [start, start + n) read at least once, summed over the layers:
+    a layer reads every key any of them attends to, once (the first position's window
+    and the span's own), the K/V bytes of the span."""
+    return sum(layers * (start + n if w is None else min(start + n, w + n - 1))
+               for w, layers in windows.items())
 
 
 def _keys_attended(tokens: int, window: int | None) -> int:
@@ -146,6 +164,10 @@ def table(rows: dict[str, dict], floor: dict, base: str | None = None) -> str:
                          f"{g['span_ms'] / 1e3:.2f} s ({g['steps']} steps; gap P50/P99 "
                          f"{g['gap_ms']['p50']:.2f}/{g['gap_ms']['p99']:.2f} ms, step "
                          f"P50/P99 {g['busy_ms']['p50']:.2f}/{g['busy_ms']['p99']:.2f} ms)")
+    for name, s in rows.items():
+        if s.get("step_census"):
+            lines.append(f"{name}: where the run's wall time goes, step by step "
+                         f"(--step-census):\n{census_table(s['step_census'])}")
     for name, s in rows.items():
         if s.get("first_error"):
             lines.append(f"{name} first error: {s['first_error']}")

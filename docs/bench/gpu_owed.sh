@@ -5,7 +5,8 @@
 #      tests, their sweep, bench int8,int4,fp8 with INFERGRAFT_QUANT_MMA off then on)
 #   2. bash docs/bench/gpu_owed.sh OUT kernels families structured   (< 10 min; carry .whl,
 #      made by docs/bench/device_wheels.sh: xgrammar, FastAPI, openai for the structured part)
-#   3. bash docs/bench/gpu_owed.sh OUT steps45 bench44   (issues 45, 44)
+#   3. bash docs/bench/gpu_owed.sh OUT steps45 bench44   (issues 45, 44; census45: steps45's
+#      census alone, where a call would run past 10 minutes)
 #   4. bash docs/bench/gpu_owed.sh OUT speculative   (issue 47)
 #   then, for issue 43's profile: bash docs/bench/gpu_quant_profile.sh OUT profile ncu
 # kernels: the CUDA cases of the kernels written or changed without a GPU (int4_mma, fp8_mma,
@@ -18,7 +19,10 @@
 #   the active weights: Qwen3-8B and Qwen3-30B-A3B shapes (contrib), Mixtral-8x7B where
 #   the card holds its 87 GiB (an H200);
 # steps45: issue 45's profile first, where a mixed step's time goes (step_profile.py) on the
-#   fixed 512/256 and sharegpt-like workloads, LLaMA-3-8B shape, 256 requests.
+#   fixed 512/256 and sharegpt-like workloads, LLaMA-3-8B shape, 256 requests; then where a
+#   whole run's wall goes: the 1000-request fixed and sharegpt-like runs of
+#   docs/bench/throughput_runs.py with --step-census (< 4 min; the tables go to
+#   docs/bench/step_census.md); census45: that census alone.
 #   speculative (issue 47): its GPU tests (verify steps under the mixed-step graphs, the
 #   draft proposer, the look-ahead kept for opted-out requests), then
 #   docs/bench/speculative.py's H200 run (docs/bench/speculative.md says what it owes).
@@ -69,6 +73,13 @@ if has steps45; then
       > "$OUT/steps_$ds.txt" 2>&1
     echo "step_profile $ds rc $?"; head -14 "$OUT/steps_$ds.txt"
   done
+fi
+if has steps45 || has census45; then
+  STEP_CENSUS=1 timeout "${CENSUS_TIMEOUT:-240}" python3 docs/bench/throughput_runs.py \
+    "$OUT/census45" 150 fixed:512:256:1000:2048 sharegpt-like:161:338:1000:2048 \
+    > "$OUT/census45.txt" 2>&1
+  echo "census rc $?"; grep -E "^==|Output token throughput|idle" "$OUT/census45.txt"
+  grep -A9 "(--step-census):" "$OUT/census45.txt"
 fi
 if has bench44; then
   models="qwen3-8b:1 qwen3-30b-a3b:1,32"

@@ -6,7 +6,8 @@
 RUN is ``dataset:prompt_len:output_len:num_prompts:budgets[:hf_prompts[:eager]]`` (budgets a
 comma list, hf_prompts 0 for no HF, eager 1 for INFERGRAFT_STEP_GRAPHS=0). Each run writes
 OUT/<dataset>-<budgets>[-eager]/throughput.json as the command itself does; runs that would
-start after DEADLINE_S seconds are skipped.
+start after DEADLINE_S seconds are skipped. STEP_GAPS=0: without ``--step-gaps``;
+STEP_CENSUS=1: with ``--step-census`` (every step classed and timed, a table a run).
 """
 import os
 import sys
@@ -16,6 +17,7 @@ from infergraft.core.tools import bench_cli, bench_throughput as bt
 
 MODEL = os.environ.get("MODEL", "llama3-8b")
 GAPS = ["--step-gaps"] if os.environ.get("STEP_GAPS", "1") == "1" else []
+GAPS += ["--step-census"] if os.environ.get("STEP_CENSUS") == "1" else []
 _hf = {}
 LOAD_MODELS = bt.load_models
 
