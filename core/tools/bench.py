@@ -256,23 +256,42 @@ def check_systems(systems, new_tokens: int, device) -> None:
                             f"take the median of)")
 
 
+@attrs.frozen
+class Roofline:
+    """What a decode step's floor needs of an engine, kept once the engine is freed (HF
+    measured after it: bench_fit): its spec and the bytes its plan reads a step."""
+    spec: object
+    weight_bytes: int  # read a step (plan.step_weight_bytes, else all it holds)
+    kv_bytes_per_token: int
+    expert_bytes: int  # of a mixture of experts (``expert_bytes``)
+
+    @classmethod
+    def of(cls, engine) -> "Roofline":
+        plan = engine.plan
+        return cls(engine.spec, plan.step_weight_bytes or plan.weight_bytes,
+                   plan.kv_bytes_per_token, expert_bytes(engine.model))
+
+    def seconds(self, batch: int, prompt_len: int, new_tokens: int, bw: float) -> float:
+        """TPOT floor of ``batch`` at the mean context over the timed steps."""
+        return step_bytes(self.spec, self.weight_bytes, self.kv_bytes_per_token, batch,
+                          prompt_len + new_tokens // 2, self.expert_bytes) / bw
+
+
 def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
                   systems=("infergraft", "hf-eager"), bandwidth: Optional[float] = None,
-                  log=print) -> tuple[list[Result], float]:
+                  log=print, roofline: Optional[Roofline] = None) -> tuple[list[Result], float]:
     """Measure every system at every batch size on the same weights; returns results and
-    the measured copy bandwidth (bytes/s)."""
-    device = engine.device
+    the measured copy bandwidth (bytes/s). ``engine`` None (HF's systems alone, measured
+    after our engine was freed): each batch's floor from ``roofline``, that engine's."""
+    device = engine.device if engine is not None else next(hf_model.parameters()).device
     check_systems(systems, new_tokens, device)
     bw = bandwidth or copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 28)
     log(f"copy bandwidth: {bw / 1e9:.1f} GB/s on {device}")
-    plan, spec = engine.plan, engine.spec
+    roofline = roofline or Roofline.of(engine)
     results = []
     for b in batches:
-        prompts = random_prompts(b, prompt_len, spec.vocab_size, seed=b)
-        # mean context over the timed steps
-        floor = step_bytes(spec, plan.step_weight_bytes or plan.weight_bytes,
-                           plan.kv_bytes_per_token, b,
-                           prompt_len + new_tokens // 2, expert_bytes(engine.model)) / bw
+        prompts = random_prompts(b, prompt_len, roofline.spec.vocab_size, seed=b)
+        floor = roofline.seconds(b, prompt_len, new_tokens, bw)
         for system in systems:
             if system == "infergraft":
                 ttft, tpot, spread, runs = bench_ours(engine, prompts, new_tokens)
