@@ -4,6 +4,7 @@ model's shapes. Where both fit, each batch on every system in turn (as ever); wh
 one does, our engine at every batch, freed, then HF's model; where neither, a refusal that
 says so before anything is loaded. The CPU and the tiny random shape stand in for the GPU:
 the table and the JSON are the same in either order."""
+import argparse
 import json
 import weakref
 
@@ -98,7 +99,7 @@ def test_a_model_that_does_not_fit_alone_is_refused_before_loading(extra, room, 
 
     monkeypatch.setattr(budget, "device_budget", lambda *a, **k: (1 << 40, "a test"))
     args = ARGS + extra + ["--out", str(tmp_path / "o")]
-    p = __import__("argparse").ArgumentParser()
+    p = argparse.ArgumentParser()
     bench_cli.add_arguments(p)
     fit = bench_fit.fit_of(bench_cli.resolve(p.parse_args(args)))
     assert fit.ours_least < fit.hf or not extra
@@ -111,3 +112,43 @@ def test_a_model_that_does_not_fit_alone_is_refused_before_loading(extra, room, 
     assert says in err and "a test" in err and "K/V pool" not in err, err
     if extra:
         assert "--systems infergraft" in err  # what does run: ours alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_engine_is_freed_before_hf_comes_to_the_device(tmp_path, capsys,
+                                                                  monkeypatch):
+    """The sequential order on a GPU: between our last measurement and HF's first, the
+    device gives back at least our engine's weights (its pool and CUDA graphs with them)
+    while it takes HF's."""
+    import torch
+
+    import infergraft.core.tools.bench_cli as bench_cli
+    from infergraft.core.tools import bench_fit
+
+    args = ["--model", "tiny", "--device", "cuda", "--batches", "1,2", "--prompt-len", "8",
+            "--new-tokens", "4", "--systems", "infergraft,hf-eager"]
+    monkeypatch.setattr(budget, "device_budget", lambda *a, **k: (1 << 40, "a test"))
+    p = argparse.ArgumentParser()
+    bench_cli.add_arguments(p)
+    fit = bench_fit.fit_of(bench_cli.resolve(p.parse_args(args)))
+    one = int((max(fit.ours, fit.hf) + min(fit.ours, fit.hf) / 2) / 0.9)
+    monkeypatch.setattr(budget, "device_budget", lambda *a, **k: (one, "a test"))
+    allocated = {}  # system -> bytes allocated on the device as it is measured, HF's less
+    ours, theirs = bench.bench_ours, bench.bench_hf
+
+    def timed_ours(engine, prompts, new_tokens, **kw):
+        allocated["infergraft"] = torch.cuda.memory_allocated()
+        return ours(engine, prompts, new_tokens, **kw)
+
+    def timed_hf(model, prompts, new_tokens, **kw):
+        assert next(model.parameters()).is_cuda
+        weights = sum(t.numel() * t.element_size() for t in model.parameters())
+        allocated.setdefault("hf-eager", torch.cuda.memory_allocated() - weights)
+        return theirs(model, prompts, new_tokens, **kw)
+    monkeypatch.setattr(bench, "bench_ours", timed_ours)
+    monkeypatch.setattr(bench, "bench_hf", timed_hf)
+    assert main(args + ["--out", str(tmp_path)]) == 0
+    assert "order: sequential" in capsys.readouterr().err
+    freed = allocated["infergraft"] - allocated["hf-eager"]
+    assert freed >= fit.ours_weights, (freed, fit.ours_weights)

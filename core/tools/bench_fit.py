@@ -23,7 +23,7 @@ from typing import Optional
 import attrs
 import torch
 
-from .. import budget as device_memory
+from .. import budget
 from ..errors import PlanError
 from ..memory import activation_bytes, plan_memory
 from ..plugin_manager import get_plugin_manager
@@ -113,13 +113,13 @@ def fit_of(args) -> Fit:
     # generate prefills the whole batch in one forward, and its cache holds it in dtype
     hf = hf_weights + batch * seq_len * kv_bytes_per_token(spec, dtype) + activation_bytes(
         spec, dtype, batch * args.prompt_len, batch)
-    budget, source = device_memory.device_budget(args.device, options.get("device_memory"))
+    limit, source = budget.device_budget(args.device, options.get("device_memory"))
     return Fit(args.model, ours=mem.total_bytes,
                ours_least=mem.device_weight_bytes + mem.activation_bytes
                + mem.kv_bytes_per_sequence, ours_weights=mem.device_weight_bytes,
                hf=hf if set(args.systems) - {BASE} else 0, hf_weights=hf_weights,
-               budget=budget, source=source, utilization=options.get("gpu_memory_utilization", UTILIZATION))
-
+               budget=limit, source=source, utilization=budget.check_utilization(
+                   options.get("gpu_memory_utilization", UTILIZATION)))
 
 def run_in_turn(hf, build, args, log) -> tuple[list, float]:
     """(results, copy bandwidth) in the sequential order: our engine (``build(hf, plugins)``
@@ -128,6 +128,7 @@ def run_in_turn(hf, build, args, log) -> tuple[list, float]:
     interleaved order's sequence (batch, then system), the variants' after them."""
     ours = [s for s in args.systems if s == BASE]
     theirs = [s for s in args.systems if s != BASE]
+    free_device()  # what HF's model left cached, were it made on the device
     engine = build(hf, ())
     log(engine.plan)
     results, bw = run_benchmark(None, engine, args.batches, args.prompt_len, args.new_tokens,
