@@ -2,7 +2,8 @@
 
 Decode is memory-bound: a step reads every weight and the live K/V once, so the floor
 for TPOT is (weight bytes + K/V bytes) / copy bandwidth, the bandwidth measured here in
-the same run (of a mixture of experts, the experts a batch routes to: ``step_bytes``). Times are medians after warm-up runs of identical shapes. ``matmul_rate``
+the same run (of a mixture of experts, the experts a batch routes to: ``step_bytes`` in
+``roofline.py``). Times are medians after warm-up runs of identical shapes. ``matmul_rate``
 is the compute roofline of ``infergraft bench throughput``, measured the same way.
 ``SHAPES`` (``shapes.py``): the random LLaMA shapes a run may take instead of a checkpoint.
 """
@@ -20,7 +21,7 @@ from ..errors import PlanError
 from ..metrics import percentiles
 from ..request import SamplingParams
 from .bench_report import disagreement
-
+from .roofline import Roofline, expert_bytes, rank_floors, step_bytes  # noqa: F401
 from .shapes import SHAPES, shape_config  # noqa: F401  (imported from here too)
 
 
@@ -112,45 +113,6 @@ def matmul_rate(device, dtype, n: int, repeats: int = 5) -> float:
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab - 1, (batch, length), generator=g).tolist()
-
-
-def step_bytes(spec, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int,
-               expert_bytes: int = 0) -> int:
-    """Bytes one decode step must read: every weight once plus each sequence's K/V. Of a
-    mixture of experts' ``expert_bytes`` only the experts the batch routes to: a share
-    1 - (1 - k / E)^batch of them, as expected under uniform routing (k / E at batch 1:
-    the active parameters; nearly all of them by batch 32 at top-2 of 8)."""
-    layers = [x.experts for x in getattr(spec, "layers", ()) if x.experts is not None]
-    if layers and expert_bytes:
-        k, e = layers[0].top_k, layers[0].num_experts
-        weight_bytes -= round(expert_bytes * (1 - k / e) ** batch)
-    return weight_bytes + batch * context * kv_bytes_per_token
-
-
-def expert_bytes(model) -> int:
-    """Bytes of a model's expert matrices as loaded (packed where quantised): the
-    ``experts_gate_up`` / ``experts_down`` slots of its mixture-of-experts layers."""
-    from ..runner.layers import QuantizedLinear
-
-    total = 0
-    for layer in model.layers:
-        for m in (getattr(layer, n, None) for n in ("experts_gate_up", "experts_down")):
-            if isinstance(m, QuantizedLinear):
-                total += m.quantizer.packed_bytes(m.packed)
-            elif m is not None:
-                total += m.weight.numel() * m.weight.element_size()
-    return total
-
-
-def rank_floors(per_rank, batch: int, context: int, bw: float) -> tuple[float, float]:
-    """(the largest rank's step bytes / bw, the sum over stages of each stage's largest)
-    in ms: the floor of ranks reading at once, and of stages running in turn; ``per_rank``:
-    each rank's {stage, weight_bytes, kv_bytes_per_token} (bench_parallel)."""
-    ms = {}
-    for s in per_rank:
-        t = step_bytes(None, s["weight_bytes"], s["kv_bytes_per_token"], batch, context) / bw
-        ms[s["stage"]] = max(ms.get(s["stage"], 0.0), t * 1e3)
-    return max(ms.values()), sum(ms.values())
 
 
 def bench_ours(engine, prompts, new_tokens: int, warmup: int = 1,
@@ -258,21 +220,19 @@ def check_systems(systems, new_tokens: int, device) -> None:
 
 def run_benchmark(hf_model, engine, batches, prompt_len: int, new_tokens: int,
                   systems=("infergraft", "hf-eager"), bandwidth: Optional[float] = None,
-                  log=print) -> tuple[list[Result], float]:
+                  log=print, roofline: Optional[Roofline] = None) -> tuple[list[Result], float]:
     """Measure every system at every batch size on the same weights; returns results and
-    the measured copy bandwidth (bytes/s)."""
-    device = engine.device
+    the measured copy bandwidth (bytes/s). ``engine`` None (HF's systems alone, measured
+    after our engine was freed): each batch's floor from ``roofline``, that engine's."""
+    device = engine.device if engine is not None else next(hf_model.parameters()).device
     check_systems(systems, new_tokens, device)
     bw = bandwidth or copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 28)
     log(f"copy bandwidth: {bw / 1e9:.1f} GB/s on {device}")
-    plan, spec = engine.plan, engine.spec
+    roofline = roofline or Roofline.of(engine)
     results = []
     for b in batches:
-        prompts = random_prompts(b, prompt_len, spec.vocab_size, seed=b)
-        # mean context over the timed steps
-        floor = step_bytes(spec, plan.step_weight_bytes or plan.weight_bytes,
-                           plan.kv_bytes_per_token, b,
-                           prompt_len + new_tokens // 2, expert_bytes(engine.model)) / bw
+        prompts = random_prompts(b, prompt_len, roofline.spec.vocab_size, seed=b)
+        floor = roofline.seconds(b, prompt_len, new_tokens, bw)
         for system in systems:
             if system == "infergraft":
                 ttft, tpot, spread, runs = bench_ours(engine, prompts, new_tokens)

@@ -18,6 +18,7 @@ from ..selection import resolve_device, resolve_dtype
 from . import bench_parallel as parallel
 from .bench import (SHAPES, SYSTEMS, check_systems, describe_device, min_new_tokens,
                     run_benchmark, shape_config)
+from .bench_fit import INTERLEAVED, SEQUENTIAL, fit_of, run_in_turn
 from .bench_report import plot, unsteady_warning
 from .bench_variants import (add_variants_argument, check_variants, engine_plugins,
                              run_variants, variants_table)
@@ -35,17 +36,21 @@ def load_models(name: str, device, dtype, max_batch_size: int, max_seq_len: int,
                             max_num_batched_tokens, config, options)
 
 
-def load_hf(name: str, device, dtype):
+def load_hf(name: str, device, dtype, host: bool = False):
     """The HF model of ``name``: a random shape of SHAPES (seed 0), or a checkpoint (a
-    directory, an alias or a hub id in the Hugging Face cache: never downloaded)."""
+    directory, an alias or a hub id in the Hugging Face cache: never downloaded), on
+    ``device``; ``host``: left in host memory (a shape is still made on ``device``, where
+    its random initialisation is fast, then moved)."""
     from transformers import AutoModelForCausalLM
 
     if name in SHAPES:
         torch.manual_seed(0)
         with torch.device(device):
-            return AutoModelForCausalLM.from_config(shape_config(name), dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(model_directory(name), dtype=dtype,
-                                                local_files_only=True).to(device).eval()
+            model = AutoModelForCausalLM.from_config(shape_config(name), dtype=dtype).eval()
+        return model.to("cpu") if host else model
+    model = AutoModelForCausalLM.from_pretrained(model_directory(name), dtype=dtype,
+                                                 local_files_only=True).eval()
+    return model if host else model.to(device)
 
 
 def build_engine(hf, device, dtype, max_batch_size: int, max_seq_len: int, plugins=(),
@@ -218,17 +223,11 @@ def run(args) -> int:
 def measure(args) -> int:
     if parallel.ranks(args) > 1:  # under torchrun: every rank, beside one device's run
         return parallel.measure(args)
-    dtype, batches = args.dtype, args.batches
-    prompt_len, new_tokens = args.prompt_len, args.new_tokens
-    hf, engine = load_models(args.model, args.device, dtype, max(batches), prompt_len + new_tokens,
-                             args.plugins, args.max_num_batched_tokens, args.config_options)
-    print(engine.plan, file=sys.stderr)
-    results, bw = run_benchmark(hf, engine, batches, prompt_len, new_tokens, args.systems,
-                                log=lambda m: print(m, file=sys.stderr))
-    del engine  # one build on the device at a time
-    results += run_variants(hf, lambda plugins: build_engine(
-        hf, args.device, dtype, max(batches), prompt_len + new_tokens, args.plugins + plugins,
-        args.max_num_batched_tokens, args.config_options), args, bw)
+    dtype, prompt_len, new_tokens = args.dtype, args.prompt_len, args.new_tokens
+    fit = fit_of(args)  # PlanError where a copy does not fit the device even alone
+    fit.check()
+    print(fit.describe(), file=sys.stderr)
+    results, bw = measure_systems(args, fit.order)
     device_name = describe_device(args.device)
     title = f"{args.model} {str(dtype)[6:]} on {device_name}"
     out = Path(args.out)
@@ -246,6 +245,9 @@ def measure(args) -> int:
         "warnings": [warning] if warning else [],
     }, indent=2))
     plotted = plot(results, out / "tpot.png", title)
+    table += f"\n{fit.order} order: " + (
+        "each batch on every system in turn" if fit.order == INTERLEAVED else
+        "our engine at every batch, freed, then HF's model on the device")
     if args.compare_plugins:
         table += "\n\n" + variants_table(results)
     if warning:
@@ -254,6 +256,30 @@ def measure(args) -> int:
     print(f"\nwrote {out / 'results.json'}" + (f" and {out / 'tpot.png'}" if plotted else
           " (no tpot.png: matplotlib is not installed; pip install 'infergraft[bench]')"))
     return 0
+
+
+def measure_systems(args, order: str) -> tuple[list, float]:
+    """(results, copy bandwidth) of every system and ``--compare-plugins`` build, in
+    ``order`` (``bench_fit``): interleaved, HF's model on the device beside our engine;
+    sequential, HF's in host memory until our builds are measured and freed."""
+    def log(msg):
+        print(msg, file=sys.stderr)
+
+    def build(hf, plugins=()):
+        return build_engine(hf, args.device, args.dtype, max(args.batches),
+                            args.prompt_len + args.new_tokens, args.plugins + list(plugins),
+                            args.max_num_batched_tokens, args.config_options)
+    if order == SEQUENTIAL:
+        return run_in_turn(load_hf(args.model, args.device, args.dtype, host=True), build,
+                           args, log)
+    hf, engine = load_models(args.model, args.device, args.dtype, max(args.batches),
+                             args.prompt_len + args.new_tokens, args.plugins,
+                             args.max_num_batched_tokens, args.config_options)
+    log(engine.plan)
+    results, bw = run_benchmark(hf, engine, args.batches, args.prompt_len, args.new_tokens,
+                                args.systems, log=log)
+    del engine  # one build on the device at a time
+    return results + run_variants(hf, lambda plugins: build(hf, plugins), args, bw), bw
 
 
 if __name__ == "__main__":
