@@ -12,6 +12,10 @@ with n-gram drafts (``{"method": "ngram", "k": K}``) on one engine (the paged ca
 prefix caching), rounds alternating. Per prompt: the median TPOT of each, their ratio,
 the mean accepted length (tokens a verify step gave, the target's own included), the share
 of proposed tokens kept, and whether the tokens were the same (greedy: they must be).
+Beside them, in the same run: HF transformers' ``generate`` on the same weights, plain and
+with its own prompt lookup (``prompt_lookup_num_tokens=K``), its TPOT as (the time of the
+whole answer - that of its first token) / (tokens - 1); and the copy roofline of a decode
+step (the weights and the K/V at the answer's mean context, at the copy rate measured then).
 
 verify: ``--verify-model`` (a random shape of ``infergraft bench``, ``llama2-7b`` on a GPU;
 or a model directory or alias) holding one sequence of ``--context`` tokens; the forward
@@ -39,9 +43,10 @@ import torch
 from infergraft import core
 from infergraft.core.speculative.proposer import Proposal
 from infergraft.core.step import Step
-from infergraft.core.tools.bench import random_prompts, sync
+from infergraft.core.tools.bench import copy_bandwidth, random_prompts, sync
 from infergraft.core.tools.bench_cli import load_hf
 from infergraft.core.tools.provenance import provenance
+from infergraft.core.tools.roofline import step_bytes
 from infergraft.core.tools.shapes import SHAPES
 
 PARAGRAPH = ("The comittee met on tuesday to discus the new budjet. After a long debate, "
@@ -79,11 +84,49 @@ def run(engine, prompts, params) -> list:
     return seqs
 
 
+@torch.inference_mode()
+def hf_tpot(hf, prompt_ids, new_tokens: int, lookup: int | None, rounds: int) -> float:
+    """HF ``generate``'s TPOT (seconds), greedy, its prompt lookup with ``lookup`` tokens
+    (None: plain): the whole answer's time less its first token's, over the tokens after
+    the first; the median of ``rounds``."""
+    device = next(hf.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    if lookup:
+        kw["prompt_lookup_num_tokens"] = lookup
+
+    def timed(n):
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=n, **kw)
+        sync(device)
+        return time.perf_counter() - t0, out.shape[1] - ids.shape[1]
+
+    timed(4)  # warm-up
+    tpots = []
+    for _ in range(rounds):
+        first, _ = timed(1)
+        whole, n = timed(new_tokens)
+        tpots.append((whole - first) / max(1, n - 1))
+    return statistics.median(tpots)
+
+
+def roofline_tpot(engine, bandwidth: float, context: int) -> float:
+    """Seconds a decode step of one sequence at ``context`` must take reading its bytes."""
+    plan = engine.plan
+    return step_bytes(engine.spec, plan.step_weight_bytes or plan.weight_bytes,
+                      plan.kv_bytes_per_token, 1, context) / bandwidth
+
+
 def tpot_part(args) -> list[dict]:
     engine = core.build(args.model, plugins=["paged"], device=args.device, dtype=args.dtype,
                         max_batch_size=max(args.batch, 1), max_seq_len=1024,
                         prefix_caching=False, speculative={"method": "ngram", "k": args.k})
     run(engine, [chat(engine, "Hello")], core.SamplingParams(max_new_tokens=8))  # warm-up
+    hf = load_hf(args.model, args.device, engine.model.dtype if hasattr(engine.model, "dtype")
+                 else getattr(torch, engine.plan.dtype))
+    bandwidth = copy_bandwidth(torch.device(args.device),
+                               nbytes=(1 << 30) if str(args.device).startswith("cuda") else 1 << 28)
     rows = []
     for kind, text in WORKLOAD.items():
         prompt, got = chat(engine, text), {False: [], True: []}
@@ -96,17 +139,26 @@ def tpot_part(args) -> list[dict]:
         drafts = sum(s.metrics.num_drafts for s in on)
         kept = sum(s.metrics.num_accepted_tokens for s in on)
         proposed = sum(s.metrics.num_draft_tokens for s in on)
-        rows.append({"kind": kind, "tokens": len(on[0].output_ids),
+        ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        n = len(on[0].output_ids)
+        hf_plain = hf_tpot(hf, ids, n, None, args.rounds)
+        hf_lookup = hf_tpot(hf, ids, n, args.k, args.rounds)
+        roof = roofline_tpot(engine, bandwidth, len(ids) + n // 2)
+        rows.append({"kind": kind, "tokens": n,
                      "plain_tpot_ms": tpot[False] * 1e3, "ngram_tpot_ms": tpot[True] * 1e3,
                      "ratio": tpot[True] / tpot[False],
                      "mean_accepted_length": 1 + kept / drafts if drafts else None,
                      "acceptance_rate": kept / proposed if proposed else None,
-                     "same_tokens": all(a.output_ids == b.output_ids for a, b in zip(off, on))})
+                     "same_tokens": all(a.output_ids == b.output_ids for a, b in zip(off, on)),
+                     "hf_tpot_ms": hf_plain * 1e3, "hf_prompt_lookup_tpot_ms": hf_lookup * 1e3,
+                     "roofline_tpot_ms": roof * 1e3, "copy_gb_s": bandwidth / 1e9})
         r = rows[-1]
         print(f"  {kind:<10} {r['tokens']:4d} tokens  TPOT plain {r['plain_tpot_ms']:7.2f} ms  "
               f"ngram {r['ngram_tpot_ms']:7.2f} ms  ({r['ratio']:.2f}x)  accepted length "
               f"{r['mean_accepted_length'] or 0:.2f}  kept {r['acceptance_rate'] or 0:.0%}  "
-              f"same tokens: {r['same_tokens']}", flush=True)
+              f"same tokens: {r['same_tokens']}\n  {'':<10} HF generate {hf_plain * 1e3:7.2f} "
+              f"ms, its prompt lookup {hf_lookup * 1e3:7.2f} ms ({hf_lookup / hf_plain:.2f}x); "
+              f"roofline {roof * 1e3:6.3f} ms (copy {bandwidth / 1e9:.0f} GB/s)", flush=True)
     return rows
 
 
