@@ -30,7 +30,7 @@ GEMV_MAX_ROWS = 2
 WIDEN_MIN_ROWS = 512
 # INFERGRAFT_QUANT_MMA=auto: from this many rows int4_mma (where it takes the GEMM: up to
 # its MAX_ROWS, groups of 128), fewer rows the paths above: at one row the GEMV beat it, at
-# 16 and 32 rows it beat the tiles (docs/bench/quant-mma.md; 3-15 rows unmeasured)
+# 16 and 32 rows it beat the tiles (docs/bench/quant-mma.md; 2-15 rows unmeasured)
 MMA_MIN_ROWS = 16
 
 
