@@ -48,8 +48,10 @@ OPS = {
     "apply_token_bitmask": "token_bitmask",
 }
 BACKENDS = ("auto", "torch", "triton")
-#: the Triton ops that take ``mma=`` (INFERGRAFT_QUANT_MMA): the weight quantisers' GEMMs and
-#: the fused decode GEMMs over 8-bit rows; those with ``counters=`` count split-K on them
+#: the Triton ops that take ``mma=`` (INFERGRAFT_QUANT_MMA's value: each applies its route
+#: rule, ``int4_linear.int4_mma_chosen`` / ``fp8_mma.rows_mma_chosen``): the weight
+#: quantisers' GEMMs and the fused decode GEMMs over 8-bit rows; those with ``counters=``
+#: count split-K on them
 MMA_OPS = {"int4_linear": True, "fp8_linear": True, "int8_linear": True,
            "normed_linear": False, "normed_swiglu": False, "normed_qkv_rope": False,
            "linear_residual": False}
@@ -84,19 +86,21 @@ def get_op(name: str, backend: str):
 
 def get_ops(device, backend: str = "auto") -> types.SimpleNamespace:
     """A namespace of every op for ``device``, e.g. ``ops.rms_norm(x, w, eps)``.
-    ``quant_mma``: whether the quantised decode GEMMs run the tensor-core MMA kernels
-    (``INFERGRAFT_QUANT_MMA``, read here, at each build: one process can build both)."""
+    ``quant_mma``: how the quantised decode GEMMs pick the tensor-core MMA kernels
+    (``INFERGRAFT_QUANT_MMA``, read here, at each build: one process can build all three):
+    False never, True wherever they take the GEMM, "auto" by the measured rule; always
+    False on the torch references."""
     chosen = resolve_backend(device, backend)
     ops = {n: get_op(n, chosen) for n in OPS}
-    mma = chosen == "triton" and bool(switches.value("INFERGRAFT_QUANT_MMA"))
-    if mma:
+    mma = switches.value("INFERGRAFT_QUANT_MMA") if chosen == "triton" else False
+    if mma:  # True or "auto"
         from .paged_plan import CounterPool  # not at import: it imports triton
 
         # this engine's own counters (engines on other streams share none)
         pool = CounterPool()
         for name, counts in MMA_OPS.items():
             extra = {"counters": pool} if counts else {}
-            ops[name] = functools.partial(ops[name], mma=True, **extra)
+            ops[name] = functools.partial(ops[name], mma=mma, **extra)
     return types.SimpleNamespace(backend=chosen, fuse_max_rows=fuse_max_rows(chosen),
                                  quant_mma=mma, **ops)
 

@@ -27,7 +27,7 @@ from . import switches
 from ._rows import check_scaled_rows, fit_stages, gemm_rows
 from ._triton import HAVE_TRITON, interpreting, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .cpu_linear import int8_linear_cpu
-from .fp8_mma import rows_mma, takes_rows_mma
+from .fp8_mma import rows_mma, rows_mma_chosen, takes_rows_mma
 from .int8_linear import int8_config
 
 FP8 = torch.float8_e4m3fn
@@ -199,7 +199,8 @@ def fp8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     """Same contract as ``fp8_linear_torch`` (W8A8 above ``SKINNY_MAX_ROWS`` rows: x
     rounded to e4m3 too); x may have leading dims. ``config``: the skinny kernel's tiles,
     at any number of rows. ``mma`` (``INFERGRAFT_QUANT_MMA``, bound by
-    ``dispatch.get_ops``): 1-64 rows on ``fp8_mma``, its split-K counted on ``counters``."""
+    ``dispatch.get_ops``: False, True or "auto"): with True 1-64 rows on ``fp8_mma``, its
+    split-K counted on ``counters``; "auto" keeps this path (``fp8_mma.rows_mma_chosen``)."""
     n, k = check_scaled_rows(x, qweight, scale, bias, FP8, "float8_e4m3fn")
     if not fp8_native(x.device):  # no e4m3 in Triton here (a GPU below sm_89)
         return fp8_linear_torch(x, qweight, scale, bias)
@@ -207,7 +208,7 @@ def fp8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     m = x2.shape[0]
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
-    if mma and config is None and takes_rows_mma(x2, k):
+    if rows_mma_chosen(mma) and config is None and takes_rows_mma(x2, k):
         return rows_mma(x2, qweight, scale, bias, y=y, counters=counters).reshape(*lead, n)
     if m > SKINNY_MAX_ROWS and config is None:
         if w8a8_fits(x2, n, k):

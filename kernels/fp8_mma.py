@@ -195,6 +195,18 @@ def takes_rows_mma(x2: torch.Tensor, in_features: int) -> bool:
 takes_fp8_mma = takes_rows_mma  # (its first name)
 
 
+def rows_mma_chosen(mma) -> bool:
+    """Whether ``mma`` (``INFERGRAFT_QUANT_MMA``'s value: False, True or "auto") sends e4m3
+    and int8 rows to their MMA kernels (``rows_mma`` where it takes the GEMM, the fused
+    layer's WORDS tiles): only when forced (True). Under "auto" they keep their shipped
+    paths, which beat them in the engine at 1 and 32 rows (docs/bench/quant-mma.md: the
+    fused layer's WORDS tiles leave SMs idle)."""
+    if mma == "auto":
+        return False
+    assert isinstance(mma, bool), f"mma is False, True or 'auto', got {mma!r}"
+    return mma
+
+
 def fp8_mma_config(m: int, n: int, k: int) -> dict:
     """Tiles and split-K: 64 rows of W a program, x padded to 16 rows or more, K split
     until about two programs an SM (untuned; e4m3 and int8 rows alike)."""

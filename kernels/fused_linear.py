@@ -23,9 +23,10 @@ q.float() * s[:, None]. The references compute that GEMM as ``int8_linear_torch`
 ``fp8_linear_torch`` do, the fallbacks with ``int8_linear_triton`` / ``fp8_linear_triton``.
 Both take the same tiles (one byte a weight); only int8 rows take the one-row word loop
 (``gemv_dot_int8`` reads bytes as int8): one e4m3 row takes the tensor-core tiles. With
-``mma=True`` (``INFERGRAFT_QUANT_MMA``, bound at build by ``dispatch.get_ops``) 8-bit rows
+``mma=True`` (``INFERGRAFT_QUANT_MMA=1``, bound at build by ``dispatch.get_ops``) 8-bit rows
 take ``words_config``'s WORDS tiles at every row count: W read as int32 words, widened by
-bit tricks (``fp8_mma.dot_words``).
+bit tricks (``fp8_mma.dot_words``); under its default ``auto`` the tiles above
+(``fp8_mma.rows_mma_chosen``).
 """
 import torch
 
@@ -35,6 +36,7 @@ from . import switches
 from ._triton import HAVE_TRITON, next_pow2, triton
 from ._rows import check_row_dtype
 from .fp8_linear import FP8, fp8_linear_torch, fp8_linear_triton, fp8_native
+from .fp8_mma import rows_mma_chosen
 from .int8_linear import int8_linear_torch, int8_linear_triton
 from .gemv import gemv_config, gemv_kind, int8_gemv_config, takes_gemv, takes_int8_gemv
 from .linear import SWAP_TILES, check_gemm, launch_gemm, linear_torch, skinny_config
@@ -57,7 +59,7 @@ def _normed(x, sum_sq, eps):
 def _linear(x, weight, bias, scale, kernel=False, mma=False):
     # x: [M, K], weight: [N, K] in x's dtype, or 8-bit rows with scale [N] -> [M, N] in x's
     # dtype; each row format through its own GEMM (its Triton launcher with ``kernel``,
-    # ``mma``: INFERGRAFT_QUANT_MMA's kernel where it applies)
+    # ``mma``: INFERGRAFT_QUANT_MMA's value, the launcher's route rule applied)
     if scale is None:
         return linear_torch(x, weight, bias)
     check_row_dtype(weight)
@@ -117,16 +119,16 @@ def words_config(m: int) -> dict:
                 num_stages=3, SWAP=True, WORDS=True)
 
 
-def _tiles(config, default: dict, rows, kind: str, m: int, k: int, mma: bool = False) -> dict:
+def _tiles(config, default: dict, rows, kind: str, m: int, k: int, mma=False) -> dict:
     """The caller's tiles, else ``default`` (16-bit). ``rows``: the dtype of 8-bit weight
     rows (``_row_dtype``), None for 16-bit ones. An 8-bit tile carries half the bytes, so
     where the default's K tiles are short (<= 256) 8-bit ones are twice as long. One int8
     row takes the word loop (``takes_int8_gemv``) with the ``kind``'s tiles; e4m3 where its
-    switch says. ``mma`` (``INFERGRAFT_QUANT_MMA``): 8-bit rows with K a multiple of 4 take
-    ``words_config``'s tiles."""
+    switch says. ``mma`` (``INFERGRAFT_QUANT_MMA``'s value): where ``rows_mma_chosen`` (True),
+    8-bit rows with K a multiple of 4 take ``words_config``'s tiles."""
     if config:
         return dict(config)
-    if mma and rows is not None and k % 4 == 0:
+    if rows is not None and rows_mma_chosen(mma) and k % 4 == 0:
         return words_config(m)
     if rows is not None and takes_int8_gemv(m, k, fp8=rows == torch.float8_e4m3fn):
         return int8_gemv_config(kind)

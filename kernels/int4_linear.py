@@ -7,7 +7,8 @@ here too).
 
 ``int4_linear_triton``'s paths (``int4_config``): at one row ``int4_gemv.py``'s GEMV; up
 to ``WIDEN_MIN_ROWS`` the tensor-core kernel here (with ``mma``, ``INFERGRAFT_QUANT_MMA``:
-``int4_mma.py``'s at 1-64 rows, groups of 128), each byte loaded once, its low nibbles
+``int4_mma.py``'s at up to 64 rows, groups of 128, from ``MMA_MIN_ROWS`` rows under its
+default ``auto``: ``int4_mma_chosen``), each byte loaded once, its low nibbles
 dotted with x's even columns and its high ones with the odd (q - z exact in x's dtype,
 each K tile's float32 dot scaled by its group's scale); then W widened once and cuBLAS.
 Each is ``int4_linear_torch``'s float32 math up to summation order (the widened W
@@ -27,6 +28,20 @@ from .int4_mma import int4_mma, takes_mma
 # the widened weight; the tensor-core tiles between (docs/kernels.md)
 GEMV_MAX_ROWS = 2
 WIDEN_MIN_ROWS = 512
+# INFERGRAFT_QUANT_MMA=auto: from this many rows int4_mma (where it takes the GEMM: up to
+# its MAX_ROWS, groups of 128), fewer rows the paths above: at one row the GEMV beat it, at
+# 16 and 32 rows it beat the tiles (docs/bench/quant-mma.md; 2-15 rows unmeasured)
+MMA_MIN_ROWS = 16
+
+
+def int4_mma_chosen(mma, m: int) -> bool:
+    """Whether ``mma`` (``INFERGRAFT_QUANT_MMA``'s value: False, True or "auto") sends an
+    M-row int4 GEMM to ``int4_mma`` where that kernel takes it (``int4_mma.takes_mma``):
+    True at every row count, "auto" from ``MMA_MIN_ROWS`` rows, False never."""
+    if mma == "auto":
+        return m >= MMA_MIN_ROWS
+    assert isinstance(mma, bool), f"mma is False, True or 'auto', got {mma!r}"
+    return mma
 
 
 def int4_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -173,8 +188,9 @@ def int4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
                        config=None, mma=False, counters=None) -> torch.Tensor:
     """Same contract as ``int4_linear_torch``; x may have leading dims. ``config``: an
     ``int4_config`` dict (a dict without PATH is the tiled kernel's). ``mma``
-    (``INFERGRAFT_QUANT_MMA``, bound by ``dispatch.get_ops``): the GEMMs ``int4_mma`` takes
-    (1-64 rows, groups of 128) go to it, its split-K counted on ``counters``."""
+    (``INFERGRAFT_QUANT_MMA``, bound by ``dispatch.get_ops``: False, True or "auto"): the
+    GEMMs ``int4_mma`` takes (1-64 rows, groups of 128) go to it where ``int4_mma_chosen``
+    says, its split-K counted on ``counters``."""
     k = in_features
     n, kp = qweight.shape
     g = -(-k // group_size)
@@ -195,7 +211,7 @@ def int4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     m = x2.shape[0]
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
-    if mma and config is None and takes_mma(x2, group_size, k):
+    if int4_mma_chosen(mma, m) and config is None and takes_mma(x2, group_size, k):
         return int4_mma(x2, qweight, scales, zeros, group_size, k, bias, y=y,
                         counters=counters).reshape(*lead, n)
     cfg = dict(config or int4_config(m, n, k, group_size))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, next_pow2, pdl_launch, pdl_release, pdl_wait, tl, triton
 from .cpu_linear import int8_linear_cpu
-from .fp8_mma import rows_mma, takes_rows_mma
+from .fp8_mma import rows_mma, rows_mma_chosen, takes_rows_mma
 from ._rows import check_scaled_rows, fit_stages, gemm_rows
 
 
@@ -108,14 +108,15 @@ def int8_config(m: int, n: int, k: int) -> dict:
 def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None,
                        config=None, mma=False, counters=None) -> torch.Tensor:
     """Same contract as ``int8_linear_torch``, one kernel; x may have leading dims. ``mma``
-    (``INFERGRAFT_QUANT_MMA``, bound by ``dispatch.get_ops``): 1-64 rows on
-    ``fp8_mma.int8_mma``'s kernel, its split-K counted on ``counters``."""
+    (``INFERGRAFT_QUANT_MMA``, bound by ``dispatch.get_ops``: False, True or "auto"): with
+    True 1-64 rows on ``fp8_mma.int8_mma``'s kernel, its split-K counted on ``counters``;
+    "auto" keeps this path (``fp8_mma.rows_mma_chosen``)."""
     n, k = check_scaled_rows(x, qweight, scale, bias, torch.int8, "int8")
     x2, y, lead = gemm_rows(x, k, n)  # [M, K], [M, N]
     m = x2.shape[0]
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
-    if mma and config is None and takes_rows_mma(x2, k):
+    if rows_mma_chosen(mma) and config is None and takes_rows_mma(x2, k):
         return rows_mma(x2, qweight, scale, bias, y=y, counters=counters).reshape(*lead, n)
     if m >= DEQUANT_MIN_ROWS and config is None and x.dtype != torch.float32:
         # compute-bound: W widened once (one pass, rounded to x's dtype) and cuBLAS

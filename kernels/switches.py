@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 
 BOOL, ROWS = "bool", "rows"
+AUTO = "bool or auto"  # 0, 1, or auto: a measured rule between the two paths
 READ_AT = ("import", "build", "launch")
 
 
@@ -45,9 +46,15 @@ class Switch:
     changes_results: bool
     constant: str | None = None
 
-    def parse(self, raw: str) -> bool | int:
-        """The value of ``raw`` (the variable's text); raises ``SwitchError`` on a bad one."""
+    def parse(self, raw: str) -> bool | int | str:
+        """The value of ``raw`` (the variable's text); raises ``SwitchError`` on a bad one.
+        A ``BOOL`` is True or False, ``ROWS`` an int, ``AUTO`` True, False or "auto"."""
         text = raw.strip()
+        if self.kind == AUTO:
+            if text not in ("0", "1", "auto"):
+                raise SwitchError(f"{self.name}={raw!r} is not 0, 1 or auto "
+                                  f"(default {self.default}; {self.selects})")
+            return "auto" if text == "auto" else text == "1"
         if self.kind == BOOL:
             if text not in ("0", "1"):
                 raise SwitchError(f"{self.name}={raw!r} is not 0 or 1 "
@@ -86,11 +93,13 @@ SWITCHES = _switches(
            "bits moved into a float32's, times 2^120) instead of the tensor-core tiles (an "
            "arm to measure)",
            changes_results=True, constant="gemv.GEMV_FP8"),
-    Switch("INFERGRAFT_QUANT_MMA", BOOL, "0", "build", "`1`",
-           "the int4-g128, e4m3 and int8 weights' decode GEMMs (1-64 rows; the fused layer's "
-           "over 8-bit rows too) on the tensor-core MMA kernels, the weight widened by bit "
-           "tricks (`int4_mma.py`, `fp8_mma.py`), instead of the shipped paths (an arm to "
-           "measure)",
+    Switch("INFERGRAFT_QUANT_MMA", AUTO, "auto", "build", "`0` or `1`",
+           "the quantised decode GEMMs' route: `auto`, int4-g128 GEMMs of 16-64 rows "
+           "(`int4_linear.MMA_MIN_ROWS`) on `int4_mma.py`'s tensor-core kernel, fewer rows "
+           "and e4m3 / int8 weights on the shipped paths; `1`, every int4-g128, e4m3 and int8 "
+           "decode GEMM of 1-64 rows (the fused layer's over 8-bit rows too) on the MMA "
+           "kernels, the weight widened by bit tricks (`int4_mma.py`, `fp8_mma.py`); `0`, "
+           "the shipped paths only",
            changes_results=True),
     Switch("INFERGRAFT_SWAP", BOOL, "1", "import", "`0`",
            "unswapped tiles at 2-32 rows in the plain and fused GEMMs",
@@ -147,20 +156,20 @@ def switch(name: str) -> Switch:
                           f"{', '.join(SWITCHES)}") from None
 
 
-def value(name: str) -> bool | int:
+def value(name: str) -> bool | int | str:
     """``name``'s value in the environment now (unset or empty: its default)."""
     s = switch(name)
     raw = os.environ.get(name)
     return s.parse(s.default if raw is None or raw == "" else raw)
 
 
-def default(name: str) -> bool | int:
+def default(name: str) -> bool | int | str:
     """``name``'s value when the variable is unset."""
     s = switch(name)
     return s.parse(s.default)
 
 
-def effective(name: str) -> bool | int:
+def effective(name: str) -> bool | int | str:
     """The value the kernels use: for an import-time switch whose module is imported, its
     module constant (what it took at import, or what a test patched in); else ``value``."""
     s = switch(name)
@@ -173,7 +182,7 @@ def effective(name: str) -> bool | int:
     return value(name)
 
 
-def snapshot() -> dict[str, bool | int]:
+def snapshot() -> dict[str, bool | int | str]:
     """{name: effective value} for every switch, for a result file."""
     return {name: effective(name) for name in SWITCHES}
 

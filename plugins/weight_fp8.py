@@ -20,7 +20,7 @@ fused GEMMs read the e4m3 rows and scales: int8's tiles, the e4m3 widened in reg
 (never int8's one-row word loop). A checkpoint already in fp8 keeps its projections and
 norms as stored: the plain layer. ``INFERGRAFT_QUANT_MMA=1`` (read at build): 1-64 rows
 on ``kernels/fp8_mma.py``'s tensor-core kernel, the fused layer's GEMMs on its WORDS tiles
-(e4m3 widened by bit tricks).
+(e4m3 widened by bit tricks); under its default ``auto`` the paths above.
 """
 from __future__ import annotations
 

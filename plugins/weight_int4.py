@@ -11,10 +11,10 @@ quarter of bf16's weight bytes (plus 5 bytes a group). Embeddings, the lm_head a
 stay in the model dtype. The fused decode layer reads 8-bit rows with a scale each only
 (``scaled_rows`` is None here): an int4 model runs the plain layer, its norms unfolded
 (``core.loading.packing.SlotPacker`` folds norms into 8-bit rows only: W g's groups
-would widen with the norm's outliers). ``INFERGRAFT_QUANT_MMA=1`` (read at build): groups
-of 128 at 1-64 rows on ``kernels/int4_mma.py``'s tensor-core kernel, which reads this
-format as loaded; a GPTQ act-order down projection's order lives in gate_up's rows
-(``core.loading.prequantized.fold_act_orders``).
+would widen with the norm's outliers). ``INFERGRAFT_QUANT_MMA`` (read at build): groups
+of 128 at 16-64 rows (its default ``auto``; ``1``: 1-64 rows) on ``kernels/int4_mma.py``'s
+tensor-core kernel, which reads this format as loaded; a GPTQ act-order down projection's
+order lives in gate_up's rows (``core.loading.prequantized.fold_act_orders``).
 
 On the CPU (``dense_on``) each projection is also dequantised once as it loads and
 multiplied by the dense GEMM (``kernels/cpu_linear.py``): the reference's unpacking at

@@ -11,7 +11,7 @@ the rows are widened to float32 a cache-sized chunk at a time (``cpu_linear``): 
 speed with half its weight bytes; the format is for GPU decode, where the weight bytes
 bound the step. ``INFERGRAFT_QUANT_MMA=1`` (read at build): 1-64 rows on
 ``kernels/fp8_mma.py``'s kernel for 8-bit rows (``int8_mma``), the fused layer's GEMMs on
-its WORDS tiles.
+its WORDS tiles; under its default ``auto`` the paths above.
 """
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """``INFERGRAFT_QUANT_MMA`` through the engine: a tiny random LLaMA quantised int4 (groups
-of 128), fp8 and int8, built with the switch off and on in one process (it is read at each
-build), gives the same greedy tokens and close logits, decoding one sequence and three at
-once; with it on the tensor-core MMA kernels run (int4: ``int4_mma`` in the plain layer;
-e4m3 and int8: the fused decode layer's WORDS tiles, and ``rows_mma`` where a step has
-more rows than the fused layer takes), with it off never. Triton in the interpreter,
-float16 (its bfloat16 dots are not the GPU's); the GPU case: bfloat16 under the decode
-CUDA graphs. GPTQ (act-order) and AWQ checkpoints load into the format ``int4_mma``
-reads (``Int4Weight``: nibble j of 32-bit word c is column 8c + j), no re-layout."""
+of 128), fp8 and int8, built with the switch at 0, unset (``auto``, its default) and 1 in
+one process (it is read at each build), gives the same greedy tokens and close logits,
+decoding one sequence and three at once. At 1 the tensor-core MMA kernels run (int4:
+``int4_mma`` in the plain layer; e4m3 and int8: the fused decode layer's WORDS tiles, and
+``rows_mma`` where a step has more rows than the fused layer takes), at 0 never, under
+auto only int4's GEMMs of ``int4_linear.MMA_MIN_ROWS`` rows or more. Triton in the
+interpreter, float16 (its bfloat16 dots are not the GPU's); the GPU case: bfloat16 under
+the decode CUDA graphs. GPTQ (act-order) and AWQ checkpoints load into the format
+``int4_mma`` reads (``Int4Weight``: nibble j of 32-bit word c is column 8c + j), no
+re-layout."""
 import pytest
 import torch
 
@@ -45,6 +47,15 @@ def _spies(monkeypatch) -> dict:
     return seen
 
 
+def _build(monkeypatch, setting: str | None, hf, **kw):
+    """An engine built with INFERGRAFT_QUANT_MMA at ``setting`` (None: unset, its default)."""
+    if setting is None:
+        monkeypatch.delenv("INFERGRAFT_QUANT_MMA", raising=False)
+    else:
+        monkeypatch.setenv("INFERGRAFT_QUANT_MMA", setting)
+    return core.build(hf, **kw)
+
+
 def _run(engine, prompts, long_prompt):
     """(logits of the long prompt, greedy tokens of one prompt, of three at once)."""
     logits = engine.logits(long_prompt).float()
@@ -55,7 +66,7 @@ def _run(engine, prompts, long_prompt):
 
 @pytest.mark.skipif(not (HAVE_TRITON and interpreting()), reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_switch_on_gives_the_switch_off_tokens_through_the_mma_kernels(monkeypatch, fmt):
+def test_each_setting_gives_the_switch_off_tokens_through_its_kernels(monkeypatch, fmt):
     hf = with_random_norm_weights(random_model(tiny_llama_config(**CONFIG), seed=11,
                                                dtype=torch.float16, scale=2.0))
     kw = dict(plugins=["paged", fmt], kernels="triton", dtype="float16", max_seq_len=96,
@@ -65,14 +76,26 @@ def test_switch_on_gives_the_switch_off_tokens_through_the_mma_kernels(monkeypat
     # 40 tokens: more than the fused layer's 32 rows (8-bit rows: the plain layer's GEMM)
     long_prompt = random_prompt(40, hf.config.vocab_size, 4)
     seen = _spies(monkeypatch)
-    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "0")
-    off = core.build(hf, **kw)
+    off = _build(monkeypatch, "0", hf, **kw)
     want = _run(off, prompts, long_prompt)
-    assert not off.model.ops.quant_mma and seen == {"int4_mma": [], "rows_mma": [], "words": []}
-    monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "1")
-    on = core.build(hf, **kw)
+    assert off.model.ops.quant_mma is False
+    assert seen == {"int4_mma": [], "rows_mma": [], "words": []}
+
+    # auto: int4's steps of 16 rows or more on int4_mma (the 40-token prompt, the three
+    # prompts' 21 tokens in one step), the 7-token prompt and decode steps of 1-3 rows on
+    # the shipped paths; e4m3 and int8 rows on theirs throughout
+    auto = _build(monkeypatch, None, hf, **kw)
+    got = _run(auto, prompts, long_prompt)
+    assert auto.model.ops.quant_mma == "auto"
+    assert relative_error(got[0], want[0]) < 5e-3, relative_error(got[0], want[0])
+    assert got[1:] == want[1:]
+    assert seen == {"int4_mma": [40] * 4 + [21] * 4 if fmt == "int4" else [],
+                    "rows_mma": [], "words": []}, seen
+
+    seen["int4_mma"].clear()
+    on = _build(monkeypatch, "1", hf, **kw)
     got = _run(on, prompts, long_prompt)
-    assert on.model.ops.quant_mma
+    assert on.model.ops.quant_mma is True
     assert relative_error(got[0], want[0]) < 5e-3, relative_error(got[0], want[0])
     assert got[1:] == want[1:]
     if fmt == "int4":  # the plain layer (int4 has no fused one): every projection, every step
@@ -107,11 +130,11 @@ def test_checkpoints_load_into_what_int4_mma_reads(tmp_path, monkeypatch, method
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs CUDA sm_89+ (e4m3)")
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_switch_on_under_the_decode_graphs(monkeypatch, fmt):
+def test_gpu_switch_auto_and_on_under_the_decode_graphs(monkeypatch, fmt):
     """On the GPU, decode replayed from CUDA graphs (split-K counters inside them), one
-    sequence and three: with the switch on, logits close to the switch-off build's in
-    bfloat16 and float16, and in float16 (bfloat16 rounds too coarsely for ties not to
-    flip between two kernels) the same greedy tokens."""
+    sequence and three: with the switch at auto and at 1, logits close to the switch-off
+    build's in bfloat16 and float16, and in float16 (bfloat16 rounds too coarsely for ties
+    not to flip between two kernels) the same greedy tokens."""
     hf = random_model(tiny_llama_config(**CONFIG), seed=12, scale=2.0)
     prompts = [random_prompt(n, hf.config.vocab_size, seed) for n, seed in ((7, 1), (5, 2),
                                                                             (9, 3))]
@@ -120,16 +143,17 @@ def test_gpu_switch_on_under_the_decode_graphs(monkeypatch, fmt):
     for dtype, tol in (("bfloat16", 3e-2), ("float16", 5e-3)):
         kw = dict(plugins=["paged", fmt], device="cuda", dtype=dtype, max_seq_len=96,
                   max_batch_size=4)
-        monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "0")
-        off = core.build(hf, **kw)
+        off = _build(monkeypatch, "0", hf, **kw)
         want = _run(off, prompts, long_prompt)
         del off
-        monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "1")
-        on = core.build(hf, **kw)
-        assert on.decode_graphs is not None and on.model.ops.quant_mma
-        got = _run(on, prompts, long_prompt)
-        err = relative_error(got[0], want[0])
-        assert err < tol, (dtype, err)
-        if dtype == "float16":
-            assert got[1:] == want[1:]
+        for setting in (None, "1"):  # auto, then every GEMM the MMA kernels take
+            engine = _build(monkeypatch, setting, hf, **kw)
+            assert engine.decode_graphs is not None
+            assert engine.model.ops.quant_mma == ("auto" if setting is None else True)
+            got = _run(engine, prompts, long_prompt)
+            err = relative_error(got[0], want[0])
+            assert err < tol, (dtype, setting, err)
+            if dtype == "float16":
+                assert got[1:] == want[1:], setting
+            del engine
     assert seen["int4_mma"] if fmt == "int4" else seen["words"] and seen["rows_mma"]

@@ -2,7 +2,8 @@
 # The GPU runs the CPU work owes (issues 43-47), in the order to spend scarce device time on
 # them (30 minutes a session, a machine's start included); one call each part or several:
 #   1. bash docs/bench/gpu_quant_next.sh OUT   (issue 43, < 9 min: the MMA kernels' CUDA
-#      tests, their sweep, bench int8,int4,fp8 with INFERGRAFT_QUANT_MMA off then on)
+#      tests, int4's sweep by rows and the fused 8-bit routes, bench int8,int4,fp8 with
+#      INFERGRAFT_QUANT_MMA at 0, auto and 1)
 #   2. bash docs/bench/gpu_owed.sh OUT kernels families structured   (< 10 min; carry .whl,
 #      made by docs/bench/device_wheels.sh: xgrammar, FastAPI, openai for the structured part)
 #   3. bash docs/bench/gpu_owed.sh OUT steps45 bench44   (issues 45, 44; census45: steps45's

@@ -2,6 +2,7 @@
 e4m3 and int8 rows) beside the shipped paths, on CUDA:
 
     python3 docs/bench/quant_mma_sweep.py [--formats int4,fp8,int8] [--rows 1,16,32] [--quick]
+    python3 docs/bench/quant_mma_sweep.py --fused [--formats fp8,int8] [--rows 1,32]
 
 For each format, LLaMA-2-7B decoder GEMM and row count: the time inside a CUDA graph
 (weight copies rotated past L2) of bf16 cuBLAS, the shipped path (``int4_linear_triton`` /
@@ -11,6 +12,13 @@ over a few tiles at 1 and 32 rows (and once by Triton's shifts and converts: wha
 assembly saves); each against the format's bytes' copy roofline (int4: packed weight +
 scales + zero-points; 8-bit: bytes + row scales); the relative error of each new arm
 against the format's torch reference. Last, one layer's four GEMMs summed, x 32 layers.
+
+These launchers are what the engine runs for int4 (which has no fused layer) and for 8-bit
+rows above 32 rows. At <= 32 rows e4m3 and int8 rows run the fused decode layer's GEMMs
+instead (``kernels/fused_linear.py``: norm, SwiGLU, residual, RoPE + K/V write in their
+epilogues); ``--fused`` times those, each on its shipped tiles (``mma=False``: what
+``INFERGRAFT_QUANT_MMA=0`` and ``auto`` run) and on the WORDS tiles (``mma=True``: ``=1``),
+with LLaMA-2-7B's heads (docs/bench/quant-mma.md says why the two sweeps disagree).
 """
 from __future__ import annotations
 
@@ -119,10 +127,18 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="int4,fp8,int8")
     p.add_argument("--rows", default="1,16,32")
     p.add_argument("--quick", action="store_true", help="the default tiles only")
+    p.add_argument("--fused", action="store_true",
+                   help="the fused decode layer's GEMMs on 8-bit rows (fp8, int8): shipped "
+                        "tiles vs WORDS tiles")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
+    if args.fused:
+        for name in args.formats.split(","):
+            assert name in ("fp8", "int8"), f"--fused takes fp8 and int8 (8-bit rows), not {name}"
+            run_fused(FORMATS[name], rows, bw)
+        return 0
     for fmt in (FORMATS[f] for f in args.formats.split(",")):
         layer = {}  # (m, arm) -> seconds summed over the four GEMMs
         for name, (n, k) in SHAPES.items():
@@ -176,6 +192,58 @@ def run_shape(fmt, name, n, k, rows, bw, quick, layer) -> None:
         print("  ".join(line), flush=True)
     del ps, ws
     torch.cuda.empty_cache()
+
+
+def fused_cases(m: int):
+    """(name, weight rows N, K, call(w, scale, mma)) for the fused layer's four GEMMs at M
+    rows (bf16 x; the norm's statistic as 128 partial sums, as the o / down GEMMs leave it)."""
+    from infergraft.kernels import fused_linear as FL
+
+    heads, d, hidden, inter = 32, 128, 4096, 11008
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    xi = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
+    ss = x.float().square().sum(-1)[None].repeat(128, 1) / 128                  # [P, M]
+    freqs = torch.outer(torch.arange(4096.0), 1e4 ** (-torch.arange(0, d, 2) / d)).cuda()
+    cos, sin = freqs.cos(), freqs.sin()                                         # [4096, D/2]
+    caches = [torch.zeros((-(-m // 16), 16, heads, d), device="cuda", dtype=torch.bfloat16)
+              for _ in range(2)]
+    slots = torch.arange(m, device="cuda")
+    pos = slots + 512
+    return [
+        ("qkv+rope", 3 * hidden, hidden, lambda w, s, mma: FL.normed_qkv_rope_triton(
+            x, w, None, ss, 1e-5, cos, sin, pos, heads, *caches, slots // 16, slots % 16, s,
+            mma=mma)),
+        ("o+res", hidden, hidden, lambda w, s, mma: FL.linear_residual_triton(
+            x, w, None, x, True, scale=s, mma=mma)),
+        ("gate_up+silu", 2 * inter, hidden, lambda w, s, mma: FL.normed_swiglu_triton(
+            x, w, None, ss, 1e-5, scale=s, mma=mma)),
+        ("down+res", hidden, inter, lambda w, s, mma: FL.linear_residual_triton(
+            xi, w, None, x, True, scale=s, mma=mma)),
+    ]
+
+
+def run_fused(fmt, rows, bw) -> None:
+    """``--fused``: each fused GEMM on the shipped tiles and on the WORDS tiles, against the
+    8-bit bytes' roofline; then one layer's four summed, x 32 layers."""
+    layer = {}  # (m, arm) -> seconds summed over the four GEMMs
+    for m in rows:
+        for name, n, k, call in fused_cases(m):
+            packed = [fmt.pack(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5)
+                      for _ in range(max(2, ROTATE_BYTES // (n * k)))]
+            roof = (n * k + 4 * n) / bw
+            line = [f"{fmt.name} fused {name:12s} M={m:3d} roof {roof * 1e6:6.1f} us"]
+            for arm, mma in (("shipped", False), ("words", True)):
+                it = itertools.cycle(packed)
+                t = graph_time(lambda: call(*next(it), mma))
+                layer[(m, arm)] = layer.get((m, arm), 0.0) + t
+                line.append(f"{arm} {t * 1e6:6.1f} ({roof / t:4.0%})")
+            print("  ".join(line), flush=True)
+            del packed
+            torch.cuda.empty_cache()
+    print(f"{fmt.name}: the fused layer's four GEMMs x 32 layers, ms:")
+    for m in rows:
+        print(f"  M={m:3d}  shipped {layer[(m, 'shipped')] * 32e3:6.3f}  "
+              f"words {layer[(m, 'words')] * 32e3:6.3f}", flush=True)
 
 
 if __name__ == "__main__":

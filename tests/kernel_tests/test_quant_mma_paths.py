@@ -1,14 +1,16 @@
-"""Where ``INFERGRAFT_QUANT_MMA`` sends the quantised decode GEMMs (``mma=True``, bound by
-``dispatch.get_ops`` at build): the int4 / e4m3 / int8 launchers to ``int4_mma`` /
-``fp8_mma.rows_mma`` at 1-64 rows (groups of 128 for int4) and to their shipped paths
-otherwise; the fused decode GEMMs over 8-bit rows to the WORDS tiles (W read as words,
-widened by ``fp8_mma.dot_words``), K not a multiple of 4 to the byte tiles. Each equals
-its reference (interpreter: float16; CUDA: float16 and bfloat16)."""
+"""Where ``INFERGRAFT_QUANT_MMA`` sends the quantised decode GEMMs (its value bound as
+``mma`` by ``dispatch.get_ops`` at build). At 1 (``mma=True``): the int4 / e4m3 / int8
+launchers to ``int4_mma`` / ``fp8_mma.rows_mma`` at 1-64 rows (groups of 128 for int4) and
+to their shipped paths otherwise; the fused decode GEMMs over 8-bit rows to the WORDS
+tiles (W read as words, widened by ``fp8_mma.dot_words``), K not a multiple of 4 to the
+byte tiles. Under ``auto`` (the default): int4 from ``int4_linear.MMA_MIN_ROWS`` rows only,
+8-bit rows never. Each equals its reference (interpreter: float16; CUDA: float16 and
+bfloat16)."""
 import pytest
 import torch
 
-from infergraft.kernels import dispatch
-from infergraft.kernels import fp8_linear, int4_linear, int8_linear
+from infergraft.kernels import dispatch, switches
+from infergraft.kernels import fp8_linear, fp8_mma, int4_linear, int8_linear
 from infergraft.kernels import fused_linear as FL
 from infergraft.kernels.fp8_linear import fp8_linear_torch, quantize_fp8
 from infergraft.kernels.int4_linear import int4_linear_torch, quantize_int4
@@ -44,6 +46,63 @@ def test_int4_decode_rows_take_int4_mma_and_others_the_shipped_paths(device, ran
             ref = int4_linear_torch(x, *args, bias=b)
             torch.testing.assert_close(got, ref, **TOLERANCES[dt], msg=lambda e: f"M={m}\n{e}")
     assert calls == [1, 5, 64] * len(_dtypes(device))  # not 65 rows, not groups of 64
+
+
+def test_the_route_rules_at_each_setting():
+    """``int4_mma_chosen``: 0 never, 1 at every row count, auto from MMA_MIN_ROWS rows (the
+    switch's help says which); ``rows_mma_chosen`` (e4m3, int8): only at 1."""
+    low = int4_linear.MMA_MIN_ROWS
+    assert f"{low}-64 rows (`int4_linear.MMA_MIN_ROWS`)" in \
+        switches.switch("INFERGRAFT_QUANT_MMA").selects
+    for m in range(1, 65):
+        assert int4_linear.int4_mma_chosen(False, m) is False
+        assert int4_linear.int4_mma_chosen(True, m) is True
+        assert int4_linear.int4_mma_chosen("auto", m) is (m >= low), m
+    assert [fp8_mma.rows_mma_chosen(v) for v in (False, "auto", True)] == [False, False, True]
+    for bad in ("1", 1, "on", None):  # the switch's parsed values only
+        with pytest.raises(AssertionError, match="False, True or 'auto'"):
+            int4_linear.int4_mma_chosen(bad, 16)
+        with pytest.raises(AssertionError, match="False, True or 'auto'"):
+            fp8_mma.rows_mma_chosen(bad)
+
+
+def test_auto_sends_int4_to_int4_mma_from_mma_min_rows(device, randn, monkeypatch):
+    """The launcher under auto: one row on the GEMV, MMA_MIN_ROWS - 1 rows on the tiles,
+    MMA_MIN_ROWS and 64 on int4_mma, 65 past it (and groups of 64 never)."""
+    calls = _spy(monkeypatch, int4_linear, "int4_mma")
+    gemv = _spy(monkeypatch, int4_linear, "int4_gemv_triton")
+    low = int4_linear.MMA_MIN_ROWS
+    for dt in _dtypes(device):
+        for m, group in ((1, 128), (low - 1, 128), (low, 128), (64, 128), (65, 128),
+                         (low, 64)):
+            x, b = randn(m, 264, dtype=dt), randn(40, dtype=dt)
+            p = quantize_int4(randn(40, 264) / 16, group)
+            args = (p.qweight, p.scales, p.zeros, group, 264)
+            got = int4_linear.int4_linear_triton(x, *args, b, mma="auto")
+            ref = int4_linear_torch(x, *args, bias=b)
+            torch.testing.assert_close(got, ref, **TOLERANCES[dt], msg=lambda e: f"M={m}\n{e}")
+    assert calls == [low, 64] * len(_dtypes(device))
+    assert gemv == [1] * len(_dtypes(device))
+
+
+def test_auto_keeps_8bit_rows_on_their_shipped_paths(device, randn, monkeypatch):
+    """Under auto the e4m3 / int8 launchers never reach rows_mma and the fused GEMMs never
+    take the WORDS tiles, at one row, 17 and 32."""
+    seen = {name: _spy(monkeypatch, module, "rows_mma")
+            for name, module in (("fp8", fp8_linear), ("int8", int8_linear))}
+    tiles, launch = [], FL.launch_gemm
+    monkeypatch.setattr(FL, "launch_gemm", lambda grid, cfg, *a, **kw: tiles.append(
+        bool(cfg.get("WORDS"))) or launch(grid, cfg, *a, **kw))
+    n, k, dt = 48, 200, torch.float16
+    for rows in sorted(QUANTIZE):
+        for m in (1, 17, 32):
+            x, r = randn(m, k, dtype=dt), randn(m, n, dtype=dt)
+            q, s = QUANTIZE[rows](randn(n, k) / 6)
+            getattr({"fp8": fp8_linear, "int8": int8_linear}[rows], f"{rows}_linear_triton")(
+                x, q, s, mma="auto")
+            FL.linear_residual_triton(x, q, None, r, True, scale=s, mma="auto")
+            FL.normed_swiglu_triton(x, q, None, _sum_sq_parts(x, 2), 1e-6, scale=s, mma="auto")
+    assert seen == {"fp8": [], "int8": []} and tiles == [False] * 12
 
 
 @pytest.mark.parametrize("rows", sorted(QUANTIZE))
@@ -117,16 +176,23 @@ def test_qkv_rope_on_8bit_rows_through_the_words_tiles(device, randn, gen, monke
 
 
 def test_the_switch_is_read_at_each_build(monkeypatch):
-    """get_ops binds mma (and one counter pool a build) into the quantised GEMMs where the
-    switch is on and Triton runs; the torch references never take it."""
+    """get_ops binds the switch's value as mma (and one counter pool a build) into the
+    quantised GEMMs where it is 1 or auto (unset: its default) and Triton runs; the torch
+    references never take it."""
     monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "1")
     on = dispatch.get_ops("cpu", "triton")
     again = dispatch.get_ops("cpu", "triton")
-    assert on.quant_mma and on.int4_linear.keywords["mma"] is True
+    assert on.quant_mma is True and on.int4_linear.keywords["mma"] is True
     assert on.normed_swiglu.keywords == {"mma": True}
     pool = on.fp8_linear.keywords["counters"]
     assert on.int8_linear.keywords["counters"] is pool is not again.fp8_linear.keywords["counters"]
-    assert not dispatch.get_ops("cpu", "torch").quant_mma
+    assert dispatch.get_ops("cpu", "torch").quant_mma is False
+    monkeypatch.delenv("INFERGRAFT_QUANT_MMA")
+    auto = dispatch.get_ops("cpu", "triton")
+    assert auto.quant_mma == "auto" and auto.int4_linear.keywords["mma"] == "auto"
+    assert auto.normed_qkv_rope.keywords == {"mma": "auto"}
+    assert auto.int8_linear.keywords["counters"] is auto.int4_linear.keywords["counters"]
+    assert dispatch.get_ops("cpu", "torch").quant_mma is False
     monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "0")
     off = dispatch.get_ops("cpu", "triton")
-    assert not off.quant_mma and off.int4_linear is int4_linear.int4_linear_triton
+    assert off.quant_mma is False and off.int4_linear is int4_linear.int4_linear_triton

@@ -39,12 +39,14 @@ def test_docs_table_matches_the_registry():
 def test_every_switch_is_declared_sensibly():
     for name, s in switches.SWITCHES.items():
         assert name.startswith("INFERGRAFT_") and s.name == name
-        assert s.kind in (switches.BOOL, switches.ROWS) and s.read_at in switches.READ_AT
+        assert s.kind in (switches.BOOL, switches.ROWS, switches.AUTO)
+        assert s.read_at in switches.READ_AT
         assert (s.constant is not None) == (s.read_at == "import"), name
         s.parse(s.default)  # the default parses
     assert switches.default("INFERGRAFT_FUSE_MAX_ROWS") == 32
     assert switches.default("INFERGRAFT_SKINNY_MAX_M") == 16
     assert switches.default("INFERGRAFT_PDL") is True
+    assert switches.default("INFERGRAFT_QUANT_MMA") == "auto"
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -65,6 +67,18 @@ def test_bools_follow_the_environment(monkeypatch, name):
     assert switches.value(name) is False
     monkeypatch.setenv(name, "1")
     assert switches.value(name) is True
+
+
+def test_a_bool_or_auto_takes_0_1_and_auto_and_refuses_the_rest(monkeypatch):
+    for raw, want in (("0", False), ("1", True), ("auto", "auto"), (" auto ", "auto")):
+        monkeypatch.setenv("INFERGRAFT_QUANT_MMA", raw)
+        assert switches.value("INFERGRAFT_QUANT_MMA") == want and \
+            type(switches.value("INFERGRAFT_QUANT_MMA")) is type(want), raw
+    for raw in ("on", "AUTO", "2", "true"):
+        monkeypatch.setenv("INFERGRAFT_QUANT_MMA", raw)
+        with pytest.raises(switches.SwitchError,
+                           match=re.escape(f"INFERGRAFT_QUANT_MMA={raw!r} is not 0, 1 or auto")):
+            switches.value("INFERGRAFT_QUANT_MMA")
 
 
 @pytest.mark.parametrize("raw", ["abc", "-1", "1.5", "16 rows", "+4", "²"])
@@ -92,7 +106,9 @@ def test_snapshot_has_every_switch_with_its_type():
     snap = switches.snapshot()
     assert list(snap) == list(switches.SWITCHES)
     for name, v in snap.items():
-        assert type(v) is (bool if switches.SWITCHES[name].kind == switches.BOOL else int), name
+        kind = switches.SWITCHES[name].kind
+        want = {switches.BOOL: (bool,), switches.ROWS: (int,), switches.AUTO: (bool, str)}[kind]
+        assert type(v) in want, name
 
 
 def test_snapshot_reports_what_import_time_switches_took(monkeypatch):
