@@ -100,7 +100,9 @@ def get_ops(device, backend: str = "auto") -> types.SimpleNamespace:
         pool = CounterPool()
         for name, counts in MMA_OPS.items():
             extra = {"counters": pool} if counts else {}
-            ops[name] = functools.partial(ops[name], mma=mma, **extra)
+            # (named as the op it binds: callers and tests tell the ops apart by name)
+            ops[name] = functools.update_wrapper(
+                functools.partial(ops[name], mma=mma, **extra), ops[name])
     return types.SimpleNamespace(backend=chosen, fuse_max_rows=fuse_max_rows(chosen),
                                  quant_mma=mma, **ops)
 
