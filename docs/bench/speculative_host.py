@@ -14,7 +14,7 @@ GPU's forward; a verify step's does not). The cost fit is bypassed (every greedy
 proposes while its ``AdaptiveK`` lets it), so both trees propose the same drafts.
 
     python docs/bench/speculative_host.py [--batch 1] [--k 4] [--new-tokens 160]
-        [--rounds 5] [--before REF] [--profile]
+        [--prompt-tokens 72] [--rounds 5] [--before REF] [--profile]
 
 ``--before REF``: also measures the tree of git ``REF`` (``git archive`` into a scratch
 folder, imported in a subprocess), rounds alternating between the two; the table then
@@ -40,9 +40,10 @@ PARTS = [("whole step", 0), ("host apart from the model", 1), ("schedule", 1),
 KINDS = ("decode", "verify")
 
 
-def repeating(n: int, times: int, seed: int) -> list[int]:
+def repeating(n: int, length: int, seed: int) -> list[int]:
+    """A random phrase of ``n`` tokens repeated to ``length`` tokens."""
     from infergraft.core.testing.models import random_prompt
-    return random_prompt(n, 256, seed) * times
+    return (random_prompt(n, 256, seed) * (length // n + 1))[:length]
 
 
 class Clock:
@@ -114,8 +115,9 @@ def build(speculative, args):
     from infergraft.core.testing.models import random_model, tiny_llama_config
 
     torch.set_num_threads(1)
-    hf = random_model(tiny_llama_config(), seed=5, scale=5.0)
-    engine = core.build(hf, plugins=["paged"], block_size=16, max_seq_len=512,
+    length = -(-(args.prompt_tokens + args.new_tokens + 8) // 64) * 64
+    hf = random_model(tiny_llama_config(max_position_embeddings=length), seed=5, scale=5.0)
+    engine = core.build(hf, plugins=["paged"], block_size=16, max_seq_len=length,
                         max_batch_size=args.batch, dtype="float32", device="cpu",
                         max_num_batched_tokens=512, prefix_caching=False,
                         speculative=speculative)
@@ -136,7 +138,7 @@ def one_round(engine, clock: Clock, args, profile=None) -> tuple[dict, list]:
 
     from infergraft.core.request import SamplingParams
 
-    seqs = [engine.add_request(repeating(6 + i, 12, 10 + i),
+    seqs = [engine.add_request(repeating(6 + i, args.prompt_tokens, 10 + i),
                                SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
             for i in range(args.batch)]
     steps = {kind: defaultdict(list) for kind in (*KINDS, "prefill")}
@@ -245,7 +247,8 @@ def in_subprocess(args, path: str | None) -> dict:
     if path is not None:  # before the editable install's finder
         env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, __file__, "--json", "--rounds", "1", "--batch", str(args.batch),
-           "--k", str(args.k), "--new-tokens", str(args.new_tokens)]
+           "--k", str(args.k), "--new-tokens", str(args.new_tokens), "--prompt-tokens",
+           str(args.prompt_tokens)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
@@ -257,6 +260,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=160)
+    parser.add_argument("--prompt-tokens", type=int, default=72)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--before", help="a git ref measured too, rounds alternating")
     parser.add_argument("--profile", action="store_true")
