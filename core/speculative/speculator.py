@@ -57,6 +57,15 @@ class Speculator:
         return any(self.eligible(s, share) and (s.speculation is None or s.speculation.active)
                    for s in seqs)
 
+    def launched_ahead(self, seqs) -> None:
+        """The decode look-ahead launched a step of ``seqs`` (none proposes in it: it
+        launches only while none would): one decode step of each paused request's pause,
+        as ``extend`` counts it on a step it schedules (else a pause never ends while the
+        look-ahead goes on: a lone request would not propose again)."""
+        for s in seqs:
+            if s.speculation is not None and not s.speculation.active:
+                s.speculation.take()
+
     def _share(self, decoding) -> float:
         """The keep rate a proposed token needs at this batch, with the tokens its requests
         would propose together (each its current ``k``) sharing a drafted step's overhead."""
