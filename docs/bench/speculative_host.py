@@ -10,8 +10,8 @@ runner's and speculator's methods; a part's time includes the parts indented und
 "host apart from the model" is the whole step less the model's forward: on a GPU the
 forward is a graph replay the host only launches, and this is what the host adds to it
 (plain steps: the look-ahead launches the next step first, so there it runs beside the
-GPU's forward; a verify step's does not). The cost fit is bypassed (every greedy request
-proposes while its ``AdaptiveK`` lets it), so both trees propose the same drafts.
+GPU's forward; a verify step's does not). The cost fit and ``AdaptiveK``'s pauses are
+bypassed (every decode step proposes), so both trees verify the same drafts.
 
     python docs/bench/speculative_host.py [--batch 1] [--k 4] [--new-tokens 160]
         [--prompt-tokens 72] [--rounds 5] [--before REF] [--profile]
@@ -71,7 +71,7 @@ class Clock:
 
 
 def instrument(engine, clock: Clock) -> None:
-    from infergraft.core.speculative import speculator as spec_module
+    from infergraft.core.speculative import adaptive, speculator as spec_module
 
     for name in ("schedule", "resume", "schedule_ahead"):
         clock.wrap(engine.scheduler, name, "schedule")
@@ -85,7 +85,10 @@ def instrument(engine, clock: Clock) -> None:
     spec = engine.speculation
     if spec is None:
         return
-    spec.cost.share = lambda *args, **kw: 0.0  # (every greedy request proposes)
+    # every greedy request proposes at every decode step: no cost rule, no pause (a pause
+    # under the look-ahead ended differently before f4dfb2a: the same steps in both trees)
+    spec.cost.share = lambda *args, **kw: 0.0
+    adaptive.MISSES_BEFORE_PAUSE = 1 << 30
     extend = spec.extend
 
     def extend_and_classify(step):
