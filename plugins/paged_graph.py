@@ -19,8 +19,14 @@ import attrs
 import torch
 
 from infergraft.core.runner.cuda_graph import PinnedStaging
+from infergraft.core.runner.host_tensors import from_ints
 
 from .block_allocator import blocks_for
+
+#: the largest token bucket whose rows' inputs are built as Python lists, written in one
+#: copy (decode and verify steps: a tensor op costs more host time than the whole list);
+#: above it, by tensor ops (prompt chunks: a list's cost grows with the bucket's rows)
+LIST_ROWS = 512
 
 
 @attrs.frozen
@@ -102,9 +108,13 @@ class PagedGraphInputs:
         host = torch.zeros(_step_slots(tokens, seqs, width), dtype=torch.long)
         host[tokens:2 * tokens] = -1  # every row padding (the capture writes no K/V)
         flat = host.to(self.device)
+        staging = PinnedStaging(host, self.device.type == "cuda")
         self._step_buffers = getattr(self, "_step_buffers", {})
-        self._step_buffers[tokens, seqs] = (PinnedStaging(host, self.device.type == "cuda"),
-                                            flat, width)
+        self._step_buffers[tokens, seqs] = (staging, flat, width)
+        # each staging buffer's views, made once (a view is a tensor op: a step's host time)
+        self._host_views = getattr(self, "_host_views", {})
+        self._host_views[tokens, seqs] = {id(b): _step_host_views(b, tokens, seqs, width)
+                                          for b in staging.buffers}
         rows, cu, lens, tables = _step_views(flat, tokens, seqs, width)
         positions, blocks, offsets = rows.unbind(0)
         return PagedMeta(positions, blocks, offsets, tables, lens, False, cu)
@@ -118,20 +128,42 @@ class PagedGraphInputs:
         if n > seqs or t > tokens:
             raise ValueError(f"a step of {n} sequences and {t} tokens does not fit graph "
                              f"buffers of {seqs} sequences and {tokens} tokens")
-        starts, count_t = torch.tensor(self._advance(seq_ids, counts)), torch.tensor(counts)
-        used = blocks_for(int((starts + count_t).max()), bs)  # entries the longest reads
+        starts = self._advance(seq_ids, counts)
+        ends = [st + c for st, c in zip(starts, counts)]
         host = staging.next()  # rewritten below, but for the columns no sequence uses
-        rows, cu, lens, tables = _step_views(host, tokens, seqs, width)
+        rows, scalars, tables = self._host_views[tokens, seqs][id(host)]
+        used = blocks_for(max(ends), bs)  # table entries the longest one reads
         tables[:n, :used] = self._rows.gather(seq_ids, used)  # [n, used]
-        cu[0], cu[1:n + 1], cu[n + 1:] = 0, count_t.cumsum(0), t
-        lens[:n], lens[n:] = starts + count_t, 0
-        seq_of = torch.repeat_interleave(torch.arange(n), count_t)  # [t] row -> sequence
-        pos = starts[seq_of] + torch.arange(t) - cu[:n].long()[seq_of]  # [t]
-        rows[0, :t], rows[1, :t], rows[2, :t] = pos, tables[seq_of, pos // bs], pos % bs
-        rows[0, t:], rows[1, t:], rows[2, t:] = 0, -1, 0
+        # cu [S + 1], then lens [S] (padding sequences hold no row)
+        cu = [0, *itertools.accumulate(counts)] + [t] * (seqs - n)
+        scalars.copy_(from_ints(cu + ends + [0] * (seqs - n), torch.int32))
+        # each row's position, storage block and offset in it; padding rows: (0, -1, 0)
+        if tokens <= LIST_ROWS:
+            rows.copy_(self._rows_as_lists(seq_ids, starts, ends, tokens).view(3, tokens))
+        else:
+            count_t = from_ints(counts)
+            seq_of = torch.repeat_interleave(count_t)  # [t] row -> sequence
+            pos = from_ints([st - c for st, c in zip(starts, cu)])[seq_of] + torch.arange(t)
+            rows[0, :t], rows[1, :t], rows[2, :t] = pos, tables[seq_of, pos // bs], pos % bs
+            rows[0, t:], rows[1, t:], rows[2, t:] = 0, -1, 0
         # the live sequences' rows (the padding ones, of length 0, attend to nothing)
         slots = _step_slots(tokens, seqs, width, rows=n)
         flat[:slots].copy_(host[:slots], non_blocking=True)
+
+    def _rows_as_lists(self, seq_ids, starts, ends, tokens: int) -> torch.Tensor:
+        """A small step's rows [3 * tokens]: positions, blocks, offsets, each padded to
+        ``tokens`` (a Python iteration a sequence and a block; a row costs list copies in C)."""
+        pos, blocks, offsets, bs = [], [], [], self.block_size
+        for s, start, end in zip(seq_ids, starts, ends):
+            table, p, (j, off) = self._tables[s], start, divmod(start, bs)
+            pos += range(start, end)
+            while p < end:  # block by block
+                m = min(bs - off, end - p)
+                blocks += [table[j]] * m
+                offsets += range(off, off + m)
+                p, j, off = p + m, j + 1, 0
+        pad = tokens - len(pos)
+        return from_ints(pos + [0] * pad + blocks + [-1] * pad + offsets + [0] * pad)
 
 
 def _step_slots(tokens: int, seqs: int, width: int, rows: int | None = None) -> int:
@@ -149,6 +181,13 @@ def _step_views(flat: torch.Tensor, tokens: int, seqs: int, width: int):
     cu, lens = small[:seqs + 1], small[seqs + 1:2 * seqs + 1]
     tables = small[2 * seqs + 1:2 * seqs + 1 + seqs * width].view(seqs, width)
     return flat[:3 * tokens].view(3, tokens), cu, lens, tables
+
+
+def _step_host_views(flat: torch.Tensor, tokens: int, seqs: int, width: int):
+    """``_step_views``' rows and tables, and between them cu and lens as one int32 view
+    [2S + 1] (adjacent: one copy fills both)."""
+    rows, _, _, tables = _step_views(flat, tokens, seqs, width)
+    return rows, flat[3 * tokens:].view(torch.int32)[:2 * seqs + 1], tables
 
 
 def _decode_views(flat: torch.Tensor, batch: int, width: int):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from infergraft.core.runner.host_tensors import from_ints
+
 
 class TableRows:
     """Rows of ``width`` block ids (0 past a sequence's blocks and for its holes: a
@@ -30,7 +32,7 @@ class TableRows:
         """Entries ``start..`` of ``seq_id``'s row become ``blocks`` (a hole: 0)."""
         if blocks:
             self.rows[self._slot[seq_id], start:start + len(blocks)] = \
-                torch.tensor(blocks, dtype=torch.int32).clamp_(min=0)
+                from_ints(blocks, torch.int32).clamp_(min=0)
 
     def remove(self, seq_id) -> None:
         self._free.append(self._slot.pop(seq_id))
@@ -38,7 +40,7 @@ class TableRows:
     def gather(self, seq_ids, columns: int | None = None) -> torch.Tensor:
         """The first ``columns`` entries (all: None) of the rows of ``seq_ids``, in order:
         [n, columns] int32."""
-        index = torch.tensor([self._slot[s] for s in seq_ids], dtype=torch.long)
+        index = from_ints([self._slot[s] for s in seq_ids])
         return self.rows[:, :columns].index_select(0, index)
 
     def check(self, tables: dict) -> None:

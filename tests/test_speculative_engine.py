@@ -108,6 +108,39 @@ def test_requests_that_do_not_speculate_are_unaffected(models):
     assert runs[0] == runs[1]
 
 
+def test_nan_logits_fail_their_drafted_request_alone(models):
+    """NaN in one drafted request's rows of a verify step (an overflowing model): that
+    request finishes with an error saying so, the other drafted one keeps its tokens."""
+    hf = models["llama-paged"]
+    opts = dict(KW, plugins=["paged"], block_size=4)
+    prompts, params = [PROMPTS[0], PROMPTS[3]], SamplingParams(max_new_tokens=28,
+                                                               ignore_eos=True)
+    want = [c.token_ids for c in tokens(core.build(hf, **opts), prompts)]
+    engine = core.build(hf, **opts, speculative=NGRAM)
+    split, sick = engine.speculation.split, []
+
+    def poisoned(step, logits):
+        out = split(step, logits)
+        drafted = out[2][1]
+        if not sick and len(drafted) == 2:  # the first step verifying both
+            seq, proposal, row = drafted[0]
+            logits[row + len(proposal.tokens)] = float("nan")  # its last row
+            sick.append((seq, len(seq.output_ids)))
+        return out
+    engine.speculation.split = poisoned
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert sick, "no step verified both requests' drafts"
+    (bad, held), = sick
+    good = seqs[1 - seqs.index(bad)]
+    assert bad.finish_reason == "error" and "NaN logits" in bad.error, bad.error
+    assert bad.output_ids == want[seqs.index(bad)][:held]  # nothing of the sick step kept
+    assert good.output_ids == want[seqs.index(good)]
+    engine.cache.check_invariants()
+    assert engine.cache.stats()["sequences"] == 0
+
+
 def test_prefix_hits_and_a_second_turn_give_the_same_tokens(models):
     """A prompt served from the prefix cache, then a turn whose prompt repeats the first
     answer (keyed at its finish): the blocks keyed never hold a rejected token's K/V."""

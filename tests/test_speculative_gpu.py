@@ -59,3 +59,54 @@ def test_opted_out_requests_keep_the_look_ahead(hf):
     assert launched and engine.stats()["spec_decode_num_drafts"] == 0
     # the look-ahead's steps are points of the cost fit (what a plain token costs there)
     assert engine.speculation.cost.seen[False] >= len(launched), engine.speculation.cost.seen
+
+
+def test_a_pause_ends_under_the_look_ahead(hf):
+    """Lone greedy requests whose drafts are refused pause, then propose again: under the
+    decode graphs' look-ahead (its steps count toward the pause) as without the graphs."""
+    runs = []
+    for graphs in (False, True):
+        engine = core.build(hf, **KW, cuda_graphs=graphs,
+                            speculative={"method": "ngram", "k": 4})
+        engine.speculation.cost.share = lambda *args, **kw: 0.0  # (it reads the clock)
+        got = []
+        for seed in range(3):  # one at a time: the look-ahead runs them alone
+            seq = engine.add_request(random_prompt(20, 1024, 30 + seed),
+                                     SamplingParams(max_new_tokens=80, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            got.append((seq.output_ids, seq.metrics.num_drafts, seq.metrics.num_accepted_tokens))
+        runs.append(got)
+    assert runs[0] == runs[1]
+    assert sum(drafts for _, drafts, _ in runs[1]) > 12, runs[1]
+
+
+def test_nan_logits_fail_their_drafted_request_alone(hf):
+    """A NaN in one drafted request's rows of a replayed verify step (NaN's max is NaN on
+    CUDA too): it finishes with an error, the other drafted request keeps its tokens."""
+    want = [c.token_ids for c in core.build(hf, **KW).generate(
+        PROMPTS[:2], max_new_tokens=48, ignore_eos=True)]
+    engine = core.build(hf, **KW, speculative={"method": "ngram", "k": 4})
+    engine.speculation.cost.share = lambda *args, **kw: 0.0
+    split, sick = engine.speculation.split, []
+
+    def poisoned(step, logits):
+        out = split(step, logits)
+        drafted = out[2][1]
+        if not sick and len(drafted) == 2:  # the first step verifying both
+            seq, proposal, row = drafted[0]
+            logits[row + len(proposal.tokens)] = float("nan")
+            sick.append((seq, len(seq.output_ids)))
+        return out
+    engine.speculation.split = poisoned
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=48, ignore_eos=True))
+            for p in PROMPTS[:2]]
+    while engine.has_unfinished():
+        engine.step()
+    assert sick, "no step verified both requests' drafts"
+    (bad, held), = sick
+    i = seqs.index(bad)
+    assert bad.finish_reason == "error" and "NaN logits" in bad.error, bad.error
+    assert bad.output_ids == want[i][:held]
+    assert seqs[1 - i].output_ids == want[1 - i]
+    engine.cache.check_invariants()

@@ -22,6 +22,8 @@ import gc
 
 import torch
 
+from .host_tensors import from_ints
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -131,7 +133,7 @@ class CudaGraphRunner:
                 self.tokens[bs][n:].copy_(self.tokens[bs][n - 1:n].expand(bs - n))
         else:
             padded = tokens + [tokens[-1]] * (bs - n)
-            self.tokens[bs].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+            self.tokens[bs].copy_(from_ints(padded), non_blocking=True)
         self.cache.prepare_decode_into(self.metas[bs], seq_ids)
         self.replays += 1
         if self.use_graphs:
@@ -159,6 +161,11 @@ class PinnedStaging:
     def __init__(self, like: torch.Tensor, pin: bool):
         self._buffers = [like.clone().pin_memory() if pin else like.clone() for _ in range(2)]
         self._turn = 0
+
+    @property
+    def buffers(self) -> tuple:
+        """Both buffers (views of them made once stay valid: they are never replaced)."""
+        return tuple(self._buffers)
 
     def next(self) -> torch.Tensor:
         """The buffer to fill now (its previous contents are stale: rewrite all that is

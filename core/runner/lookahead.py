@@ -53,6 +53,8 @@ class DecodeLookahead:
         engine = self.engine
         if self._can_look_ahead(seqs):
             self.inflight = (seqs, engine.decode_graphs.launch([s.id for s in seqs], None))
+            if engine.speculation is not None:  # a decode step of a pause, where one is
+                engine.speculation.launched_ahead(seqs)
         elif engine.schedule_ahead:  # the next step differs: schedule it while this one runs
             # (this one's row is not counted yet: a sequence it brings to LongRoPE's
             # boundary must be recomputed, not fed its next row from the short K/V)

@@ -17,9 +17,12 @@ graphs' memory pool.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .cuda_graph import PinnedStaging, capture_graph, rows as rows_of
+from .host_tensors import from_ints
 
 STEP_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
                 8192, 12288, 16384)
@@ -92,13 +95,12 @@ class StepGraphRunner:
         length = self.bucket(counts, rows)
         staging, dev, meta = self.inputs[length]
         host = staging.next()
-        t = len(tokens)
-        index = torch.tensor(counts).cumsum(0) - 1 if rows is None else torch.tensor(rows)
+        # each one's last row, or the rows asked for
+        index = [r - 1 for r in itertools.accumulate(counts)] if rows is None else list(rows)
         n = len(index)
-        host[:t] = torch.tensor(tokens, dtype=torch.long)
-        host[t:length] = 0  # padding token
-        host[length:length + n] = index  # each one's last row, or the rows asked for
-        host[length + n:] = 0
+        # tokens, padding tokens, the rows, padding rows: one list, one copy
+        host.copy_(from_ints(tokens + [0] * (length - len(tokens)) + index
+                             + [0] * (host.shape[0] - length - n)))
         dev.copy_(host, non_blocking=True)
         self.cache.prepare_step_into(meta, seq_ids, counts)
         self.replays += 1

@@ -40,6 +40,8 @@ class StepCost:
         # weighted sums over the points (t: tokens, d: drafted 0/1, y: seconds)
         self.n = self.t = self.d = self.tt = self.td = self.y = self.ty = self.dy = 0.0
         self.seen = {False: 0, True: 0}  # steps observed, without drafts and with
+        self._fit: Fit | None = None  # ``fit()`` of the points so far, once asked
+        self._fitted = True  # (no point yet: None)
 
     def observe(self, tokens: int, seconds: float, drafted: bool) -> None:
         """A step of ``tokens`` fed tokens (``drafted``: some of them proposed) took
@@ -55,10 +57,16 @@ class StepCost:
         self.n, self.t, self.d = k * self.n + 1, k * self.t + t, k * self.d + d
         self.tt, self.td = k * self.tt + t * t, k * self.td + t * d
         self.y, self.ty, self.dy = k * self.y + y, k * self.ty + t * y, k * self.dy + d * y
+        self._fitted = False
 
     def fit(self) -> Fit | None:
         """(c0, c1, c2), each >= 0, or None while the points tell neither ``c1`` nor
-        ``c2`` apart."""
+        ``c2`` apart (solved once a point: every step asks it several times)."""
+        if not self._fitted:
+            self._fit, self._fitted = self._solve(), True
+        return self._fit
+
+    def _solve(self) -> Fit | None:
         if self.n < 2:
             return None
         n = self.n
@@ -83,20 +91,18 @@ class StepCost:
         return make(max(0.0, my - slope * mx), slope)
 
     def _solve3(self) -> Fit | None:
-        """Least squares of y on (1, tokens, drafted); None where the three are nearly
+        """Least squares of y on (1, tokens, drafted) by Cramer's rule, each determinant
+        written out (plain floats: every step solves it); None where the three are nearly
         collinear (every step with drafts the same size: c1 and c2 not apart)."""
-        a = [[self.n, self.t, self.d], [self.t, self.tt, self.td], [self.d, self.td, self.d]]
-        b = [self.y, self.ty, self.dy]
-        det = _det(a)
-        if abs(det) <= _TINY * max(1.0, abs(a[0][0] * a[1][1] * a[2][2])):
+        # the normal equations [[n t d] [t tt td] [d td d]] c = [y ty dy]
+        n, t, d, tt, td, y, ty, dy = (self.n, self.t, self.d, self.tt, self.td, self.y,
+                                      self.ty, self.dy)
+        det = n * (tt * d - td * td) - t * (t * d - td * d) + d * (t * td - tt * d)
+        if abs(det) <= _TINY * max(1.0, abs(n * tt * d)):
             return None
-        c = []
-        for col in range(3):
-            m = [row[:] for row in a]
-            for r in range(3):
-                m[r][col] = b[r]
-            c.append(_det(m) / det)
-        c0, c1, c2 = c
+        c0 = (y * (tt * d - td * td) - t * (ty * d - td * dy) + d * (ty * td - tt * dy)) / det
+        c1 = (n * (ty * d - td * dy) - y * (t * d - td * d) + d * (t * dy - ty * d)) / det
+        c2 = (n * (tt * dy - ty * td) - t * (t * dy - ty * d) + y * (t * td - tt * d)) / det
         if c1 < 0 or c2 < 0:  # noise: refit without the term that went negative
             return None
         return Fit(max(0.0, c0), c1, c2)
@@ -115,8 +121,3 @@ class StepCost:
             return 0.0
         return min(1.0, (c1 * proposed + c2) * batch / (proposed * plain))
 
-
-def _det(m) -> float:
-    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))

@@ -7,7 +7,9 @@ tokens are a good guess at what comes next, and they cost no model.
 ``min_n`` to ``max_n`` tokens that occurs earlier, at its latest earlier occurrence that
 ``k`` tokens follow (else its latest), and proposes the up to ``k`` tokens after it. The
 search runs over the tokens as bytes (``bytes.rfind``, 4 bytes a token): a loop in C, not
-in Python, however long the request.
+in Python, however long the request, from the end back to the latest match. The drafter
+keeps each request's bytes between steps and appends only the tokens it got since, so a
+step's proposal costs in Python what the step added, not the length of the request.
 """
 from __future__ import annotations
 
@@ -24,17 +26,22 @@ def lookup(tokens, k: int, min_n: int = 1, max_n: int = 4) -> tuple[int, ...]:
     ``tokens`` with ``min_n`` <= length <= ``max_n``: its latest occurrence that ``k``
     tokens follow, else its latest (in a repeating run, that one's followers reach the
     end); none: ``()``."""
-    n_tokens = len(tokens)
+    return lookup_bytes(array("i", tokens).tobytes(), k, min_n, max_n)
+
+
+def lookup_bytes(data, k: int, min_n: int = 1, max_n: int = 4) -> tuple[int, ...]:
+    """``lookup`` of the tokens ``data`` holds (``array("i")``'s bytes, 4 a token)."""
+    n_tokens = len(data) // _ITEM
     if k < 1 or n_tokens <= min_n:
         return ()
-    data = array("i", tokens).tobytes()
     for n in range(min(max_n, n_tokens - 1), min_n - 1, -1):
         needle = data[(n_tokens - n) * _ITEM:]
         # a match must end before the last token, so that at least one token follows it
         at = _rfind(data, needle, n_tokens - k) if n_tokens - k >= n else -1
         at = at if at >= 0 else _rfind(data, needle, n_tokens - 1)
         if at >= 0:
-            return tuple(tokens[at + n:at + n + k])
+            start = (at + n) * _ITEM
+            return tuple(array("i", data[start:start + k * _ITEM]))
     return ()
 
 
@@ -52,9 +59,38 @@ def _rfind(data: bytes, needle: bytes, end: int) -> int:
 class NgramDrafter(Drafter):
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+        # seq id -> [its tokens so far as bytes, how many, the last one]
+        self._seen: dict = {}
 
     def propose(self, requests):
-        return [Proposal(lookup(r.token_ids, r.k, self.min_n, self.max_n)) for r in requests]
+        return [Proposal(lookup_bytes(self._bytes(r), r.k, self.min_n, self.max_n))
+                for r in requests]
+
+    def _bytes(self, request) -> bytearray:
+        """The request's tokens as bytes: those it had at its last proposal, then the
+        ones since (all of them where it is new, or its tokens no longer go on from the
+        last one it had there)."""
+        ids, seen = request.token_ids, self._seen.get(request.seq_id)
+        if seen is not None:
+            since = ids[seen[1] - 1:]  # the last token it had, then the ones since
+            if since and since[0] == seen[2]:
+                if len(since) > 1:
+                    _extend(seen, since[1:])
+                return seen[0]
+        if not ids:
+            return bytearray()
+        seen = self._seen[request.seq_id] = [bytearray(), 0, None]
+        _extend(seen, ids)
+        return seen[0]
+
+    def release(self, seq_id):
+        self._seen.pop(seq_id, None)
+
+
+def _extend(seen: list, tokens) -> None:
+    seen[0] += array("i", tokens).tobytes()
+    seen[1] += len(tokens)
+    seen[2] = tokens[-1]
 
 
 class NgramProposer(Proposer):

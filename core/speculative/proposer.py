@@ -16,7 +16,9 @@ aborted). Proposing is on the step's critical path: the host work should stay sm
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import itertools
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import attrs
 import torch
@@ -39,10 +41,40 @@ class ProposerContext:
 @attrs.frozen
 class DraftRequest:
     """One request to propose for: its tokens so far (prompt, then output) and how many
-    tokens the engine verifies at most (``k`` >= 1; fewer, or none, may be proposed)."""
+    tokens the engine verifies at most (``k`` >= 1; fewer, or none, may be proposed).
+    The engine's ``token_ids`` is a ``TokensSoFar``: the request's own lists, read in
+    place, which grow after ``propose`` returns (copy what is kept)."""
     seq_id: Any
     token_ids: Sequence[int]
     k: int
+
+
+class TokensSoFar(Sequence):
+    """A request's prompt then its output as one sequence, without copying them (a long
+    prompt would be copied at every step); a slice past the prompt is the output's."""
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list, output: list):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __iter__(self):
+        return itertools.chain(self.prompt, self.output)
+
+    def __getitem__(self, i):
+        n = len(self.prompt)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step == 1 and start >= n:
+                return self.output[start - n:max(start, stop) - n]
+            return (self.prompt + self.output)[i]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"token {i} of a request holding {len(self)}")
+        return self.prompt[i] if i < n else self.output[i - n]
 
 
 @attrs.frozen

@@ -23,11 +23,11 @@ import attrs
 import torch
 
 from ..errors import PlanError
+from ..runner.host_tensors import from_ints
 from ..runner.sampler import place_logprob
-from ..step import tokens_of
 from .adaptive import AdaptiveK
 from .cost import SHARE_OFF, StepCost
-from .proposer import DraftRequest, Proposal, ProposerContext
+from .proposer import DraftRequest, Proposal, ProposerContext, TokensSoFar
 from .verify import verify_request
 
 
@@ -56,6 +56,15 @@ class Speculator:
         share = self._share(seqs)
         return any(self.eligible(s, share) and (s.speculation is None or s.speculation.active)
                    for s in seqs)
+
+    def launched_ahead(self, seqs) -> None:
+        """The decode look-ahead launched a step of ``seqs`` (none proposes in it: it
+        launches only while none would): one decode step of each paused request's pause,
+        as ``extend`` counts it on a step it schedules (else a pause never ends while the
+        look-ahead goes on: a lone request would not propose again)."""
+        for s in seqs:
+            if s.speculation is not None and not s.speculation.active:
+                s.speculation.take()
 
     def _share(self, decoding) -> float:
         """The keep rate a proposed token needs at this batch, with the tokens its requests
@@ -92,7 +101,7 @@ class Speculator:
                 state.hold()
             elif k > 0:
                 where.append(i)
-                requests.append(DraftRequest(s.id, tokens_of(s), k))
+                requests.append(DraftRequest(s.id, TokensSoFar(s.prompt_ids, s.output_ids), k))
         if not requests:
             return step
         self._known.update(r.seq_id for r in requests)
@@ -132,25 +141,26 @@ class Speculator:
             else:
                 drafted.append((s, proposal, row))
                 row += n
-        index = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
+        if not plain:  # (every request drafted: no index to build and copy)
+            return plain, logits[:0], (logits, drafted)
+        index = from_ints(plain_rows).to(logits.device)
         return plain, logits.index_select(0, index), (logits, drafted)
 
     def accept(self, verify, now: float) -> list:
         """Verify each drafted request, roll back what it did not keep, append what it
         did; returns the requests that got tokens."""
         logits, drafted = verify
-        spans, at = [], 0  # each drafted request's rows among ``rows``
-        for _, proposal, _ in drafted:
-            spans.append((at, at + len(proposal.tokens) + 1))
-            at = spans[-1][1]
-        index = torch.cat([torch.arange(r, r + b - a) for (_, _, r), (a, b) in zip(drafted, spans)])
-        rows = logits.index_select(0, index.to(logits.device))  # [R, V]
-        # every row's argmax and NaN flag to the host in one copy; the rows requests
-        # process on the host (penalties, sampling, logprobs) in another
-        targets, nan = torch.stack([rows.argmax(-1), torch.isnan(rows).any(-1).long()]).tolist()
-        host = self._host_rows(rows, drafted, spans)
+        # each drafted request's rows of ``logits`` (its first, then one a proposed token)
+        spans = [(r, r + len(proposal.tokens) + 1) for _, proposal, r in drafted]
+        # every row's argmax to the host in one copy, -1 for a row holding NaN (its max is
+        # NaN); the undrafted requests' rows too: fewer ops than picking the drafted ones
+        # out. The rows requests process on the host (penalties, sampling, logprobs): in
+        # another copy
+        best, targets = logits.max(-1)
+        targets = torch.where(best.isnan(), -1, targets).tolist()
+        host = self._host_rows(logits, drafted, spans)
         for (seq, proposal, _), (a, b) in zip(drafted, spans):
-            if any(nan[a:b]):
+            if min(targets[a:b]) < 0:
                 seq.error = "sampling failed: NaN logits: the model's output overflowed"
                 tokens, entries = [-1], None
             else:
@@ -165,12 +175,12 @@ class Speculator:
         return [seq for seq, _, _ in drafted]
 
     def _host_rows(self, rows, drafted, spans) -> dict:
-        """seq id -> its rows on the host [d + 1, V], for the requests that are not plain
-        greedy (one copy for them all)."""
+        """seq id -> its rows of ``rows`` (``spans``) on the host [d + 1, V], for the
+        requests that are not plain greedy (one copy for them all)."""
         which = [i for i, (s, _, _) in enumerate(drafted) if not s.params.plain_greedy]
         if not which:
             return {}
-        index = torch.cat([torch.arange(*spans[i]) for i in which]).to(rows.device)
+        index = from_ints([r for i in which for r in range(*spans[i])]).to(rows.device)
         copied, out, at = rows.index_select(0, index).cpu(), {}, 0
         for i in which:
             n = spans[i][1] - spans[i][0]
