@@ -93,3 +93,20 @@ def test_a_sampled_request_is_not_held_by_cost(hf):
     sampled = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.5, seed=3)
     free = run(hf, 0.0, sampled)
     assert free == run(hf, SHARE_OFF, sampled) and free[1] > 0
+
+
+def test_a_request_whose_k_shrank_may_still_propose_where_a_full_draft_pays(hf):
+    """A verify step's own overhead (c2) as large as a plain step: one proposed token can
+    never pay, four can. A request whose refused drafts shrank its k to one stays eligible
+    (its next kept draft grows k again); priced at its current k it would never draft again."""
+    engine = core.build(hf, plugins=["paged"], max_seq_len=64, max_batch_size=4, block_size=4,
+                        speculative={"method": "ngram", "k": 4})
+    spec = engine.speculation
+    fed(spec.cost, [(1, 0.0005)] * 8)
+    fed(spec.cost, [(5, 0.0010)] * 8, drafted=True)
+    assert spec.cost.share(1, 1) >= SHARE_OFF > spec.cost.share(1, 4)
+    seq = engine.add_request(random_prompt(6, 256, 3), SamplingParams(max_new_tokens=8))
+    engine.step()  # its prefill
+    seq.speculation = AdaptiveK(4)
+    seq.speculation.k = 1
+    assert spec.wants([seq])

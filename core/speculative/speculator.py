@@ -53,7 +53,7 @@ class Speculator:
         look-ahead, which launches that step before their tokens are known, must not)."""
         if len(seqs) > self.config.disable_by_batch_size:
             return False
-        share = self._share(seqs)
+        share = self._share(seqs, full=True)
         return any(self.eligible(s, share) and (s.speculation is None or s.speculation.active)
                    for s in seqs)
 
@@ -66,12 +66,18 @@ class Speculator:
             if s.speculation is not None and not s.speculation.active:
                 s.speculation.take()
 
-    def _share(self, decoding) -> float:
+    def _share(self, decoding, full: bool = False) -> float:
         """The keep rate a proposed token needs at this batch, with the tokens its requests
-        would propose together (each its current ``k``) sharing a drafted step's overhead."""
+        would propose together (each its current ``k``; ``full``: each the configured ``k``,
+        the most a step proposes) sharing a drafted step's overhead. Whether a request may
+        propose at all (``SHARE_OFF``) asks the full one: a request whose ``k`` shrank, or
+        paused, would otherwise price its next draft at one token and never draft again
+        where a verify step's overhead is large (a small model behind the look-ahead)."""
         p = self.config.k
-        proposed = sum(p if s.speculation is None else s.speculation.k * s.speculation.active
-                       for s in decoding if s.params.speculative and not s.params.constrained)
+        speculating = [s for s in decoding if s.params.speculative and not s.params.constrained]
+        proposed = p * len(speculating) if full else \
+            sum(p if s.speculation is None else s.speculation.k * s.speculation.active
+                for s in speculating)
         return self.cost.share(len(decoding), proposed)
 
     def extend(self, step):
@@ -85,10 +91,12 @@ class Speculator:
                 or scheduler.long_rope is not None:  # (LongRoPE: recomputed at its boundary)
             return step
         where, requests = [], []
-        share = self._share([step.seqs[i] for i in decoding])  # the keep rate a token needs
+        seqs = [step.seqs[i] for i in decoding]
+        share = self._share(seqs)  # the keep rate a proposed token needs here
+        share_full = self._share(seqs, full=True)
         for i in decoding:
             s = step.seqs[i]
-            if not self.eligible(s, share):
+            if not self.eligible(s, share_full):
                 continue
             if s.speculation is None:
                 s.speculation = AdaptiveK(self.config.k)
