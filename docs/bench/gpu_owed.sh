@@ -13,7 +13,10 @@
 #      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47; < 10 min)
 #   D. (the same warm machine) bash docs/bench/gpu_owed.sh $OUT speculative-batch
 #   then: kernels families steps45 (the rest of the kernels' CUDA tests: rms_norm, gelu_mul,
-#   the varlen tail), and issue 43's profile (bash docs/bench/gpu_quant_profile.sh OUT ncu).
+#   the varlen tail), kvmem (issue 45's owed KV-memory runs), and issue 43's profile
+#   (bash docs/bench/gpu_quant_profile.sh OUT ncu).
+# kvmem: tests/test_gpu_kv_memory.py, then sharegpt-like at max_seq_len 8192 vs 2048 again
+#   (since 531a8db a graph step gathers only the table entries it uses), < 8 min.
 # kernels: the CUDA cases of the kernels written or changed without a GPU (int4_mma, fp8_mma,
 #   token_bitmask, fused_moe, softcapped paged / varlen attention, rms_norm's unit offset,
 #   gelu_mul); families: the gpu-marked parity tests of Gemma, Mixtral and Phi-3 (CUDA
@@ -109,6 +112,14 @@ if has bench44; then
     grep -E "^\| [0-9]|^order:|even alone|rror" "$OUT/bench_$m.txt" \
       | cut -c1-240 | head -10
   done
+fi
+if has kvmem; then
+  timeout "${KVMEM_TESTS_TIMEOUT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    -m gpu tests/test_gpu_kv_memory.py > "$OUT/kvmem-tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kvmem-tests.txt" | tail -8
+  timeout "${KVMEM_TIMEOUT:-270}" bash docs/bench/h200_kv_memory.sh \
+    "$OUT/kvmem" sharegpt > "$OUT/kvmem.txt" 2>&1
+  echo "kvmem rc $?"; tail -12 "$OUT/kvmem.txt"
 fi
 if has speculative; then
   timeout "${SPECULATIVE_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short \
