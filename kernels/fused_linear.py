@@ -127,8 +127,21 @@ def _tiles(config, default: dict, rows, kind: str, m: int, k: int, mma=False) ->
     if rows is not None and default["BLOCK_K"] <= 256:
         cfg["BLOCK_K"] = 2 * default["BLOCK_K"]
     if rows is not None and rows_mma_chosen(mma) and k % 4 == 0:
-        cfg["WORDS"] = True
+        return words_tiles(cfg, paired=kind in ("swiglu", "qkv_rope"))
     return cfg
+
+
+def words_tiles(cfg: dict, paired: bool = False) -> dict:
+    """8-bit byte tiles -> the same tiles read as words (``WORDS``): the same columns and
+    rows a program (so the same grid), shorter K steps with as many more stages as keep the
+    bytes of W in flight (up to 8). The step: 256 bytes for one W tile (not ``paired``:
+    SwiGLU, RoPE) against 16 rows, else 128 (fp8_mma's), the longest that compile for
+    sm_90 without spilling (x split four ways and four widened planes of W a step;
+    ``core/tools/kernel_bench/cubin.py``)."""
+    step = 256 if cfg["BLOCK_M"] == 16 and not paired else 128
+    more = max(1, cfg["BLOCK_K"] // step)
+    return dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], step),
+                num_stages=min(8, cfg["num_stages"] * more), WORDS=True)
 
 
 def plan(gemm: str, m: int, n: int, k: int, rows=None, mma=False, config=None, half=0):

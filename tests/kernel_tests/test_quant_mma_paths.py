@@ -200,10 +200,11 @@ LLAMA2_7B = {"qkv + RoPE": ("qkv_rope", 12288, 4096, 64), "qkv": ("linear", 1228
 
 @pytest.mark.parametrize("rows", [torch.float8_e4m3fn, torch.int8])
 def test_on_the_fused_8bit_gemms_launch_the_shipped_programs(rows):
-    """Under 1 each fused GEMM over 8-bit rows launches the grid and tiles it launches under
-    0, WORDS added (the one-row word loop unchanged): the switch measures the widening
-    alone. On 132 SMs: qkv + RoPE 192 programs, o and down 128, gate_up 344 (172 above 16
-    rows), not the 96 / 64 / 172 / 64 of 64-row tiles."""
+    """Under 1 each fused GEMM over 8-bit rows launches the grid it launches under 0 and
+    auto, on the same columns and rows a program, read as words in shorter K steps (the
+    one-row word loop unchanged): the switch measures the widening alone. LLaMA-2-7B on
+    132 SMs: qkv + RoPE 192 programs, o and down 128, gate_up 344 (172 above 16 rows), not
+    the 96 / 64 / 172 / 64 of the 64-row tiles before."""
     programs = {}
     for m in (1, 2, 16, 17, 32):
         for name, (gemm, n, k, half) in LLAMA2_7B.items():
@@ -211,11 +212,15 @@ def test_on_the_fused_8bit_gemms_launch_the_shipped_programs(rows):
                                            for mma in (True, False))
             assert grid == grid_off and grid[1] == 1, (name, m)
             loop = bool(off.get("GEMV"))
-            assert on == (off if loop else dict(off, WORDS=True)), (name, m)
+            assert on == (off if loop else FL.words_tiles(off, gemm != "linear")), (name, m)
             assert "WORDS" not in off and not on.get("SWAP"), (name, m)
+            assert [on[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps")] == \
+                [off[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps")], (name, m)
+            # the bytes of W a program keeps in flight: the shipped tiles', up to 8 stages
+            assert on["BLOCK_K"] * on["num_stages"] == min(
+                off["BLOCK_K"] * off["num_stages"], 8 * on["BLOCK_K"]), (name, m)
+            assert FL.plan(gemm, m, n, k, rows, "auto", half=half) == (grid, off)
             programs[name, m] = grid[0]
-            if not loop:
-                assert on == FL.plan(gemm, m, n, k, rows, "auto", half=half)[1] | {"WORDS": True}
     for m in (2, 16):
         assert [programs[g, m] for g in ("qkv + RoPE", "o", "gate_up", "down")] == \
             [192, 128, 344, 128], m
