@@ -200,7 +200,8 @@ def rows_mma_chosen(mma) -> bool:
     and int8 rows to their MMA kernels (``rows_mma`` where it takes the GEMM, the fused
     layer's WORDS tiles): only when forced (True). Under "auto" they keep their shipped
     paths, which beat them in the engine at 1 and 32 rows (docs/bench/quant-mma.md: the
-    fused layer's WORDS tiles leave SMs idle)."""
+    fused layer's earlier WORDS tiles left SMs idle; not yet re-measured on its shipped
+    tiles' grid)."""
     if mma == "auto":
         return False
     assert isinstance(mma, bool), f"mma is False, True or 'auto', got {mma!r}"

@@ -23,9 +23,10 @@ q.float() * s[:, None]. The references compute that GEMM as ``int8_linear_torch`
 ``fp8_linear_torch`` do, the fallbacks with ``int8_linear_triton`` / ``fp8_linear_triton``.
 Both take the same tiles (one byte a weight); only int8 rows take the one-row word loop
 (``gemv_dot_int8`` reads bytes as int8): one e4m3 row takes the tensor-core tiles. With
-``mma=True`` (``INFERGRAFT_QUANT_MMA=1``, bound at build by ``dispatch.get_ops``) 8-bit rows
-take ``words_config``'s WORDS tiles at every row count: W read as int32 words, widened by
-bit tricks (``fp8_mma.dot_words``); under its default ``auto`` the tiles above
+``mma=True`` (``INFERGRAFT_QUANT_MMA=1``, bound at build by ``dispatch.get_ops``) those same
+tiles read 8-bit rows as int32 words, widened by bit tricks (``fp8_mma.dot_words``,
+``WORDS``): the switch changes the widening, never the tiling, so each GEMM launches the
+programs it launches under ``0`` (``plan``); under its default ``auto``, plain byte tiles
 (``fp8_mma.rows_mma_chosen``).
 """
 import torch
@@ -33,7 +34,7 @@ import torch
 from infergraft.core.spec import split_qkv
 
 from . import switches
-from ._triton import HAVE_TRITON, next_pow2, triton
+from ._triton import HAVE_TRITON, next_pow2
 from ._rows import check_row_dtype
 from .fp8_linear import FP8, fp8_linear_torch, fp8_linear_triton, fp8_native
 from .fp8_mma import rows_mma_chosen
@@ -110,31 +111,56 @@ def _row_dtype(weight, scale):
     return None if scale is None else weight.dtype
 
 
-def words_config(m: int) -> dict:
-    """``INFERGRAFT_QUANT_MMA``'s tiles for 8-bit rows in the fused GEMMs, at every row count
-    (one row too): W read as int32 words and widened by bit tricks (``fp8_mma.dot_words``),
-    y^T tiles of 64 rows of W (the MMA's wide side), 128-byte K steps: ``fp8_mma``'s tiles
-    (untuned)."""
-    return dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_N=64, BLOCK_K=128, num_warps=4,
-                num_stages=3, SWAP=True, WORDS=True)
-
-
 def _tiles(config, default: dict, rows, kind: str, m: int, k: int, mma=False) -> dict:
     """The caller's tiles, else ``default`` (16-bit). ``rows``: the dtype of 8-bit weight
     rows (``_row_dtype``), None for 16-bit ones. An 8-bit tile carries half the bytes, so
     where the default's K tiles are short (<= 256) 8-bit ones are twice as long. One int8
     row takes the word loop (``takes_int8_gemv``) with the ``kind``'s tiles; e4m3 where its
     switch says. ``mma`` (``INFERGRAFT_QUANT_MMA``'s value): where ``rows_mma_chosen`` (True),
-    8-bit rows with K a multiple of 4 take ``words_config``'s tiles."""
+    the 8-bit tiles (not the word loop, which reads words already) with K a multiple of 4
+    take ``WORDS``: the same tiles, W read as words and widened by bit tricks."""
     if config:
         return dict(config)
-    if rows is not None and rows_mma_chosen(mma) and k % 4 == 0:
-        return words_config(m)
     if rows is not None and takes_int8_gemv(m, k, fp8=rows == torch.float8_e4m3fn):
         return int8_gemv_config(kind)
+    cfg = dict(default)
     if rows is not None and default["BLOCK_K"] <= 256:
-        return dict(default, BLOCK_K=2 * default["BLOCK_K"])
-    return dict(default)
+        cfg["BLOCK_K"] = 2 * default["BLOCK_K"]
+    if rows is not None and rows_mma_chosen(mma) and k % 4 == 0:
+        return words_tiles(cfg, paired=kind in ("swiglu", "qkv_rope"))
+    return cfg
+
+
+def words_tiles(cfg: dict, paired: bool = False) -> dict:
+    """8-bit byte tiles -> the same tiles read as words (``WORDS``): the same columns and
+    rows a program (so the same grid), shorter K steps with as many more stages as keep the
+    bytes of W in flight (up to 8). The step: 256 bytes for one W tile (not ``paired``:
+    SwiGLU, RoPE) against 16 rows, else 128 (fp8_mma's), the longest that compile for
+    sm_90 without spilling (x split four ways and four widened planes of W a step;
+    ``core/tools/kernel_bench/cubin.py``)."""
+    step = 256 if cfg["BLOCK_M"] == 16 and not paired else 128
+    more = max(1, cfg["BLOCK_K"] // step)
+    return dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], step),
+                num_stages=min(8, cfg["num_stages"] * more), WORDS=True)
+
+
+def plan(gemm: str, m: int, n: int, k: int, rows=None, mma=False, config=None, half=0):
+    """(grid, tiles) of a fused GEMM's kernel: ``gemm`` "linear" (``normed_linear``,
+    ``linear_residual``: [M, K] x [N, K]^T), "swiglu" (N = 2I gate | up rows) or "qkv_rope"
+    (N = (Hq + 2 Hkv) D rows, ``half`` = D / 2); ``rows``, ``mma``, ``config`` as
+    ``_tiles`` takes them. One program a column tile (a pair of them for SwiGLU, RoPE)."""
+    gemv = rows is None
+    if gemm == "swiglu":
+        cfg = _tiles(config, swiglu_config(m, n // 2, k, gemv), rows, "swiglu", m, k, mma)
+        return (-(-(n // 2) // cfg["BLOCK_N"]), 1), cfg
+    if gemm == "qkv_rope":
+        cfg = _tiles(config, qkv_rope_config(m, half, k, gemv), rows, "qkv_rope", m, k, mma)
+        if cfg.get("GEMV") or cfg.get("WORDS"):
+            cfg["BLOCK_N"] = min(cfg["BLOCK_N"], half)
+        return (n // (2 * cfg["BLOCK_N"]), 1), cfg
+    assert gemm == "linear", f"gemm must be linear, swiglu or qkv_rope, got {gemm!r}"
+    cfg = _tiles(config, skinny_config(m, n, k, gemv), rows, gemv_kind(n, k), m, k, mma)
+    return (-(-n // cfg["BLOCK_N"]), 1), cfg
 
 
 def _output(x, weight, bias, scale, n_out):
@@ -156,9 +182,8 @@ def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, 
     m, k = x.shape
     n = weight.shape[0]
     y = _output(x, weight, bias, scale, n)
-    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), _row_dtype(weight, scale),
-                 gemv_kind(n, k), m, k, mma)
-    launch_gemm((triton.cdiv(n, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, sum_sq=sum_sq,
+    grid, cfg = plan("linear", m, n, k, _row_dtype(weight, scale), mma, config)
+    launch_gemm(grid, cfg, x, weight, bias, y, sum_sq=sum_sq,
                 eps=eps, w_scale=scale)
     return y
 
@@ -184,9 +209,8 @@ def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, 
     m, k = x.shape
     i = weight.shape[0] // 2
     y = _output(x, weight, bias, scale, i)
-    cfg = _tiles(config, swiglu_config(m, i, k, gemv=scale is None), _row_dtype(weight, scale),
-                 "swiglu", m, k, mma)
-    launch_gemm((triton.cdiv(i, cfg["BLOCK_N"]), 1), cfg, x, weight, bias, y, up_rows=i,
+    grid, cfg = plan("swiglu", m, 2 * i, k, _row_dtype(weight, scale), mma, config)
+    launch_gemm(grid, cfg, x, weight, bias, y, up_rows=i,
                 sum_sq=sum_sq, eps=eps, w_scale=scale)
     return y
 
@@ -201,11 +225,9 @@ def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scal
     if not _fusable(x, weight, scale):
         return _with_sum_sq(_gemm(x, weight, bias, scale, mma) + residual, sum_sq)
     y = _output(x, weight, bias, scale, n)
-    cfg = _tiles(config, skinny_config(m, n, k, gemv=scale is None), _row_dtype(weight, scale),
-                 gemv_kind(n, k), m, k, mma)
-    programs = triton.cdiv(n, cfg["BLOCK_N"])
-    parts = torch.empty((programs, m), dtype=torch.float32, device=x.device) if sum_sq else None
-    launch_gemm((programs, 1), cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts,
+    grid, cfg = plan("linear", m, n, k, _row_dtype(weight, scale), mma, config)
+    parts = torch.empty((grid[0], m), dtype=torch.float32, device=x.device) if sum_sq else None
+    launch_gemm(grid, cfg, x, weight, bias, y, residual=residual, sum_sq_out=parts,
                 w_scale=scale)
     return (y, parts) if sum_sq else y
 
@@ -254,10 +276,8 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     half = cos.shape[1]
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \
         f"qkv weight has {weight.shape[0]} rows, not (Hq={num_heads} + 2 Hkv={hkv}) x D={d}"
-    cfg = _tiles(config, qkv_rope_config(x.shape[0], half, x.shape[1], gemv=scale is None),
-                 _row_dtype(weight, scale), "qkv_rope", *x.shape, mma)
-    if cfg.get("GEMV") or cfg.get("WORDS"):
-        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], half)
+    grid, cfg = plan("qkv_rope", x.shape[0], weight.shape[0], x.shape[1],
+                     _row_dtype(weight, scale), mma, config, half)
     max_rows = QKV_ROPE_MAX_ROWS if cfg.get("SWAP") else min(QKV_ROPE_MAX_ROWS,
                                                               UNSWAPPED_ROPE_MAX_ROWS)
     # the epilogue pairs each tile of dims with its rotate-half partners: a tile must be a
@@ -279,6 +299,6 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     _check_kv_write(kv_like, kv_like, k_cache, v_cache, idx0, idx1)
     rope = (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
             v_cache, num_heads, hkv)
-    launch_gemm((weight.shape[0] // (2 * cfg["BLOCK_N"]), 1), cfg, x, weight, bias, q,
+    launch_gemm(grid, cfg, x, weight, bias, q,
                 sum_sq=sum_sq, eps=eps, up_rows=half, rope=rope, w_scale=scale)
     return q.view(m, num_heads, d)

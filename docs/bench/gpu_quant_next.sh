@@ -9,7 +9,7 @@
 #   switch at auto and 1 through the engine under the decode CUDA graphs (tests/test_quant_mma.py);
 # sweep: docs/bench/quant_mma_sweep.py twice: int4's launchers at 1-32 rows (where auto's
 #   MMA_MIN_ROWS should sit: 16 and 32 measured, 2-12 not yet), then --fused: the fused decode
-#   layer's GEMMs on e4m3 and int8 rows, shipped tiles vs WORDS tiles, at 1 and 32 rows (what
+#   layer's GEMMs on e4m3 and int8 rows, byte tiles vs WORDS (same grid), at 1 and 32 rows (what
 #   the engine runs at <= 32 rows; docs/bench/quant-mma.md says why the launchers' sweep
 #   disagreed with the engine there);
 # bench: infergraft bench on the LLaMA-2-7B shape, batches 1 and 32, 32 new tokens (as the

@@ -17,7 +17,8 @@ These launchers are what the engine runs for int4 (which has no fused layer) and
 rows above 32 rows. At <= 32 rows e4m3 and int8 rows run the fused decode layer's GEMMs
 instead (``kernels/fused_linear.py``: norm, SwiGLU, residual, RoPE + K/V write in their
 epilogues); ``--fused`` times those, each on its shipped tiles (``mma=False``: what
-``INFERGRAFT_QUANT_MMA=0`` and ``auto`` run) and on the WORDS tiles (``mma=True``: ``=1``),
+``INFERGRAFT_QUANT_MMA=0`` and ``auto`` run) and on WORDS (``mma=True``: ``=1``: the same
+programs, W read as words and widened by bit tricks; one int8 row: both the word loop),
 with LLaMA-2-7B's heads (docs/bench/quant-mma.md says why the two sweeps disagree).
 """
 from __future__ import annotations
@@ -128,8 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,16,32")
     p.add_argument("--quick", action="store_true", help="the default tiles only")
     p.add_argument("--fused", action="store_true",
-                   help="the fused decode layer's GEMMs on 8-bit rows (fp8, int8): shipped "
-                        "tiles vs WORDS tiles")
+                   help="the fused decode layer's GEMMs on 8-bit rows (fp8, int8): byte "
+                        "tiles vs the same tiles read as words (WORDS)")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     bw = copy_bandwidth("cuda")
@@ -223,7 +224,7 @@ def fused_cases(m: int):
 
 
 def run_fused(fmt, rows, bw) -> None:
-    """``--fused``: each fused GEMM on the shipped tiles and on the WORDS tiles, against the
+    """``--fused``: each fused GEMM on the shipped tiles, bytes and words, against the
     8-bit bytes' roofline; then one layer's four summed, x 32 layers."""
     layer = {}  # (m, arm) -> seconds summed over the four GEMMs
     for m in rows:

@@ -1,9 +1,9 @@
 """Where ``INFERGRAFT_QUANT_MMA`` sends the quantised decode GEMMs (its value bound as
 ``mma`` by ``dispatch.get_ops`` at build). At 1 (``mma=True``): the int4 / e4m3 / int8
 launchers to ``int4_mma`` / ``fp8_mma.rows_mma`` at 1-64 rows (groups of 128 for int4) and
-to their shipped paths otherwise; the fused decode GEMMs over 8-bit rows to the WORDS
-tiles (W read as words, widened by ``fp8_mma.dot_words``), K not a multiple of 4 to the
-byte tiles. Under ``auto`` (the default): int4 from ``int4_linear.MMA_MIN_ROWS`` rows only,
+to their shipped paths otherwise; the fused decode GEMMs over 8-bit rows keep their shipped
+tiles and programs but read W as words, widened by ``fp8_mma.dot_words`` (WORDS; one int8
+row stays on its word loop), K not a multiple of 4 on the byte tiles. Under ``auto`` (the default): int4 from ``int4_linear.MMA_MIN_ROWS`` rows only,
 8-bit rows never. Each equals its reference (interpreter: float16; CUDA: float16 and
 bfloat16)."""
 import pytest
@@ -15,6 +15,8 @@ from infergraft.kernels import fused_linear as FL
 from infergraft.kernels.fp8_linear import fp8_linear_torch, quantize_fp8
 from infergraft.kernels.int4_linear import int4_linear_torch, quantize_int4
 from infergraft.kernels.int8_linear import int8_linear_torch, quantize_int8
+
+from infergraft.kernels.gemv import GEMV_INT8, takes_int8_gemv
 
 from .test_fused_linear import QUANTIZE, _sum_sq_parts
 from .test_qkv_rope import BLOCKS, BS, _inputs, _reference
@@ -126,20 +128,30 @@ def test_8bit_decode_rows_take_the_rows_mma(device, randn, monkeypatch, rows):
 FUSED = (("normed_linear", "sum_sq"), ("normed_swiglu", "sum_sq"), ("linear_residual", "r"))
 
 
+def _tile_spy(monkeypatch):
+    """The fused GEMMs' launches, each as "words" (WORDS tiles), "loop" (the one-row word
+    loop) or "bytes" (plain byte tiles)."""
+    seen, launch = [], FL.launch_gemm
+    monkeypatch.setattr(FL, "launch_gemm", lambda grid, cfg, *a, **kw: seen.append(
+        "words" if cfg.get("WORDS") else "loop" if cfg.get("GEMV") else "bytes") or
+        launch(grid, cfg, *a, **kw))
+    return seen
+
+
 @pytest.mark.parametrize("rows", sorted(QUANTIZE))
 def test_fused_gemms_on_8bit_rows_take_the_words_tiles(device, randn, monkeypatch, rows):
-    """At one row (no word loop or GEMV: the tiles at every row count), 3 and 17 rows, the
-    three fused GEMMs read the rows as words and equal the references; K = 202 (not whole
-    words) keeps the byte tiles."""
-    tiles, launch = [], FL.launch_gemm
-    monkeypatch.setattr(FL, "launch_gemm", lambda grid, cfg, *a, **kw: tiles.append(
-        bool(cfg.get("WORDS"))) or launch(grid, cfg, *a, **kw))
-    n = 48
+    """At 1, 2, 17 and 32 rows the three fused GEMMs read the rows as words (one int8 row:
+    its word loop, as under 0) and equal the references on fresh inputs; K = 202 (not
+    whole words) keeps the byte tiles."""
+    tiles = _tile_spy(monkeypatch)
+    n, want = 48, []
     for dt in _dtypes(device):
-        for m, k in ((1, 200), (3, 200), (17, 200), (3, 202)):
+        for m, k in ((1, 200), (2, 200), (17, 200), (32, 200), (3, 202)):
             x, r = randn(m, k, dtype=dt), randn(m, n, dtype=dt)
             q, s = QUANTIZE[rows](randn(n, k) / 6)
             ss, b = _sum_sq_parts(x, 2), randn(n, dtype=dt)
+            loop = takes_int8_gemv(m, k, fp8=rows == "fp8")
+            want += ["bytes" if k % 4 else "loop" if loop else "words"] * len(FUSED)
             for name, arg in FUSED:
                 args = (ss, 1e-6) if arg == "sum_sq" else (r, True)
                 got = getattr(FL, f"{name}_triton")(x, q, b, *args, scale=s, mma=True)
@@ -151,17 +163,20 @@ def test_fused_gemms_on_8bit_rows_take_the_words_tiles(device, randn, monkeypatc
                 atol = 2 * TOLERANCES[dt]["atol"] * max(1.0, float(ref.abs().max()))
                 torch.testing.assert_close(got, ref, atol=atol, rtol=2 * TOLERANCES[dt]["rtol"],
                                            msg=lambda e: f"{name} M={m} K={k}\n{e}")
-    assert tiles == ([True] * 9 + [False] * 3) * len(_dtypes(device))
+    assert tiles == want
+    assert "words" in want and ("loop" in want) == (rows == "int8" and GEMV_INT8)
 
 
 @pytest.mark.parametrize("rows", sorted(QUANTIZE))
 def test_qkv_rope_on_8bit_rows_through_the_words_tiles(device, randn, gen, monkeypatch, rows):
     """The qkv GEMM rotating and writing K/V in its epilogue, 8-bit rows read as words
-    (64 or 32 dims a head: tiles of 16 of half a head), equals the composition."""
-    monkeypatch.setattr(FL, "rotary_kv_write_triton", lambda *a, **kw: pytest.fail(
-        "took the unfused composition"))
+    (64 or 32 dims a head: tiles of 16 of half a head), equals the composition at 1, 2, 17
+    and 32 rows; past UNSWAPPED_ROPE_MAX_ROWS (the unswapped tiles' limit, as under 0) it is
+    normed_linear + rotary_kv_write."""
+    composed = _spy(monkeypatch, FL, "rotary_kv_write_triton")
     for dt in _dtypes(device):
-        for m, hq, hkv, d, k in ((1, 2, 1, 32, 96), (5, 3, 1, 64, 160)):
+        for m, hq, hkv, d, k in ((1, 2, 1, 32, 96), (2, 3, 1, 64, 160), (17, 2, 1, 32, 96),
+                                 (32, 3, 1, 64, 160)):
             x, (q8, s, wf), b, ss, positions, idx0, idx1 = _inputs(
                 randn, gen, device, dt, m, hq, hkv, d, k, True, 2, rows=rows)
             cos, sin = _cos_sin(d, device)
@@ -173,6 +188,43 @@ def test_qkv_rope_on_8bit_rows_through_the_words_tiles(device, randn, gen, monke
             tol = {key: 2 * v for key, v in TOLERANCES[dt].items()}
             for got, ref in ((q, q_ref), (caches[0], caches[2]), (caches[1], caches[3])):
                 torch.testing.assert_close(got, ref, **tol, msg=lambda e: f"M={m} D={d}\n{e}")
+    assert composed == [m for m in (17, 32) if m > FL.UNSWAPPED_ROPE_MAX_ROWS] * \
+        len(_dtypes(device))
+
+
+# LLaMA-2-7B's fused decode GEMMs: (plan's gemm, N, K, D / 2)
+LLAMA2_7B = {"qkv + RoPE": ("qkv_rope", 12288, 4096, 64), "qkv": ("linear", 12288, 4096, 0),
+             "o": ("linear", 4096, 4096, 0), "gate_up": ("swiglu", 22016, 4096, 0),
+             "down": ("linear", 4096, 11008, 0)}
+
+
+@pytest.mark.parametrize("rows", [torch.float8_e4m3fn, torch.int8])
+def test_on_the_fused_8bit_gemms_launch_the_shipped_programs(rows):
+    """Under 1 each fused GEMM over 8-bit rows launches the grid it launches under 0 and
+    auto, on the same columns and rows a program, read as words in shorter K steps (the
+    one-row word loop unchanged): the switch measures the widening alone. LLaMA-2-7B on
+    132 SMs: qkv + RoPE 192 programs, o and down 128, gate_up 344 (172 above 16 rows), not
+    the 96 / 64 / 172 / 64 of the 64-row tiles before."""
+    programs = {}
+    for m in (1, 2, 16, 17, 32):
+        for name, (gemm, n, k, half) in LLAMA2_7B.items():
+            (grid, on), (grid_off, off) = (FL.plan(gemm, m, n, k, rows, mma, half=half)
+                                           for mma in (True, False))
+            assert grid == grid_off and grid[1] == 1, (name, m)
+            loop = bool(off.get("GEMV"))
+            assert on == (off if loop else FL.words_tiles(off, gemm != "linear")), (name, m)
+            assert "WORDS" not in off and not on.get("SWAP"), (name, m)
+            assert [on[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps")] == \
+                [off[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps")], (name, m)
+            # the bytes of W a program keeps in flight: the shipped tiles', up to 8 stages
+            assert on["BLOCK_K"] * on["num_stages"] == min(
+                off["BLOCK_K"] * off["num_stages"], 8 * on["BLOCK_K"]), (name, m)
+            assert FL.plan(gemm, m, n, k, rows, "auto", half=half) == (grid, off)
+            programs[name, m] = grid[0]
+    for m in (2, 16):
+        assert [programs[g, m] for g in ("qkv + RoPE", "o", "gate_up", "down")] == \
+            [192, 128, 344, 128], m
+    assert [programs[g, 32] for g in ("o", "gate_up", "down")] == [128, 172, 128]
 
 
 def test_the_switch_is_read_at_each_build(monkeypatch):
