@@ -13,21 +13,18 @@ fusion flags on), for the decode layer at <= ``FUSE_MAX_ROWS`` (32) rows
 Every fusion sits outside the GEMM's loop: x * g on the x operand inside it costs Triton
 its software pipelining. GEMM follows GEMM here, so they let their dependents launch only
 after their loop (``LATE_PDL_RELEASE``). The fused layer saves the norm kernels and the
-residual adds' round trips (docs/kernels.md has the step times of both layers). The
-references compose torch ops, and so do the Triton entry points where the kernel does not
-apply (float32: exact cuBLAS; more rows than ``FUSE_MAX_ROWS``).
+residual adds' round trips (docs/kernels.md: both layers' step times). References and the
+fallbacks (float32: exact cuBLAS; more rows than ``FUSE_MAX_ROWS``) compose torch ops.
 
 Each takes 8-bit weight rows too (``Quantizer.scaled_rows``): q int8 (``quantize_int8``)
 or float8_e4m3fn (``quantize_fp8``) [N, K] with ``scale`` [N] float32 per row, W =
 q.float() * s[:, None]. The references compute that GEMM as ``int8_linear_torch`` /
 ``fp8_linear_torch`` do, the fallbacks with ``int8_linear_triton`` / ``fp8_linear_triton``.
-Both take the same tiles (one byte a weight); only int8 rows take the one-row word loop
-(``gemv_dot_int8`` reads bytes as int8): one e4m3 row takes the tensor-core tiles. With
-``mma=True`` (``INFERGRAFT_QUANT_MMA=1``, bound at build by ``dispatch.get_ops``) those same
-tiles read 8-bit rows as int32 words, widened by bit tricks (``fp8_mma.dot_words``,
-``WORDS``): the switch changes the widening, never the tiling, so each GEMM launches the
-programs it launches under ``0`` (``plan``); under its default ``auto``, plain byte tiles
-(``fp8_mma.rows_mma_chosen``).
+Both take the same tiles (one byte a weight); one int8 row takes the word loop
+(``gemv_dot_int8``), one e4m3 row the tensor-core tiles. ``mma=True`` (``INFERGRAFT_QUANT_MMA=1``,
+bound by ``dispatch.get_ops``) reads the same tiles' 8-bit rows as int32 words widened by bit
+tricks (``fp8_mma.dot_words``, ``WORDS``): the widening changes, never the grid (``plan``);
+under ``auto``, byte tiles (``fp8_mma.rows_mma_chosen``).
 """
 import torch
 
@@ -45,8 +42,7 @@ from .kv_write import _check_kv_write
 from .rotary import _check_rotary, rotary_kv_write_torch, rotary_kv_write_triton
 from .silu_mul import silu_mul_torch
 
-# steps of up to this many tokens run the fused decode layer, larger ones the plain layer
-# (cuBLAS, split-K, norm kernels); up to here the fused one is the faster (docs/kernels.md)
+# steps of up to this many tokens run the fused decode layer (the faster there: kernels.md)
 FUSE_MAX_ROWS = switches.value("INFERGRAFT_FUSE_MAX_ROWS")
 
 
