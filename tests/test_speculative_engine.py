@@ -6,6 +6,7 @@ do not speculate; rejected tokens leave nothing behind in the cache; stop string
 max_new_tokens end a request inside an accepted run. The prompts repeat a random phrase,
 so that the lookup finds what the tiny models' greedy loops say again."""
 import pytest
+from speculative_support import assert_a_nan_fails_its_drafted_request_alone
 
 from infergraft import core
 from infergraft.core.errors import PlanError
@@ -117,27 +118,7 @@ def test_nan_logits_fail_their_drafted_request_alone(models):
                                                                ignore_eos=True)
     want = [c.token_ids for c in tokens(core.build(hf, **opts), prompts)]
     engine = core.build(hf, **opts, speculative=NGRAM)
-    split, sick = engine.speculation.split, []
-
-    def poisoned(step, logits):
-        out = split(step, logits)
-        drafted = out[2][1]
-        if not sick and len(drafted) == 2:  # the first step verifying both
-            seq, proposal, row = drafted[0]
-            logits[row + len(proposal.tokens)] = float("nan")  # its last row
-            sick.append((seq, len(seq.output_ids)))
-        return out
-    engine.speculation.split = poisoned
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    assert sick, "no step verified both requests' drafts"
-    (bad, held), = sick
-    good = seqs[1 - seqs.index(bad)]
-    assert bad.finish_reason == "error" and "NaN logits" in bad.error, bad.error
-    assert bad.output_ids == want[seqs.index(bad)][:held]  # nothing of the sick step kept
-    assert good.output_ids == want[seqs.index(good)]
-    engine.cache.check_invariants()
+    assert_a_nan_fails_its_drafted_request_alone(engine, prompts, params, want)
     assert engine.cache.stats()["sequences"] == 0
 
 

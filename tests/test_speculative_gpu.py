@@ -4,6 +4,7 @@ greedy request keeps the tokens of an engine without speculation; the draft prop
 own engine runs its graphs too. Skipped without CUDA (CI); run on the GPU machine."""
 import pytest
 import torch
+from speculative_support import assert_a_nan_fails_its_drafted_request_alone
 
 from infergraft import core
 from infergraft.core.request import SamplingParams
@@ -88,25 +89,5 @@ def test_nan_logits_fail_their_drafted_request_alone(hf):
         PROMPTS[:2], max_new_tokens=48, ignore_eos=True)]
     engine = core.build(hf, **KW, speculative={"method": "ngram", "k": 4})
     engine.speculation.cost.share = lambda *args, **kw: 0.0
-    split, sick = engine.speculation.split, []
-
-    def poisoned(step, logits):
-        out = split(step, logits)
-        drafted = out[2][1]
-        if not sick and len(drafted) == 2:  # the first step verifying both
-            seq, proposal, row = drafted[0]
-            logits[row + len(proposal.tokens)] = float("nan")
-            sick.append((seq, len(seq.output_ids)))
-        return out
-    engine.speculation.split = poisoned
-    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=48, ignore_eos=True))
-            for p in PROMPTS[:2]]
-    while engine.has_unfinished():
-        engine.step()
-    assert sick, "no step verified both requests' drafts"
-    (bad, held), = sick
-    i = seqs.index(bad)
-    assert bad.finish_reason == "error" and "NaN logits" in bad.error, bad.error
-    assert bad.output_ids == want[i][:held]
-    assert seqs[1 - i].output_ids == want[1 - i]
-    engine.cache.check_invariants()
+    assert_a_nan_fails_its_drafted_request_alone(
+        engine, PROMPTS[:2], SamplingParams(max_new_tokens=48, ignore_eos=True), want)
