@@ -50,6 +50,12 @@ def test_a_drafted_steps_own_overhead_is_counted():
     c0, c1, c2 = cost.fit()
     assert (c0, c1, c2) == pytest.approx((0.002, 0.0001, 0.0004))
     assert cost.share(8, 16) == pytest.approx((0.0001 * 16 + 0.0004) * 8 / (16 * 0.0028))
+    # drafted steps a little cheaper than their tokens say (noise): c2 goes, c1 stays
+    cost = StepCost()
+    fed(cost, [(b, 0.002 + 0.0001 * b) for b in (1, 2, 4, 8, 1, 2, 4, 8)])
+    fed(cost, [(t, 0.00195 + 0.0001 * t) for t in (3, 5, 9, 12, 3, 5, 9, 12)], drafted=True)
+    c0, c1, c2 = cost.fit()
+    assert c1 == pytest.approx(0.0001, rel=0.05) and c2 == 0.0
 
 
 def test_a_held_request_probes_again_after_its_pause():

@@ -75,8 +75,10 @@ class StepCost:
         has_t, has_d = var_t > 1e-6 * max(1.0, (self.t / n) ** 2), var_d > 1e-3
         if has_t and has_d:
             full = self._solve3()
-            if full is not None:
-                return full
+            if full is not None and full.c1 >= 0 and full.c2 >= 0:
+                return Fit(max(0.0, full.c0), full.c1, full.c2)
+            if full is not None and full.c1 >= 0:  # noise put c2 below 0: refit without it
+                has_d = False
         if has_d:  # one token count a kind (batch 1, a fixed k): the difference is c2's
             return self._solve2(self.d, self.d, self.dy, lambda c0, c: Fit(c0, 0.0, c))
         if has_t:
@@ -91,9 +93,9 @@ class StepCost:
         return make(max(0.0, my - slope * mx), slope)
 
     def _solve3(self) -> Fit | None:
-        """Least squares of y on (1, tokens, drafted) by Cramer's rule, each determinant
-        written out (plain floats: every step solves it); None where the three are nearly
-        collinear (every step with drafts the same size: c1 and c2 not apart)."""
+        """Least squares of y on (1, tokens, drafted), unclamped, by Cramer's rule, each
+        determinant written out (plain floats: every step solves it); None where the three
+        are nearly collinear (every step with drafts the same size: c1 and c2 not apart)."""
         # the normal equations [[n t d] [t tt td] [d td d]] c = [y ty dy]
         n, t, d, tt, td, y, ty, dy = (self.n, self.t, self.d, self.tt, self.td, self.y,
                                       self.ty, self.dy)
@@ -103,9 +105,7 @@ class StepCost:
         c0 = (y * (tt * d - td * td) - t * (ty * d - td * dy) + d * (ty * td - tt * dy)) / det
         c1 = (n * (ty * d - td * dy) - y * (t * d - td * d) + d * (t * dy - ty * d)) / det
         c2 = (n * (tt * dy - ty * td) - t * (t * dy - ty * d) + y * (t * td - tt * d)) / det
-        if c1 < 0 or c2 < 0:  # noise: refit without the term that went negative
-            return None
-        return Fit(max(0.0, c0), c1, c2)
+        return Fit(c0, c1, c2)  # (signs checked by the caller: one below 0 is refitted)
 
     def share(self, batch: int, proposed: int | None = None) -> float:
         """The chance of being kept a proposed token needs, at ``batch`` decoding requests
