@@ -123,8 +123,7 @@ def tpot_part(args) -> list[dict]:
                         max_batch_size=max(args.batch, 1), max_seq_len=1024,
                         prefix_caching=False, speculative={"method": "ngram", "k": args.k})
     run(engine, [chat(engine, "Hello")], core.SamplingParams(max_new_tokens=8))  # warm-up
-    hf = load_hf(args.model, args.device, engine.model.dtype if hasattr(engine.model, "dtype")
-                 else getattr(torch, engine.plan.dtype))
+    hf = load_hf(args.model, args.device, getattr(torch, engine.plan.dtype))  # the same weights
     bandwidth = copy_bandwidth(torch.device(args.device),
                                nbytes=(1 << 30) if str(args.device).startswith("cuda") else 1 << 28)
     rows = []
