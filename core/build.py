@@ -80,7 +80,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
           prefill_graphs: bool | None = None, step_graphs: bool | None = None,
           max_num_batched_tokens: int | None = None, max_prefill_tokens: int | None = None,
           checkpoint=None, preemption: str = "auto", revision: str | None = None,
-          speculative=None, **plugin_options) -> Engine:
+          speculative=None, async_steps: bool | None = None, **plugin_options) -> Engine:
     """Compose plugins around ``model`` and return a ready Engine.
 
     ``config``: a JSON file or a dict of these arguments and plugin options, or
@@ -109,6 +109,9 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     "recompute" (prefilled again) or "auto" (the cheaper: core/preemption.py).
     ``speculative``: speculative decoding, e.g. ``{"method": "ngram", "k": 4}`` or
     ``{"method": "draft", "model": ..., "k": 4}`` (core/speculative/config.py; None: off).
+    ``async_steps``: step N+1 launched before step N's tokens are read, its decode rows
+    fed N's tokens on the device (default: on CUDA in one process; greedy steps only:
+    core/runner/async_steps.py; True runs it on the CPU too).
     ``plugins=["tp"]`` under torchrun: tensor parallel over the ranks (core/distributed/)."""
     if config is not None:  # first statement: locals() are the arguments
         from .config import explicit_arguments, resolve_config
@@ -117,7 +120,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     max_num_batched_tokens = _budget_alias(max_num_batched_tokens, max_prefill_tokens)
     check_mode(preemption)
     for flag, value in (("cuda_graphs", cuda_graphs), ("prefill_graphs", prefill_graphs),
-                        ("step_graphs", step_graphs), ("progress", progress)):
+                        ("step_graphs", step_graphs), ("progress", progress),
+                        ("async_steps", async_steps)):
         if value is not None and not isinstance(value, bool):
             raise PlanError(f"{flag} must be True, False or None (the default), got {value!r}")
     pm, sel = select_plugins(get_plugin_manager(), plugins)
@@ -209,6 +213,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     engine.constraints.processors = pm.logits_processors()  # inline plugins' too
     engine.schedule_ahead = device.type == "cuda" and rank.ranks is None \
         and switches.value("INFERGRAFT_SCHEDULE_AHEAD")
+    engine.async_steps.enabled = _async_steps(async_steps, engine.schedule_ahead, rank.ranks)
+    engine.schedule_ahead |= engine.async_steps.enabled  # (the step it launches early)
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = prefill_graphs_for(net, cache, plan, engine.decode_graphs,
                                                prefill_graphs)
@@ -218,6 +224,16 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     engine.speculation = speculation_for(engine, speculation, pm.proposers(), build)
     engine.build_seconds = time.perf_counter() - t0
     return engine
+
+
+def _async_steps(wanted: bool | None, schedule_ahead: bool, ranks) -> bool:
+    """Whether the engine launches a step before reading the one before (default: where
+    it schedules ahead, on CUDA in one process)."""
+    if wanted and ranks is not None:
+        raise PlanError("async_steps=True runs in one process: tensor / pipeline parallel "
+                        "ranks take the sampling rank's tokens after every step; leave it "
+                        "out (None) or False")
+    return schedule_ahead if wanted is None else wanted
 
 
 def _check_attention(pm, backend, spec) -> None:

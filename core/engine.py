@@ -14,7 +14,6 @@ from typing import Union
 import attrs
 import torch
 
-from .cache import CacheFullError
 from .distributed.failure import across_ranks
 from .errors import InvalidRequestError
 from .appending import append_token
@@ -23,6 +22,7 @@ from .forks import fork_samples
 from .logits_processor import Vocabulary
 from .prompt import as_batch, check_request, encode_prompt
 from .request import SEED_LIMIT, Completion, SamplingParams, Sequence, completion_of, sampling_params
+from .runner.async_steps import AsyncSteps
 from .runner.constraints import RowConstraints
 from .runner.lookahead import DecodeLookahead
 from .runner.model_runner import ModelRunner
@@ -56,6 +56,7 @@ class Engine:
         self.schedule_ahead, self._ahead = False, None  # scheduler.schedule_ahead's step
         self.runner = ModelRunner(model, cache, self.device, plan.parallel.micro_batches)
         self.lookahead = DecodeLookahead(self)  # greedy graph decode, one step ahead
+        self.async_steps = AsyncSteps(self)  # any greedy step: the next launched, then read
         # speculative.speculator.Speculator: proposed tokens verified in a step (build())
         self.speculation = None
         # requests' logits processors (structured output); build() gives its plugins'
@@ -115,6 +116,9 @@ class Engine:
             if self.lookahead.inflight is not None:  # a greedy decode step already launched
                 self._stepping = list(self.lookahead.inflight[0])
                 return self._ahead_step(len(self._stepping), self.lookahead.advance)
+            if self.async_steps.inflight is not None:  # a step launched before the last read
+                self._stepping = self.async_steps.stepping()
+                return self._guarded(self.async_steps.advance)
             ahead, self._ahead = self._ahead, None
             step = None if ahead is None else self.scheduler.resume(ahead)
             step = step or self.scheduler.schedule()
@@ -128,6 +132,8 @@ class Engine:
             if replay and self.lookahead.eligible(step.seqs):
                 return self._ahead_step(len(step.seqs),
                                         lambda: self.lookahead.run(step.seqs, tokens))
+            if self.async_steps.takes(step):
+                return self._guarded(lambda: self.async_steps.run(step, tokens, replay))
             return self._guarded(lambda: self._step_body(step, tokens, replay))
 
     def _ahead_step(self, rows: int, run_step):
@@ -145,7 +151,7 @@ class Engine:
         # K/V written, not every token appended (an OOM, Ctrl-C, a sampler error): the
         # step's sequences are recomputed; a step launched ahead writes only slots freed here.
         except BaseException as e:
-            self.lookahead.inflight = self._ahead = None
+            self.lookahead.inflight = self.async_steps.inflight = self._ahead = None
             for s in self._stepping:
                 if s in self.scheduler.running:
                     self.scheduler.preempt(s, failed=True)
@@ -269,24 +275,8 @@ class Engine:
         if len(ids) > self.plan.max_seq_len:
             raise InvalidRequestError(f"{len(ids)} tokens exceed "
                                       f"max_seq_len={self.plan.max_seq_len}")
-        seq_id = ("logits", id(ids))
-        with self.lock:
-            try:
-                self.cache.allocate(seq_id, len(ids))
-            except CacheFullError as e:  # the running requests hold every row / block
-                raise CacheFullError(f"engine.logits needs room for {len(ids)} tokens beside "
-                                     f"the running requests: {e}; call it when fewer run, or "
-                                     "build with a larger max_batch_size") from None
-            try:
-                out = self.runner.every_row(seq_id, ids)  # [len, V]; None before the last stage
-                if self.ranks is not None:
-                    out = self.ranks.broadcast_logits(out, (len(ids), self.spec.vocab_size),
-                                                      self.device)
-                return out.cpu()
-            except Exception as e:  # tp / pp: RankFailedError, on every rank
-                raise across_ranks(e, self.ranks)
-            finally:
-                self.cache.free(seq_id)
+        with self.lock:  # a sequence beside the running requests', for one forward
+            return self.runner.logits_of(ids, self.ranks, self.spec.vocab_size)
 
     def stats(self) -> dict:
         with self.lock:  # the scheduler's and the cache's counters, speculation's

@@ -28,6 +28,8 @@ OWN_KEYS = {
     "cuda_graphs": "true, false or null: decode under CUDA graphs",
     "prefill_graphs": "true, false or null: a fresh prompt's prefill under CUDA graphs",
     "step_graphs": "true, false or null: every other step under CUDA graphs",
+    "async_steps": "true, false or null: a step launched before the last one's tokens "
+                   "are read (null: on CUDA in one process)",
     "max_num_batched_tokens": "an integer >= 1: tokens one step carries at most",
     "max_prefill_tokens": "the old name of max_num_batched_tokens (deprecated)",
     "checkpoint": "where the weights are (checkpoint below)",
@@ -105,7 +107,7 @@ OWN_HANDLERS = {
     **{k: _own(positive_int) for k in ("max_seq_len", "max_batch_size",
                                        "max_num_batched_tokens", "max_prefill_tokens")},
     **{k: _own(lambda key, v: boolean(key, v, none=True))
-       for k in ("cuda_graphs", "prefill_graphs", "step_graphs")},
+       for k in ("cuda_graphs", "prefill_graphs", "step_graphs", "async_steps")},
     "checkpoint": checkpoint, "preemption": _own(_preemption), "revision": _own(_revision),
     "speculative": _speculative,
 }
@@ -113,4 +115,4 @@ OWN_HANDLERS = {
 PASSED = ("model", "device", "max_seq_len", "max_batch_size", "tokenizer", "kernels",
           "progress", "device_memory", "cuda_graphs", "prefill_graphs", "step_graphs",
           "max_num_batched_tokens", "max_prefill_tokens", "preemption", "revision",
-          "speculative")
+          "speculative", "async_steps")

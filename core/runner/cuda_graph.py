@@ -104,10 +104,11 @@ class CudaGraphRunner:
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def decode(self, seq_ids: list, tokens: list[int]) -> torch.Tensor:
+    def decode(self, seq_ids: list, tokens: list[int], feed=None) -> torch.Tensor:
         """One decode token for each sequence: logits [B, V] float32 (None where this rank
-        does not sample: tp's ranks but the group's first)."""
-        bs = self._run(seq_ids, tokens)
+        does not sample: tp's ranks but the group's first). ``feed``: rows whose token is
+        on the device (async_steps.DeviceFeed; ``tokens`` holds placeholders there)."""
+        bs = self._run(seq_ids, tokens, feed)
         return rows(self.logits[bs], len(seq_ids))
 
     def launch(self, seq_ids: list, tokens: list[int] | None) -> "PendingTokens":
@@ -123,17 +124,19 @@ class CudaGraphRunner:
             event.record()
         return PendingTokens(host, len(seq_ids), event, self.replay_timeout)
 
-    def _run(self, seq_ids, tokens) -> int:
+    def _run(self, seq_ids, tokens, feed=None) -> int:
         n = len(seq_ids)
         bs = self.bucket(n)
-        # Padding rows repeat the last live row. tokens=None: on-device feedback, the
-        # last run left its argmax in the input buffer.
-        if tokens is None:
-            if n < bs:
-                self.tokens[bs][n:].copy_(self.tokens[bs][n - 1:n].expand(bs - n))
-        else:
+        # Padding rows repeat the last live row (they write its slot: the same token).
+        # tokens=None: on-device feedback, the last run left its argmax in the input
+        # buffer; a feed writes some rows from the device after the host's copy.
+        if tokens is not None:
             padded = tokens + [tokens[-1]] * (bs - n)
             self.tokens[bs].copy_(from_ints(padded), non_blocking=True)
+        if feed is not None:
+            feed.into(self.tokens[bs])
+        if n < bs and (tokens is None or feed is not None):
+            self.tokens[bs][n:].copy_(self.tokens[bs][n - 1:n].expand(bs - n))
         self.cache.prepare_decode_into(self.metas[bs], seq_ids)
         self.replays += 1
         if self.use_graphs:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.failure import collective_timeout, wait_for_device
+from ..cache import CacheFullError
+from ..distributed.failure import across_ranks, collective_timeout, wait_for_device
 from ..distributed.micro_batches import forward_groups
 from ..errors import PlanError
 from .cuda_graph import CudaGraphRunner
@@ -40,14 +41,15 @@ class ModelRunner:
         return step.kind == "decode" and step.drafts is None and graphs is not None \
             and graphs.bucket(len(step.seqs)) is not None
 
-    def forward(self, step, tokens: list[int], replay: bool):
+    def forward(self, step, tokens: list[int], replay: bool, feed=None):
         """The step's logits [rows we sample from, V] float32: one row per sequence of a
         decode step, the last fed row of each sequence of a prefill step, every row of a
         sequence with a draft (``step.logit_rows``; None on a pipeline stage before the
-        last)."""
+        last). ``feed``: rows of ``tokens`` whose token is on the device, the previous
+        step's sampled one (async_steps.DeviceFeed: one process, no micro-batches)."""
         seqs, counts = step.seqs, step.counts
         if replay:
-            return self._watched(self.decode_graphs.decode([s.id for s in seqs], tokens))
+            return self._watched(self.decode_graphs.decode([s.id for s in seqs], tokens, feed))
         # rows a LongRoPE position does not place (graphs are captured without them)
         long_rows = None if self.long_rope is None else \
             self.long_rope.long_rows(seqs, counts, self.device)
@@ -56,12 +58,14 @@ class ModelRunner:
         steps = self.step_graphs
         if steps is not None and mixed and long_rows is None \
                 and steps.bucket(counts, rows) is not None:
-            return self._watched(steps.run([s.id for s in seqs], counts, tokens, rows))
+            return self._watched(steps.run([s.id for s in seqs], counts, tokens, rows, feed))
         graphs = self.prefill_graphs
-        if step.kind == "prefill" and rows is None and graphs is not None \
+        if step.kind == "prefill" and rows is None and graphs is not None and feed is None \
                 and long_rows is None and graphs.bucket(seqs, counts):
             return self._watched(graphs.prefill(seqs[0].id, tokens))  # [1, V]
         token_t = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        if feed is not None:
+            feed.into(token_t)
         if self._pipelined():
             return forward_groups(self.model, self.cache, [s.id for s in seqs], counts,
                                   token_t, self.micro_batches, step.kind != "decode", long_rows)
@@ -86,6 +90,27 @@ class ModelRunner:
                                   self.micro_batches, last_rows=False, long_rows=long_rows)
         meta = self.cache.prepare([seq_id], [len(ids)])
         return self.model(tokens, self.cache, meta, None, long_rows=long_rows)
+
+    def logits_of(self, ids: list[int], ranks, vocab_size: int) -> torch.Tensor:
+        """``Engine.logits``' body: ``ids`` allocated beside the running requests, the
+        logits of every row on the host, [len, V] float32 (every rank's: ``ranks``), the
+        cache freed again."""
+        seq_id = ("logits", id(ids))
+        try:
+            self.cache.allocate(seq_id, len(ids))
+        except CacheFullError as e:  # the running requests hold every row / block
+            raise CacheFullError(f"engine.logits needs room for {len(ids)} tokens beside "
+                                 f"the running requests: {e}; call it when fewer run, or "
+                                 "build with a larger max_batch_size") from None
+        try:
+            out = self.every_row(seq_id, ids)  # [len, V]; None before the last stage
+            if ranks is not None:
+                out = ranks.broadcast_logits(out, (len(ids), vocab_size), self.device)
+            return out.cpu()
+        except Exception as e:  # tp / pp: RankFailedError, on every rank
+            raise across_ranks(e, ranks)
+        finally:
+            self.cache.free(seq_id)
 
     def _watched(self, logits):
         """A replay's logits, once its collectives finished within the decode graphs'

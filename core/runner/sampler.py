@@ -82,8 +82,18 @@ def _sample_row(row: torch.Tensor, seq) -> int:
     try:
         return sample(row, [seq])[0]
     except Exception as e:
-        seq.error = f"sampling failed: {type(e).__name__}: {e}"
+        seq.error = failure(e)
         return -1
+
+
+def failure(e: Exception) -> str:
+    """A sequence's ``error`` where its row's sampling raised ``e``."""
+    return f"sampling failed: {type(e).__name__}: {e}"
+
+
+def nan_error(rows: list[int]) -> ValueError:
+    """What sampling rows of NaN logits raises (argmax would return the NaN's index)."""
+    return ValueError(f"NaN logits in row(s) {rows}: the model's output overflowed")
 
 
 def sample(logits: torch.Tensor, seqs) -> list[int]:
@@ -93,7 +103,7 @@ def sample(logits: torch.Tensor, seqs) -> list[int]:
     out, nan = torch.stack([logits.argmax(-1), torch.isnan(logits).any(-1).long()]).tolist()
     nan_rows = [row for row, bad in enumerate(nan) if bad]
     if nan_rows:
-        raise ValueError(f"NaN logits in row(s) {nan_rows}: the model's output overflowed")
+        raise nan_error(nan_rows)
     rows = [row for row, seq in enumerate(seqs)
             if not seq.params.greedy or seq.params.needs_logits_processing]
     if not rows:  # an all-greedy batch: the argmax is every token

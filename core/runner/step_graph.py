@@ -89,9 +89,10 @@ class StepGraphRunner:
         self.graphs[tokens] = graph
 
     @torch.inference_mode()
-    def run(self, seq_ids, counts, tokens: list[int], rows=None) -> torch.Tensor:
+    def run(self, seq_ids, counts, tokens: list[int], rows=None, feed=None) -> torch.Tensor:
         """One step: logits of each sequence's last fed row, [n, V] float32 (``rows``: of
-        those rows instead, [len(rows), V]: a verify step's)."""
+        those rows instead, [len(rows), V]: a verify step's). ``feed``: token rows taken
+        from the device (async_steps.DeviceFeed), written after the host's copy."""
         length = self.bucket(counts, rows)
         staging, dev, meta = self.inputs[length]
         host = staging.next()
@@ -102,6 +103,8 @@ class StepGraphRunner:
         host.copy_(from_ints(tokens + [0] * (length - len(tokens)) + index
                              + [0] * (host.shape[0] - length - n)))
         dev.copy_(host, non_blocking=True)
+        if feed is not None:
+            feed.into(dev)
         self.cache.prepare_step_into(meta, seq_ids, counts)
         self.replays += 1
         if self.use_graphs:

@@ -1,0 +1,183 @@
+"""Asynchronous steps: step N+1 launched before step N's tokens are read on the host
+(vLLM's async scheduling), for mixed steps (prompt chunks beside decode tokens) and the
+decode steps the look-ahead does not take (lookahead.py: the same greedy batch twice).
+
+The synchronous engine schedules step N+1 while step N runs (``Scheduler.schedule_ahead``)
+but launches it only once N's tokens reached the host and were appended: meanwhile the
+GPU waits. Here step N's greedy tokens stay on the device (the argmax of each logits row,
+beside a NaN flag a row, copied to pinned host memory behind an event); step N+1, already
+scheduled, is prepared and launched at once, each of its decode rows fed its token from
+that vector by index on the device (``DeviceFeed``, no host round trip), prompt-chunk rows
+and the rows of sequences that sat N out from the host as before; then N's tokens are read
+and appended while N+1 runs, and the next ``Engine.step`` schedules N+2 while N+1 runs.
+
+A sequence that finishes at step N (EOS, a stop string, max_new_tokens, an abort before N+1
+is read) wasted its row of N+1: its token is never appended, its cache is freed on the
+host when it finishes, and the GPU's write into its slot is stream-ordered before any
+later step that reuses the memory (as the look-ahead's).
+
+Steps stay synchronous (``Engine._step_body``) where this would not be exact or safe:
+- a row that is not ``plain_greedy``: sampled rows draw on the host from their requests'
+  CPU generators (a device draw would change seeded tokens); penalties, min_p and logprobs
+  read the logits on the host; a constraint's mask needs its grammar's state after the
+  newest token (and may force tokens, which the next step then feeds);
+- speculative decoding (drafts are proposed after the newest token, verified lengths move);
+- samples of ``n`` > 1 waiting to fork (their parent's K/V are forked once its first token
+  is known);
+- tensor / pipeline parallel ranks (every rank takes the sampling rank's tokens);
+- where the scheduler gives no step ahead: the cache short (pausing or preempting needs
+  the step's outcome), a swapped sequence able to come back, LongRoPE's recompute due.
+"""
+from __future__ import annotations
+
+import time
+
+import attrs
+import torch
+
+from ..request import Status
+from ..step import tokens_of
+from .host_tensors import from_ints
+from .sampler import failure, nan_error
+
+
+class DeviceFeed:
+    """The rows of a step's token buffer whose token is on the device: ``rows`` [k] of the
+    buffer take ``values`` [k] (the previous step's tokens, gathered by index)."""
+
+    def __init__(self, rows: torch.Tensor, values: torch.Tensor):
+        self.rows, self.values = rows, values
+
+    def into(self, ids: torch.Tensor) -> None:
+        """Write them into ``ids`` [T] (after the host's copy into it, in stream order)."""
+        ids.index_copy_(0, self.rows, self.values)
+
+
+class SampledTokens:
+    """A launched step's greedy tokens: kept on the device for the next step's feed, and
+    copied to the host behind an event; ``get`` waits for that step only."""
+
+    def __init__(self, logits: torch.Tensor):
+        # logits [n, V] -> [2, n]: each row's argmax (as sampler.sample takes it), and
+        # whether the row holds a NaN (its argmax would be no token)
+        picked = torch.stack([logits.argmax(-1), torch.isnan(logits).any(-1).long()])
+        self.device, self.event = picked[0], None  # [n]
+        if picked.is_cuda:
+            self.host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+            self.host.copy_(picked, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = picked
+
+    def get(self) -> tuple[list[int], list[int]]:
+        """(tokens, NaN flags): one of each per row of the logits."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@attrs.define
+class Launched:
+    step: object  # scheduler.Step
+    rows: dict  # sequence id -> its row of ``tokens``: those that get a token at this step
+    tokens: SampledTokens
+
+
+class AsyncSteps:
+    def __init__(self, engine):
+        self.engine = engine
+        self.enabled = False  # build(async_steps=...): on CUDA in one process by default
+        self.inflight: Launched | None = None  # launched, its tokens not yet read
+
+    def takes(self, step) -> bool:
+        """Whether ``step`` runs here (the module's docstring says what does not)."""
+        e = self.engine
+        return self.enabled and step.drafts is None and e.speculation is None \
+            and e.ranks is None and not e._forks and all(s.params.plain_greedy for s in step.seqs)
+
+    def stepping(self) -> list:
+        """The sequences of the step in flight (recomputed if reading it fails)."""
+        return list(self.inflight.step.seqs)
+
+    def run(self, step, tokens: list[int], replay: bool) -> list:
+        """A scheduled step: launch it, launch the next one where it may, read this one."""
+        self.inflight = self._launch(step, tokens, replay, None)
+        return self.advance()
+
+    def advance(self) -> list:
+        """Read the step in flight (launching the next one first where it may); returns
+        the sequences that got a token."""
+        e, current = self.engine, self.inflight
+        self.inflight = None
+        # 1) the next step, scheduled now that this one's lengths are counted (as the
+        # synchronous engine does while the GPU runs it)
+        ahead = e.scheduler.schedule_ahead() if e.schedule_ahead else None
+        # (nothing finished since it was scheduled: resume gives the same step)
+        step = e.scheduler.resume(ahead) if ahead is not None and self._launches(ahead) \
+            else None
+        inputs = None if step is None else self._inputs(step, current)
+        # 2) launched before this one is read, or left to the next step() (which runs it
+        # without the sequences that finish now: Scheduler.resume)
+        if inputs is None:
+            e._ahead = ahead
+        else:
+            e._stepping = list(current.step.seqs) + list(step.seqs)  # (recomputed on errors)
+            self.inflight = self._launch(step, *inputs)
+        # 3) this step's tokens, appended while the next one runs
+        return self._read(current)
+
+    def _launches(self, step) -> bool:
+        # a fresh prompt alone may replay a prefill graph, whose single host buffer the
+        # step before may still be copying from (it cannot be alone after a step anyway)
+        prefill_graph = self.engine.runner.prefill_graphs is not None and len(step.seqs) == 1
+        return self.takes(step) and not prefill_graph
+
+    def _launch(self, step, tokens, replay, feed) -> Launched:
+        logits = self.engine.runner.forward(step, tokens, replay, feed)
+        for s, n in zip(step.seqs, step.counts):
+            s.num_computed_tokens += n
+        # a sequence still prefilling after its chunk gets no token yet
+        rows = {s.id: row for row, s in enumerate(step.seqs) if not s.prefilling}
+        return Launched(step, rows, SampledTokens(logits))
+
+    def _inputs(self, step, current: Launched):
+        """(tokens, replay, feed) of ``step``: a placeholder for each sequence whose token
+        ``current`` samples, fed from the device; None where one of those would feed
+        anything but that token (not the case of a step scheduled ahead)."""
+        tokens, rows, sources = [], [], []
+        for s, n in zip(step.seqs, step.counts):
+            row = current.rows.get(s.id)
+            if row is not None:
+                if s.prefilling or n != 1:
+                    return None
+                rows.append(len(tokens))
+                sources.append(row)
+                tokens.append(0)
+            elif s.prefilling:  # a prompt's next chunk
+                done = s.num_computed_tokens
+                tokens += tokens_of(s)[done:done + n]
+            else:  # sat the current step out: its token was read before
+                tokens.append(s.output_ids[-1])
+        replay = self.engine.runner.replays_decode(step)
+        if not rows:
+            return tokens, replay, None
+        index = from_ints(rows + sources).to(self.engine.device, non_blocking=True)
+        k = len(rows)
+        return tokens, replay, DeviceFeed(index[:k], current.tokens.device[index[k:]])
+
+    def _read(self, launched: Launched) -> list:
+        e = self.engine
+        tokens, nan = launched.tokens.get()
+        now = time.perf_counter()
+        got = []
+        for s in launched.step.seqs:
+            row = launched.rows.get(s.id)
+            if row is None or s.status is Status.FINISHED:  # a chunk; aborted meanwhile
+                continue
+            token = tokens[row]
+            if nan[row]:  # as sampler.sample_each: this row fails, the others do not
+                s.error, token = failure(nan_error([0])), -1
+            e._append(s, token, now)
+            got.append(s)
+        return got
