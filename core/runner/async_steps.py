@@ -124,8 +124,13 @@ class AsyncSteps:
         else:
             e._stepping = list(current.step.seqs) + list(step.seqs)  # (recomputed on errors)
             self.inflight = self._launch(step, *inputs)
-        # 3) this step's tokens, appended while the next one runs
-        return self._read(current)
+        # 3) this step's tokens, appended while the next one runs; a next step whose
+        # every sequence finished now has nothing to read (its writes are stream-ordered)
+        got = self._read(current)
+        if self.inflight is not None and \
+                all(s.status is Status.FINISHED for s in self.inflight.step.seqs):
+            self.inflight = None
+        return got
 
     def _launches(self, step) -> bool:
         # a fresh prompt alone may replay a prefill graph, whose single host buffer the
