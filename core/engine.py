@@ -129,7 +129,8 @@ class Engine:
             tokens = step_tokens(step)
             replay = self.runner.replays_decode(step)
             self._stepping = list(step.seqs)  # (+ samples forked in this step)
-            if replay and self.lookahead.eligible(step.seqs):
+            if replay and self.lookahead.eligible(step.seqs) and (
+                    not self.async_steps.takes(step) or self.lookahead.keeps_up(step.seqs)):
                 return self._ahead_step(len(step.seqs),
                                         lambda: self.lookahead.run(step.seqs, tokens))
             if self.async_steps.takes(step):

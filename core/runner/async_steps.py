@@ -133,10 +133,13 @@ class AsyncSteps:
         return got
 
     def _launches(self, step) -> bool:
+        e = self.engine
         # a fresh prompt alone may replay a prefill graph, whose single host buffer the
         # step before may still be copying from (it cannot be alone after a step anyway)
-        prefill_graph = self.engine.runner.prefill_graphs is not None and len(step.seqs) == 1
-        return self.takes(step) and not prefill_graph
+        prefill_graph = e.runner.prefill_graphs is not None and len(step.seqs) == 1
+        # the same greedy decode batch again: the look-ahead's (its graphs' own argmax)
+        lookahead = e.runner.replays_decode(step) and e.lookahead.keeps_up(step.seqs)
+        return self.takes(step) and not prefill_graph and not lookahead
 
     def _launch(self, step, tokens, replay, feed) -> Launched:
         logits = self.engine.runner.forward(step, tokens, replay, feed)

@@ -40,6 +40,11 @@ class DecodeLookahead:
         """Greedy with no logits processing and no logprobs, every one of them."""
         return all(s.params.plain_greedy for s in seqs)
 
+    def keeps_up(self, seqs) -> bool:
+        """Whether a greedy decode step of ``seqs`` would launch the next one from its own
+        buffer (the same batch again): asynchronous steps leave such a step to it."""
+        return self.eligible(seqs) and self._can_look_ahead(seqs)
+
     def run(self, seqs, tokens: list[int]):
         """A scheduled greedy decode step: launch it, maybe launch the next, read it."""
         graphs = self.engine.decode_graphs
