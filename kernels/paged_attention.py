@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 
 from . import switches
-from ._triton import (HAVE_TRITON, last_to_arrive, next_pow2, pdl_enter, pdl_launch, soft_cap,
-                      tl, triton)
+from ._triton import (HAVE_TRITON, interpreting, last_to_arrive, next_pow2, pdl_enter,
+                      pdl_launch, soft_cap, tl, triton)
 from .attention_ref import sdpa
 from .kv_write import QUANT_KV_DTYPES
+from .kv8 import (as_words, join4, key_scores, q_operand, split4, value_dot, value_weights,
+                  value_words, widen_mode)
 from .paged_plan import (_sm_count, check_cache_args, counters_for, launch_plan,  # noqa: F401
                          split_len, split_plan)
 
@@ -97,12 +99,14 @@ if HAVE_TRITON:
         QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-        K_T: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
+        K_T: tl.constexpr = False, SOFTCAP: tl.constexpr = False, WIDEN: tl.constexpr = 0,
+        FP8: tl.constexpr = False, ASM: tl.constexpr = False):
         pdl_enter(PDL)
         # One program per (sequence, kv head, split) serves the GROUP query heads sharing
         # the kv head over its split's tokens. SPLIT=False: one split, normalised output;
         # SPLIT=True: un-normalised acc and (m, l) per query head, merged by the last
         # program of the (sequence, kv head) to finish (FUSED) or the combine kernel.
+        # WIDEN: how 8-bit K/V reach the dots (kv8.py; the word modes read int32 words).
         b = tl.program_id(0).to(tl.int64)
         hkv = tl.program_id(1).to(tl.int64)
         sp, nsplit = tl.program_id(2), tl.num_programs(2)
@@ -112,6 +116,8 @@ if HAVE_TRITON:
         qh = hkv * GROUP + g
         q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)   # [G, D]
+        qk, qs = q_operand(q, scale, WIDEN)  # the score dot's q, its rows' factors [G]
+        c0, c1, c2, c3 = split4(qk)  # the word modes' column groups (else unused)
         length = tl.load(lens_ptr + b).to(tl.int32)
         start = tl.where(window > 0, tl.maximum(length - window, 0), 0)
         # the visible keys [start, length) in S parts of P whole tiles (from the actual
@@ -123,31 +129,21 @@ if HAVE_TRITON:
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.full([BLOCK_G], 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
         acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+        a0 = tl.full([BLOCK_G, BLOCK_D // 4], 0.0, tl.float32)  # the word modes' p V
+        a1, a2, a3 = a0, a0, a0
         for n0 in range(lo, hi, BLOCK_N):  # every tile holds >= 1 valid key: m stays finite
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < hi                                               # [N]
             blk = tl.load(bt_ptr + b * stride_btb + pos // BS, mask=valid, other=0).to(tl.int64)
             off = (pos % BS).to(tl.int64)
-            kv_mask = valid[:, None] & dmask[None, :]
-            if K_T:  # 8-bit K read as [D, N]: widened with no transpose after it
-                kf = tl.load(kc_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks
-                             + hkv * stride_kh + d[:, None],
-                             mask=dmask[:, None] & valid[None, :], other=0.0).to(q.dtype)
-            else:
-                k = tl.load(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks
-                            + hkv * stride_kh + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-                kf = tl.trans(k.to(q.dtype))                              # [D, N]
-            v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
-                        + hkv * stride_vh + d[None, :], mask=kv_mask, other=0.0) # [N, D]
-            if IEEE:
-                s = tl.dot(q, kf, input_precision="ieee")                 # [G, N] f32
-            else:
-                s = tl.dot(q, kf)
+            s = key_scores(qk, c0, c1, c2, c3, kc_ptr,
+                           blk * stride_kb + off * stride_ks + hkv * stride_kh, valid, d,
+                           dmask, D, BLOCK_D, WIDEN, FP8, ASM, IEEE, K_T)  # [G, N] f32
             if QUANT:
                 ksc = tl.load(ks_ptr + blk * stride_ksb + off * stride_kss + hkv * stride_ksh,
                               mask=valid, other=0.0)
                 s = s * ksc[None, :]
-            s = s * scale
+            s = s * qs[:, None]
             if SOFTCAP:  # Gemma 2: c * tanh(s / c), before the mask
                 s = soft_cap(s, softcap)
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -155,18 +151,25 @@ if HAVE_TRITON:
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])                                # [G, N]
             l = l * alpha + tl.sum(p, 1)
-            if QUANT:
-                vsc = tl.load(vs_ptr + blk * stride_vsb + off * stride_vss + hkv * stride_vsh,
-                              mask=valid, other=0.0)
-                p = p * vsc[None, :]
-            if IEEE:  # float32 K/V: exact float32 product
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [G, D]
+            # p times the v scales (over the tile's largest, which scales its p V)
+            pw, top = value_weights(p, vs_ptr, blk * stride_vsb + off * stride_vss
+                                    + hkv * stride_vsh, valid, QUANT, WIDEN)
+            vrow = blk * stride_vb + off * stride_vs + hkv * stride_vh
+            if WIDEN >= 2:
+                p0, p1, p2, p3 = value_words(pw.to(qk.dtype), vc_ptr, vrow, valid, D, BLOCK_D,
+                                             FP8, ASM)                      # 4 x [G, D/4]
+                a0 = a0 * alpha[:, None] + p0 * top
+                a1 = a1 * alpha[:, None] + p1 * top
+                a2 = a2 * alpha[:, None] + p2 * top
+                a3 = a3 * alpha[:, None] + p3 * top
             else:
-                # 16-bit: p rounded to q's dtype, on tensor cores (an fp32 IEEE dot runs on
-                # the FMA units and makes the kernel compute-bound)
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))                  # [G, D]
-            acc = acc * alpha[:, None] + pv
+                # 16-bit: p rounded to the dot's dtype, on tensor cores (an fp32 IEEE dot
+                # runs on the FMA units and makes the kernel compute-bound); float32 IEEE
+                pv = value_dot(pw, vc_ptr, vrow, valid, d, dmask, qk.dtype, IEEE)  # [G, D]
+                acc = acc * alpha[:, None] + pv * top
             m = m_new
+        if WIDEN >= 2:
+            acc = join4(a0, a1, a2, a3)
         gd_mask = gmask[:, None] & dmask[None, :]
         if SPLIT:  # scratch rows ((b * Hq + qh) * S + sp): an empty split stores m=-inf, l=0, acc=0
             hq = tl.num_programs(1) * GROUP
@@ -245,10 +248,13 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     sks = ks.stride() if quant else (0, 0, 0)
     svs = vs.stride() if quant else (0, 0, 0)
     group, block_d = hq // hkv, max(16, next_pow2(d))
+    widen = widen_mode(q, k_cache)  # kv8.py: how 8-bit K/V reach the dots
     nsplit, block_n, tune = launch_plan(
         bsz, hkv, block_tables.shape[1] * bs, window, _sm_count(q.device), group=group,
-        wide_tiles=not quant and q.element_size() == 2 and d <= 128, num_splits=num_splits,
+        wide_tiles=(not quant or widen > 0) and q.element_size() == 2 and d <= 128,
+        kv_bytes=k_cache.element_size() if widen > 0 else 2, num_splits=num_splits,
         block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    kc, vc = as_words(k_cache, widen), as_words(v_cache, widen)
     block_s, sems = next_pow2(nsplit), None
     if nsplit > 1:  # scratch: acc [B, Hq, S, D], m and l [B, Hq, S] (float32)
         acc = torch.empty((bsz, hq, nsplit, d), dtype=torch.float32, device=q.device)
@@ -263,16 +269,17 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     # the fused merge takes BLOCK_H of the GROUP heads at a time ([H, S, D] in registers)
     block_h = min(next_pow2(group), max(1, MERGE_ELEMS // (block_s * block_d)))
     _paged_decode_kernel[(bsz, hkv, nsplit)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, out, acc, m, l,
+        q, kc, vc, ks, vs, block_tables, context_lens, out, acc, m, l,
         out if sems is None else sems,  # counters unused when not FUSED
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), *sks, *svs,
         block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale), int(window or 0), float(softcap or 1.0), bs, group, d,
         QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1, FUSED=sems is not None,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_H=block_h, BLOCK_S=block_s, **tune, **pdl_launch(q.device),
-        K_T=quant and switches.value("INFERGRAFT_KV_LOAD_T"), SOFTCAP=softcap is not None)
+        K_T=quant and switches.value("INFERGRAFT_KV_LOAD_T"), SOFTCAP=softcap is not None,
+        WIDEN=widen, FP8=k_cache.dtype == torch.float8_e4m3fn, ASM=not interpreting())
     if nsplit > 1 and sems is None:
         _paged_combine_kernel[(bsz, hq)](
             acc, m, l, out, out.stride(0), out.stride(1), nsplit, d,

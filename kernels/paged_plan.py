@@ -68,17 +68,20 @@ LARGE_PLAN_GQA = (7.5, (1, 64, 4, 2))
 
 
 def launch_plan(bsz: int, hkv: int, max_tokens: int, window: int | None, sms: int, *,
-                group: int, wide_tiles: bool, num_splits: int | None = None,
+                group: int, wide_tiles: bool, kv_bytes: int = 2, num_splits: int | None = None,
                 block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None):
     """(S, keys per tile, warps and stages) of one decode-attention call, from shapes
-    only. ``group``: query heads per kv head. ``wide_tiles``: 16-bit K/V with head_dim
-    <= 128, where the ``MID_PLANS`` / ``LARGE_PLAN_GQA`` tiles fit in shared memory and
-    were tuned; a given ``num_splits`` or ``block_n`` keeps the ``split_plan`` rule."""
+    only. ``group``: query heads per kv head. ``wide_tiles``: 16-bit K/V (or 8-bit K/V
+    widened as ``kv8.py``'s modes besides ``cvt``) with head_dim <= 128, where the
+    ``MID_PLANS`` / ``LARGE_PLAN_GQA`` tiles fit in shared memory and were tuned; with
+    ``kv_bytes`` = 1 (8-bit K/V) their tiles hold twice the keys, the same bytes in flight.
+    A given ``num_splits`` or ``block_n`` keeps the ``split_plan`` rule."""
     row = _measured_plan(bsz * hkv, sms, group) \
         if wide_tiles and num_splits is None and block_n is None else None
     if row:
         s, bn, warps, stages = row
+        bn = bn * 2 // kv_bytes
         return (min(s, _cdiv(_longest_span(max_tokens, window), bn)), bn,
                 dict(num_warps=num_warps or warps, num_stages=num_stages or stages))
     bn = block_n or 32

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 BOOL, ROWS = "bool", "rows"
 AUTO = "bool or auto"  # 0, 1, or auto: a measured rule between the two paths
+CHOICE = "choice"  # one of the names in ``choices`` (several paths, none a plain on / off)
 READ_AT = ("import", "build", "launch")
 
 
@@ -45,11 +46,18 @@ class Switch:
     selects: str
     changes_results: bool
     constant: str | None = None
+    choices: tuple[str, ...] = ()
 
     def parse(self, raw: str) -> bool | int | str:
         """The value of ``raw`` (the variable's text); raises ``SwitchError`` on a bad one.
-        A ``BOOL`` is True or False, ``ROWS`` an int, ``AUTO`` True, False or "auto"."""
+        A ``BOOL`` is True or False, ``ROWS`` an int, ``AUTO`` True, False or "auto", a
+        ``CHOICE`` one of its ``choices``."""
         text = raw.strip()
+        if self.kind == CHOICE:
+            if text not in self.choices:
+                raise SwitchError(f"{self.name}={raw!r} is not one of "
+                                  f"{', '.join(self.choices)} (default {self.default})")
+            return text
         if self.kind == AUTO:
             if text not in ("0", "1", "auto"):
                 raise SwitchError(f"{self.name}={raw!r} is not 0, 1 or auto "
@@ -120,6 +128,15 @@ SWITCHES = _switches(
            "read as [N, D], widened and transposed (an arm to measure: 8-bit K/V decode "
            "attention runs at 30% of the copy rate)",
            changes_results=True),
+    Switch("INFERGRAFT_KV8_WIDEN", CHOICE, "cvt", "launch",
+           "`f16`, `words` or `words16`",
+           "how decode and varlen attention widen int8 / e4m3 K/V for their dots: `cvt`, "
+           "Triton's converts to q's dtype; `f16`, converts to fp16 (e4m3: one hardware "
+           "convert a pair) with q in fp16 (a power of two a row); `words`, the cache read "
+           "as 32-bit words widened by bit tricks to q's dtype (`fp8_mma.py`'s); `words16`, "
+           "the same into fp16 with q in fp16; the three besides `cvt` plan key tiles by "
+           "bytes (`kv8.py`; arms to measure)",
+           changes_results=True, choices=("cvt", "f16", "words", "words16")),
     Switch("INFERGRAFT_PDL", BOOL, "1", "launch", "`0`",
            "plain launches instead of programmatic dependent launch (which needs sm90+)",
            changes_results=False),

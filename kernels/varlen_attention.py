@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, next_pow2, pdl_enter, pdl_launch, tl, triton
+from ._triton import HAVE_TRITON, interpreting, next_pow2, pdl_enter, pdl_launch, tl, triton
+from .kv8 import as_words, widen_mode
 from .paged_attention import MERGE_ELEMS, _merge_splits
 from .attention_ref import sdpa
 from .paged_plan import _sm_count, counters_for
@@ -88,7 +89,8 @@ if HAVE_TRITON:
         SHORT_Q: tl.constexpr, SHORT_M: tl.constexpr, SHORT_N: tl.constexpr,
         QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-        SOFTCAP: tl.constexpr = False):
+        SOFTCAP: tl.constexpr = False, WIDEN: tl.constexpr = 0, FP8: tl.constexpr = False,
+        ASM: tl.constexpr = False):
         pdl_enter(PDL)
         # The first n_long programs take BLOCK_M-row tiles, the longest first (a sequence's
         # last tiles see the most keys); with SHORT_M > 0, B more take one sequence of 1
@@ -111,7 +113,7 @@ if HAVE_TRITON:
                         stride_vss, stride_ot, stride_oh, scale, window, softcap, BS, D, hkv,
                         tile, q0, qlen, 0, tl.load(lens_ptr + b).to(tl.int32), GROUP, SHORT_Q,
                         SHORT_M, SHORT_N, BLOCK_D, BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED,
-                        SOFTCAP)
+                        SOFTCAP, WIDEN, FP8, ASM)
                 return
         # the BLOCK_M tiles: sequence b's start at cu[b] // BLOCK_Q + b; the padding rows
         # after cu[B] take the tiles past the last sequence's
@@ -140,7 +142,7 @@ if HAVE_TRITON:
             stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, stride_ot, stride_oh,
             scale, window, softcap, BS, D, hkv, tile, q0, qlen, j,
             tl.load(lens_ptr + b).to(tl.int32), GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D,
-            BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED, SOFTCAP)
+            BLOCK_H, BLOCK_S, QUANT, IEEE, SPLIT, FUSED, SOFTCAP, WIDEN, FP8, ASM)
 
     @triton.jit
     def _varlen_combine_kernel(acc_ptr, m_ptr, l_ptr, cu_ptr, out_ptr, stride_ot, stride_oh,
@@ -182,9 +184,10 @@ def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     ntok, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     bsz, group = block_tables.shape[0], hq // hkv
+    widen = widen_mode(q, k_cache)  # kv8.py: how 8-bit K/V reach the dots
     plan = varlen_plan(ntok, bsz, hkv, group, block_tables.shape[1] * bs, window,
                        _sm_count(q.device), head_dim=d, elem_bytes=q.element_size(),
-                       quant=quant, num_splits=num_splits, block_m=block_m, block_n=block_n,
+                       quant=quant, widen=widen > 0, num_splits=num_splits, block_m=block_m, block_n=block_n,
                        num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if ntok == 0:
@@ -210,11 +213,12 @@ def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         acc = m = l = out  # unused when not SPLIT
     # a merge takes BLOCK_H of the GROUP heads at a time ([H, S, D] in registers)
     block_h = min(next_pow2(group), max(1, MERGE_ELEMS // (block_s * block_d)))
+    kc, vc = as_words(k_cache, widen), as_words(v_cache, widen)
     _varlen_kernel[(tiles, hkv, nsplit)](
-        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out, acc, m, l,
+        q, kc, vc, ks, vs, block_tables, cu_seqlens_q, context_lens, out, acc, m, l,
         out if sems is None else sems,  # counters unused when not FUSED
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *sks, *svs,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), *sks, *svs,
         block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale), int(window or 0), float(softcap or 1.0), ntok, bsz,
         tiles - (bsz if short else 0),
@@ -223,7 +227,8 @@ def varlen_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         SHORT_Q=plan["short_q"], SHORT_M=plan["short_m"], SHORT_N=plan["short_n"],
         QUANT=quant, IEEE=q.dtype == torch.float32, SPLIT=nsplit > 1, FUSED=sems is not None,
         BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_S=block_s, **plan["tune"],
-        **pdl_launch(q.device), SOFTCAP=softcap is not None)
+        **pdl_launch(q.device), SOFTCAP=softcap is not None, WIDEN=widen,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, ASM=not interpreting())
     if nsplit > 1 and sems is None:
         _varlen_combine_kernel[(ntok, hkv)](
             acc, m, l, cu_seqlens_q, out, out.stride(0), out.stride(1), bsz, nsplit, d,

@@ -32,14 +32,16 @@ def tile_counts(num_tokens: int, num_seqs: int, block_q: int, short: bool = Fals
 
 def varlen_plan(num_tokens: int, num_seqs: int, hkv: int, group: int, max_tokens: int,
                 window: int | None, sms: int, *, head_dim: int, elem_bytes: int, quant: bool,
-                num_splits: int | None = None, block_m: int | None = None,
+                widen: bool = False, num_splits: int | None = None, block_m: int | None = None,
                 block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None) -> dict:
     """The launch of one step of ``num_tokens`` query rows (T) over ``num_seqs`` sequences
     (B): ``block_m`` rows of the dot tile (``block_q`` = block_m // group tokens x the
     ``group`` query heads of one kv head), ``block_n`` keys per tile, ``short_m`` /
     ``short_q`` / ``short_n`` the short sequences' tiles (0: none), ``nsplit`` splits of
-    each tile's keys, and the launch ``tune`` (warps, stages). Measured on one H200 by
+    each tile's keys, and the launch ``tune`` (warps, stages). ``widen``: 8-bit K/V under
+    one of ``kv8.py``'s modes besides ``cvt``, whose decode tiles are 16-bit K/V's with
+    twice the keys (the same bytes). Measured on one H200 by
     ``python -m infergraft.core.tools.kernel_bench.varlen --sweep`` (docs/kernels.md).
 
     - Decode-heavy, T <= ``DECODE_TOKENS_PER_SEQ`` x B: one tile for all, 16 rows (one
@@ -63,14 +65,14 @@ def varlen_plan(num_tokens: int, num_seqs: int, hkv: int, group: int, max_tokens
     assert num_splits is None or (isinstance(num_splits, int) and num_splits >= 1), \
         f"num_splits {num_splits!r}"
     floor = max(16, next_pow2(group))
-    wide = not quant and elem_bytes == 2 and head_dim <= 128  # 16-bit, D <= 128
+    wide = (not quant or widen) and elem_bytes == 2 and head_dim <= 128  # 16-bit, D <= 128
     if num_tokens <= DECODE_TOKENS_PER_SEQ * num_seqs:
         block_m = block_m or floor
         block_q = block_m // group
         busy = tile_counts(num_tokens, num_seqs, block_q)[1]
         nsplit, bn, tune = launch_plan(
             busy, hkv, max_tokens, window + block_q - 1 if window else None, sms, group=group,
-            wide_tiles=wide and block_m == floor, num_splits=num_splits, block_n=block_n,
+            wide_tiles=wide and block_m == floor, kv_bytes=1 if quant else 2, num_splits=num_splits, block_n=block_n,
             num_warps=num_warps, num_stages=num_stages)
         return dict(block_m=block_m, block_q=block_q, block_n=bn, short_m=0, short_q=0,
                     short_n=0, nsplit=nsplit, tune=tune)

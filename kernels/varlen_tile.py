@@ -4,6 +4,7 @@ Beside the kernel so that each file stays readable; only ``varlen_attention`` us
 from __future__ import annotations
 
 from ._triton import HAVE_TRITON, last_to_arrive, soft_cap, tl, triton
+from .kv8 import join4, key_scores, q_operand, split4, value_dot, value_weights, value_words
 from .paged_attention import _merge_splits
 
 if HAVE_TRITON:
@@ -31,11 +32,12 @@ if HAVE_TRITON:
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
         QUANT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-        SOFTCAP: tl.constexpr):
+        SOFTCAP: tl.constexpr, WIDEN: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
         """Tokens j * BLOCK_Q ... of one sequence (rows from q0, qlen of them, length tokens
         after this step) x the GROUP query heads of kv head hkv, over this split's keys.
         kc/vc/ks/vs point at kv head hkv, bt at the sequence's table row. SOFTCAP: each
-        score s becomes softcap * tanh(s / softcap) before the mask (Gemma 2)."""
+        score s becomes softcap * tanh(s / softcap) before the mask (Gemma 2). WIDEN: how
+        8-bit K/V reach the dots (kv8.py; the word modes read kc/vc as int32 words)."""
         sp, nsplit = tl.program_id(2), tl.num_programs(2)
         hq = tl.num_programs(1) * GROUP
         r = tl.arange(0, BLOCK_M)
@@ -60,9 +62,13 @@ if HAVE_TRITON:
         hi = tl.minimum(lo + per, hi_t)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)      # [M, D]
+        qk, qs = q_operand(q, scale, WIDEN)  # the score dot's q, its rows' factors [M]
+        c0, c1, c2, c3 = split4(qk)  # the word modes' column groups (else unused)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.full([BLOCK_M], 0.0, tl.float32)  # tl.zeros fails in the 3.9 interpreter
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+        a0 = tl.full([BLOCK_M, BLOCK_D // 4], 0.0, tl.float32)  # the word modes' p V
+        a1, a2, a3 = a0, a0, a0
         # 2) online softmax; a row may see none of a key tile (causal or window), so its
         # max stays -inf and is read as 0 in the exponents
         for n0 in range(lo, hi, BLOCK_N):
@@ -70,22 +76,14 @@ if HAVE_TRITON:
             valid = pos < hi                                                # [N]
             blk = tl.load(bt_ptr + pos // BS, mask=valid, other=0).to(tl.int64)
             off = (pos % BS).to(tl.int64)
-            kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
-                        mask=kv_mask, other=0.0)                            # [N, D]
-            v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
-                        mask=kv_mask, other=0.0)                            # [N, D]
-            kf = tl.trans(k.to(q.dtype))                                  # [D, N]
-            if IEEE:
-                s = tl.dot(q, kf, input_precision="ieee")                 # [M, N] f32
-            else:
-                s = tl.dot(q, kf)
+            s = key_scores(qk, c0, c1, c2, c3, kc_ptr, blk * stride_kb + off * stride_ks,
+                           valid, d, dmask, D, BLOCK_D, WIDEN, FP8, ASM, IEEE, False)  # [M, N]
             if QUANT:
                 s = s * tl.load(ks_ptr + blk * stride_ksb + off * stride_kss, mask=valid,
                                 other=0.0)[None, :]
             seen = valid[None, :] & (pos[None, :] <= qpos[:, None]) \
                 & (pos[None, :] > wlo[:, None])                               # [M, N]
-            s = s * scale
+            s = s * qs[:, None]
             if SOFTCAP:
                 s = soft_cap(s, softcap)
             s = tl.where(seen, s, float("-inf"))
@@ -94,15 +92,23 @@ if HAVE_TRITON:
             alpha = tl.exp(m - m_use)
             p = tl.exp(s - m_use[:, None])                                # [M, N]
             l = l * alpha + tl.sum(p, 1)
-            if QUANT:
-                p = p * tl.load(vs_ptr + blk * stride_vsb + off * stride_vss, mask=valid,
-                                other=0.0)[None, :]
-            if IEEE:  # float32 K/V: exact float32 product
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [M, D]
-            else:  # 16-bit: p rounded to q's dtype, on tensor cores
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
+            # p times the v scales (over the tile's largest, which scales its p V)
+            pw, top = value_weights(p, vs_ptr, blk * stride_vsb + off * stride_vss, valid,
+                                    QUANT, WIDEN)
+            vrow = blk * stride_vb + off * stride_vs
+            if WIDEN >= 2:
+                p0, p1, p2, p3 = value_words(pw.to(qk.dtype), vc_ptr, vrow, valid, D, BLOCK_D,
+                                             FP8, ASM)                      # 4 x [M, D/4]
+                a0 = a0 * alpha[:, None] + p0 * top
+                a1 = a1 * alpha[:, None] + p1 * top
+                a2 = a2 * alpha[:, None] + p2 * top
+                a3 = a3 * alpha[:, None] + p3 * top
+            else:  # 16-bit: p rounded to the dot's dtype, on tensor cores; float32 IEEE
+                pv = value_dot(pw, vc_ptr, vrow, valid, d, dmask, qk.dtype, IEEE)  # [M, D]
+                acc = acc * alpha[:, None] + pv * top
             m = m_new
+        if WIDEN >= 2:
+            acc = join4(a0, a1, a2, a3)
         md_mask = rmask[:, None] & dmask[None, :]
         if SPLIT:
             # 3) scratch rows (tok * Hq + head) * S + sp; a split a row sees nothing of

@@ -37,3 +37,21 @@ def test_the_quant_mma_kernels_assemble_for_sm90_without_spills(tmp_path):
     assert len(lines) >= 18, out  # every family, both 16-bit types, both 8-bit formats
     spilled = [line for line in lines if not re.search(r"LOCAL 0 STACK 0", line)]
     assert not spilled, "\n".join(spilled)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and _ptxas()), reason="needs Triton's NVIDIA backend")
+def test_the_kv8_attention_modes_assemble_for_sm90_without_spills(tmp_path):
+    # decode attention, MHA (LLaMA-2-7B), bf16 and fp16 q, both 8-bit formats under each
+    # INFERGRAFT_KV8_WIDEN mode besides cvt (the word modes' four inline assemblies)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "infergraft.core.tools.kernel_bench.cubin",
+                          "--set", "kv8", "--modes", "f16,words,words16",
+                          "--only", "32/32 decode"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    out = run.stdout
+    assert run.returncode == 0 and "0 failed" in out, out[-3000:] + run.stderr[-3000:]
+    lines = [line for line in out.splitlines() if "REG" in line]
+    assert {re.search(r"WIDEN=(\d)", line)[1] for line in lines} == {"1", "2", "3"}, out
+    assert len(lines) == 12 and all("_paged_decode_kernel" in line for line in lines), out
+    spilled = [line for line in lines if not re.search(r"LOCAL 0 ", line)]
+    assert not spilled, "\n".join(spilled)

@@ -39,7 +39,8 @@ def test_docs_table_matches_the_registry():
 def test_every_switch_is_declared_sensibly():
     for name, s in switches.SWITCHES.items():
         assert name.startswith("INFERGRAFT_") and s.name == name
-        assert s.kind in (switches.BOOL, switches.ROWS, switches.AUTO)
+        assert s.kind in (switches.BOOL, switches.ROWS, switches.AUTO, switches.CHOICE)
+        assert bool(s.choices) == (s.kind == switches.CHOICE), name
         assert s.read_at in switches.READ_AT
         assert (s.constant is not None) == (s.read_at == "import"), name
         s.parse(s.default)  # the default parses
@@ -81,6 +82,18 @@ def test_a_bool_or_auto_takes_0_1_and_auto_and_refuses_the_rest(monkeypatch):
             switches.value("INFERGRAFT_QUANT_MMA")
 
 
+def test_a_choice_takes_its_names_and_refuses_the_rest(monkeypatch):
+    for raw, want in (("cvt", "cvt"), (" words16 ", "words16"), ("", "cvt")):
+        monkeypatch.setenv("INFERGRAFT_KV8_WIDEN", raw)
+        assert switches.value("INFERGRAFT_KV8_WIDEN") == want, raw
+    for raw in ("CVT", "bits", "1"):
+        monkeypatch.setenv("INFERGRAFT_KV8_WIDEN", raw)
+        with pytest.raises(switches.SwitchError, match=re.escape(
+                f"INFERGRAFT_KV8_WIDEN={raw!r} is not one of cvt, f16, words, words16 "
+                "(default cvt)")):
+            switches.value("INFERGRAFT_KV8_WIDEN")
+
+
 @pytest.mark.parametrize("raw", ["abc", "-1", "1.5", "16 rows", "+4", "²"])
 def test_a_bad_row_count_names_switch_value_and_what_is_accepted(monkeypatch, raw):
     monkeypatch.setenv("INFERGRAFT_FUSE_MAX_ROWS", raw)
@@ -107,7 +120,8 @@ def test_snapshot_has_every_switch_with_its_type():
     assert list(snap) == list(switches.SWITCHES)
     for name, v in snap.items():
         kind = switches.SWITCHES[name].kind
-        want = {switches.BOOL: (bool,), switches.ROWS: (int,), switches.AUTO: (bool, str)}[kind]
+        want = {switches.BOOL: (bool,), switches.ROWS: (int,), switches.AUTO: (bool, str),
+                switches.CHOICE: (str,)}[kind]
         assert type(v) in want, name
 
 

@@ -8,7 +8,9 @@ refuses, or registers spilled to local memory shows here, not in a GPU session's
 minutes. PDL launches as on sm_90. ``--set quant_mma`` (the default): the quantised decode
 GEMMs ``INFERGRAFT_QUANT_MMA`` selects (``int4_mma``, ``fp8_mma``'s e4m3 and int8 rows, the
 fused decode GEMMs' WORDS tiles) at the LLaMA-2-7B shapes (``--shapes small``: a few
-small ones) and ``--rows``. Prints a line a kernel compiled (its name, the meta-parameters
+small ones) and ``--rows``. ``--set kv8``: decode and varlen attention over int8 / e4m3 K/V
+under each ``INFERGRAFT_KV8_WIDEN`` mode (``kernels/kv8.py``), bf16 and fp16 q, MHA and
+GQA at 132 SMs' plans (batch 16 x 4,032 tokens). Prints a line a kernel compiled (its name, the meta-parameters
 that tell it apart, registers, spilled bytes, shared memory); exit 1 if any failed.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 SMALL = {"qkv": (384, 256), "o": (128, 256), "gate_up": (704, 256), "down": (128, 352)}
 SHOWN = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT", "FIXUP", "SWAP", "WORDS", "FP8", "W_FP8",
-         "ASM", "SWIGLU", "ROPE", "NORM", "RESIDUAL", "PDL")
+         "ASM", "SWIGLU", "ROPE", "NORM", "RESIDUAL", "PDL", "WIDEN")
 
 
 class _Driver:
@@ -54,7 +56,7 @@ def compiling_for(arch: int = 90):
     from triton.runtime.jit import JITFunction
 
     from infergraft.kernels import (_triton, fp8_linear, fp8_mma, fused_linear, int4_gemv,
-                                    int4_mma, linear)
+                                    int4_mma, linear, paged_attention, varlen_attention)
     if _triton.interpreting():
         raise RuntimeError("TRITON_INTERPRET is set: kernels would be interpreted, not "
                            "compiled; run with TRITON_INTERPRET=0")
@@ -69,7 +71,10 @@ def compiling_for(arch: int = 90):
     # what the launchers ask of the device, answered as sm_90 would: PDL launches, e4m3 loads
     pdl = {"PDL": True, "launch_pdl": True}
     stand_ins = {(m, "pdl_launch"): lambda device: pdl
-                 for m in (fp8_mma, int4_mma, linear, int4_gemv)}
+                 for m in (fp8_mma, int4_mma, linear, int4_gemv, paged_attention,
+                           varlen_attention)}
+    stand_ins.update({(m, "_sm_count"): lambda device: 132  # an H100's plans
+                      for m in (paged_attention, varlen_attention)})
     stand_ins.update({(m, "fp8_native"): lambda device: arch >= 89
                       for m in (fp8_linear, fused_linear)})
     saved_fns = {key: getattr(*key) for key in stand_ins}
@@ -158,11 +163,58 @@ def fused_cases(FL, shapes: dict, rows: list[int]):
                         pos, pos, scale=e(nq), mma=True)
 
 
+def _under(mode: str, call):
+    """``call`` run with ``INFERGRAFT_KV8_WIDEN=mode`` (read at launch), then as it was."""
+    def run():
+        saved = os.environ.get("INFERGRAFT_KV8_WIDEN")
+        os.environ["INFERGRAFT_KV8_WIDEN"] = mode
+        try:
+            call()
+        finally:
+            if saved is None:
+                del os.environ["INFERGRAFT_KV8_WIDEN"]
+            else:
+                os.environ["INFERGRAFT_KV8_WIDEN"] = saved
+    return run
+
+
+def kv8_cases(modes: list[str]):
+    """(label, a call that launches) for decode and varlen attention over 8-bit K/V under
+    each ``INFERGRAFT_KV8_WIDEN`` mode: batch 16 x 4,032 tokens, head_dim 128."""
+    from infergraft.kernels.paged_attention import paged_attention_triton
+    from infergraft.kernels.varlen_attention import varlen_attention_triton
+
+    e = torch.empty
+    b, d, bs, blocks = 16, 128, 16, 252
+    tables = torch.zeros(b, blocks, dtype=torch.int32)
+    lens = torch.full((b,), blocks * bs, dtype=torch.int32)
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    for mode in modes:
+        for qdt in (torch.bfloat16, torch.float16):
+            for kdt in (torch.int8, torch.float8_e4m3fn):
+                for hq, hkv in ((32, 32), (32, 8)):
+                    kv = (*(e(b * blocks, bs, hkv, d, dtype=kdt) for _ in "kv"),
+                          *(e(b * blocks, bs, hkv) for _ in "kv"))  # K, V, their scales
+                    q, qv = e(b, hq, d, dtype=qdt), e(200, hq, d, dtype=qdt)
+
+                    def decode(q=q, kv=kv):
+                        paged_attention_triton(q, kv[0], kv[1], tables, lens, 0.1, None, *kv[2:])
+
+                    def varlen(qv=qv, kv=kv):
+                        varlen_attention_triton(qv, kv[0], kv[1], tables, cu, lens, 0.1, None,
+                                                *kv[2:])
+
+                    tag = f"kv8 {mode} {str(qdt)[6:]} {str(kdt)[6:]} {hq}/{hkv}"
+                    yield f"{tag} decode", _under(mode, decode)
+                    yield f"{tag} varlen", _under(mode, varlen)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100)")
-    p.add_argument("--set", choices=("quant_mma",), default="quant_mma")
+    p.add_argument("--set", choices=("quant_mma", "kv8"), default="quant_mma")
+    p.add_argument("--modes", default="cvt,f16,words,words16", help="--set kv8's modes")
     p.add_argument("--shapes", choices=("llama2-7b", "small"), default="llama2-7b")
     p.add_argument("--rows", default="1,16,32,64")
     p.add_argument("--only", default="", help="labels containing this text only")
@@ -174,7 +226,9 @@ def main(argv=None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     failed, seen = 0, set()
     with compiling_for(args.arch) as compiled:
-        for label, call in quant_mma_cases(shapes, rows):
+        cases = kv8_cases(args.modes.split(",")) if args.set == "kv8" else \
+            quant_mma_cases(shapes, rows)
+        for label, call in cases:
             if args.only not in label:
                 continue
             start = len(compiled)
