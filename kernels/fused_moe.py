@@ -257,8 +257,9 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale
             f"{tuple(x.shape)}, got {tuple(residual.shape)} {residual.dtype}"
     if torch.float8_e4m3fn in (w_gate_up.dtype, w_down.dtype) and not fp8_native(x.device):
         # Triton loads e4m3 on sm_89+ only: the reference's loop without a host sync
+        onto = {} if residual is None else dict(residual=residual, sum_sq=sum_sq)
         return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale,
-                               down_scale, sync_free=True, residual=residual, sum_sq=sum_sq)
+                               down_scale, sync_free=True, **onto)
     k = topk_ids.shape[1]
     n = t * k
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
