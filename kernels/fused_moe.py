@@ -11,7 +11,8 @@ own row; a third kernel sums each token's k rows. Nothing waits for the host: th
 sized by an upper bound on the tiles (an expert with tokens adds at most one part-filled
 tile: ``min(E, T k) + T k // BLOCK_M``), which a program past the last tile leaves at
 once, so the op runs inside CUDA graphs, and at decode with one token only its k experts'
-weights are read (k tiles).
+weights are read (k tiles). With ``residual`` (the fused decode layer's stream) the sum
+kernel also adds it and stores the new stream's partial sums of squares.
 
 Weights: w_gate_up [E, 2I, H] (each expert's gate rows, then its up rows), w_down
 [E, H, I], in x's dtype, or 8-bit rows (int8, float8_e4m3fn) with a float32 scale a row

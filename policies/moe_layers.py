@@ -77,8 +77,9 @@ class MixtureOfExperts:
         if layer.tp is None and sgu is None and sd is None and router is not None and \
                 router[2] is None and wgu.dtype == router[0].dtype == stream.dtype and \
                 takes_pair_path(t, self.experts.num_experts, top_k):
-            return self.ops.moe_decode(stream, sum_sq, norm.weight, self.spec.norm_eps, router[0], wgu,
-                                       wd, top_k, self.experts.renormalize, want_next)
+            return self.ops.moe_decode(stream, sum_sq, norm.weight, self.spec.norm_eps,
+                                       router[0], wgu, wd, top_k, self.experts.renormalize,
+                                       want_next)
         x = norm(stream)[0]  # [T, H]
         if layer.tp is None:  # the grouped kernels' last adds the stream (and its sums)
             return self.forward(layer, x, residual=stream, sum_sq=want_next)
