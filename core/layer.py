@@ -23,7 +23,10 @@ mixture-of-experts MLP reads its ``experts`` there).
   them each token reads: its position, LongRoPE's table row past its boundary,
   core/rope.py ``table_rows``; where K/V go is the cache's ``meta``; the output before the
   tensor-parallel all-reduce, which the layer does), ``input_projection`` (the slot name of the projection its input norm
-  feeds: the fused decode layer folds the norm's weight into it), ``fuses`` (whether it
+  feeds: the fused decode layer folds the norm's weight into it, unless the part sets
+  ``folds_input_norm = False``: the norm then keeps its weight and the part's
+  ``forward_fused`` applies it, as a mixture of experts whose experts read the normed row
+  beside the router does), ``fuses`` (whether it
   runs in the fused decode layer) and, if it does, ``fusable(layer) -> bool`` (after
   loading: its projections in a form the fused GEMMs read) and ``forward_fused(layer,
   stream, sum_sq, layer_idx, positions, rope, cache, meta) -> (stream, sum_sq)``.

@@ -45,6 +45,7 @@ OPS = {
     "embed_sum_sq": "embedding",
     "logits_argmax": "greedy",
     "fused_moe": "fused_moe",
+    "moe_decode": "moe_decode",
     "apply_token_bitmask": "token_bitmask",
 }
 BACKENDS = ("auto", "torch", "triton")

@@ -11,7 +11,8 @@ own row; a third kernel sums each token's k rows. Nothing waits for the host: th
 sized by an upper bound on the tiles (an expert with tokens adds at most one part-filled
 tile: ``min(E, T k) + T k // BLOCK_M``), which a program past the last tile leaves at
 once, so the op runs inside CUDA graphs, and at decode with one token only its k experts'
-weights are read (k tiles).
+weights are read (k tiles). With ``residual`` (the fused decode layer's stream) the sum
+kernel also adds it and stores the new stream's partial sums of squares.
 
 Weights: w_gate_up [E, 2I, H] (each expert's gate rows, then its up rows), w_down
 [E, H, I], in x's dtype, or 8-bit rows (int8, float8_e4m3fn) with a float32 scale a row
@@ -41,12 +42,22 @@ def _sum_pairs(y: torch.Tensor, k: int) -> torch.Tensor:
     return acc.to(y.dtype)
 
 
+def _onto_stream(out, residual, sum_sq: bool):
+    # out [T, H] -> out, or residual + out (the fused decode layer's stream) and, with
+    # ``sum_sq``, its sums of squares per row [1, T] float32
+    if residual is None:
+        return out
+    out = residual + out
+    return out, (out.float().square().sum(-1)[None] if sum_sq else None)
+
+
 def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None,
-                    down_scale=None, sync_free=None):
+                    down_scale=None, sync_free=None, residual=None, sum_sq=False):
     # x: [T, H]; w_gate_up [E, 2I, H], w_down [E, H, I]; topk_weights [T, k] float32,
     # topk_ids [T, k] in [0, E) -> [T, H]. A loop over the experts: on the CPU those with
     # tokens, each on its rows; elsewhere (``sync_free``) every expert on every row, its
     # pairs kept by a mask: no host sync, so the op may be captured in a CUDA graph.
+    # ``residual`` [T, H]: returns (residual + the output, its sums of squares or None).
     k, h = topk_ids.shape[1], x.shape[1]
     flat, weights = topk_ids.reshape(-1), topk_weights.reshape(-1).float()
     y = torch.zeros((flat.numel(), h), dtype=x.dtype, device=x.device)  # [T k, H]: each pair's
@@ -64,7 +75,7 @@ def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=
             y = torch.where((flat == e)[:, None], out, y)
         else:
             y[pairs] = out
-    return _sum_pairs(y, k)
+    return _onto_stream(_sum_pairs(y, k), residual, sum_sq)
 
 
 if HAVE_TRITON:
@@ -163,9 +174,12 @@ if HAVE_TRITON:
                      mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
-    def _sum_pairs_kernel(y_ptr, out_ptr, H, stride_y, stride_out, TOP_K: tl.constexpr,
+    def _sum_pairs_kernel(y_ptr, out_ptr, r_ptr, ss_ptr, T, H, stride_y, stride_out,
+                          TOP_K: tl.constexpr, RESIDUAL: tl.constexpr, SUM_SQ: tl.constexpr,
                           BLOCK: tl.constexpr):
-        # grid (T, cdiv(H, BLOCK)): token t's TOP_K rows added in order, in float32
+        # grid (T, cdiv(H, BLOCK)): token t's TOP_K rows added in order, in float32; with
+        # RESIDUAL added to the stream r (out: the new stream), SUM_SQ its block's sum of
+        # squares at ss[block, t]
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
@@ -173,7 +187,14 @@ if HAVE_TRITON:
         for j in tl.static_range(TOP_K):
             acc += tl.load(y_ptr + (t * TOP_K + j) * stride_y + cols, mask=mask,
                            other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        out = acc.to(out_ptr.dtype.element_ty)
+        if RESIDUAL:  # the same stride as out (both [T, H] contiguous)
+            r = tl.load(r_ptr + t * stride_out + cols, mask=mask, other=0.0).to(tl.float32)
+            out = (r + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * stride_out + cols, out, mask=mask)
+        if SUM_SQ:
+            of = tl.where(mask, out.to(tl.float32), 0.0)
+            tl.store(ss_ptr + tl.program_id(1) * T + t, tl.sum(of * of, axis=0))
 
 
 def moe_blocks(pairs: int, experts: int, h: int, i: int, dtype) -> dict:
@@ -227,18 +248,24 @@ def _operands(w, scale, x):
 
 
 def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale=None,
-                     down_scale=None, blocks=None):
-    # as fused_moe_torch; topk_ids must lie in [0, E) (a pair of another id is never written)
+                     down_scale=None, blocks=None, residual=None, sum_sq=False):
+    # as fused_moe_torch; topk_ids must lie in [0, E) (a pair of another id is never
+    # written); with ``residual`` its sums of squares as partials [P, T] (a block each)
     t, h, e, i = _check(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and \
+            residual.is_contiguous(), f"residual must be contiguous {x.dtype} " \
+            f"{tuple(x.shape)}, got {tuple(residual.shape)} {residual.dtype}"
     if torch.float8_e4m3fn in (w_gate_up.dtype, w_down.dtype) and not fp8_native(x.device):
         # Triton loads e4m3 on sm_89+ only: the reference's loop without a host sync
+        onto = {} if residual is None else dict(residual=residual, sum_sq=sum_sq)
         return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale,
-                               down_scale, sync_free=True)
+                               down_scale, sync_free=True, **onto)
     k = topk_ids.shape[1]
     n = t * k
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if n == 0:
-        return out
+        return out if residual is None else (out, None)
     cfg = dict(blocks or moe_blocks(n, e, h, i, x.dtype))
     bm = cfg["BLOCK_M"]
     # 1) the pairs grouped by expert: sorted_ids[seg[j]:seg[j+1]] are expert j's, and
@@ -262,6 +289,11 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale
         act.stride(0), wd.stride(0), wd.stride(1), y.stride(0),
         HAS_SCALE=down_scale is not None, FP8=fp8d, **flags)
     block = min(next_pow2(h), 1024)
-    _sum_pairs_kernel[(t, triton.cdiv(h, block))](y, out, h, y.stride(0), out.stride(0),
-                                                  TOP_K=k, BLOCK=block, num_warps=4)
-    return out
+    grid = (t, triton.cdiv(h, block))
+    parts = torch.empty((grid[1], t), dtype=torch.float32, device=x.device) \
+        if residual is not None and sum_sq else None
+    _sum_pairs_kernel[grid](y, out, out if residual is None else residual,
+                            out if parts is None else parts, t, h, y.stride(0), out.stride(0),
+                            TOP_K=k, RESIDUAL=residual is not None, SUM_SQ=parts is not None,
+                            BLOCK=block, num_warps=4)
+    return out if residual is None else (out, parts)

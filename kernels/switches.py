@@ -89,6 +89,11 @@ SWITCHES = _switches(
     Switch("INFERGRAFT_QKV_ROPE_MAX_ROWS", ROWS, "32", "import", "rows (`0`: never)",
            "up to how many rows the qkv GEMM rotates and writes K/V itself",
            changes_results=True, constant="fused_linear.QKV_ROPE_MAX_ROWS"),
+    Switch("INFERGRAFT_MOE_DECODE_ROWS", ROWS, "8", "import", "rows (`0`: never)",
+           "up to how many rows the fused layer's mixture of experts may take "
+           "`moe_decode.py`'s pair path (where the step's pairs hardly share experts) "
+           "instead of the grouped kernels",
+           changes_results=True, constant="moe_decode.DECODE_MAX_ROWS"),
     Switch("INFERGRAFT_GEMV", BOOL, "1", "import", "`0`",
            "one-row GEMMs on the tensor-core tiles instead of `gemv.py`'s register loop",
            changes_results=True, constant="gemv.GEMV_ON"),

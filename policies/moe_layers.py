@@ -11,6 +11,14 @@ sorted by expert). Under tensor parallelism each rank holds every expert's share
 intermediate rows (as the dense MLP's), the router whole, and the layer all-reduces the
 output. The expert weights may be 8-bit rows with a scale each (int8, fp8); a weight
 quantiser of another form (int4's groups) is refused at build, by name.
+
+It also runs in the fused decode layer (steps of <= ``ops.fuse_max_rows`` rows, 16-bit
+weights), where the attention before it fuses as the LLaMA one does. Its input norm
+stays unfolded (the router and every expert read the normed row; ``folds_input_norm``).
+A step whose (token, expert) pairs hardly share experts (``takes_pair_path``: one token
+always) takes ``ops.moe_decode`` (kernels/moe_decode.py: the norm, router, routing,
+experts, weighted sum and residual add in three kernels); any other the norm kernel, the
+router and the grouped kernels, whose last one adds the output to the stream.
 """
 from __future__ import annotations
 
@@ -21,33 +29,24 @@ from infergraft.core.errors import PlanError, UnsupportedModelError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.core.layer import LayerImpl
 from infergraft.core.policy import WeightRule
-from infergraft.core.runner.layers import Linear, gemm_operands
+from infergraft.core.runner.layers import Linear, gemm_operands, row_sum_sq
+# (route: imported from here too)
+from infergraft.kernels.moe_decode import route, takes_pair_path  # noqa: F401
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k]): softmax over
-    all experts in float32, the top_k (as torch.topk orders them), renormalised to sum
-    to 1 where ``renormalize``, as HF's MixtralTopKRouter / Qwen3MoeTopKRouter do."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 class MixtureOfExperts:
     """router -> top_k routing -> ``ops.fused_moe``. Slots: ``router`` [E, H],
     ``experts_gate_up`` [E * 2I, H], ``experts_down`` [E * H, I] (core.slots.expert_slots).
-    The plain layer only (the fused decode layer folds a norm into one projection; the
-    experts are many)."""
+    In the fused decode layer too, its input norm applied by itself (not folded)."""
 
     input_projection = "router"
-    fuses = False
+    fuses = True
+    folds_input_norm = False  # the experts read the normed row too, not the router alone
 
     def __init__(self, layer, spec, ops):
-        self.experts, self.ops = layer.layer_spec.experts, ops
+        self.experts, self.ops, self.spec = layer.layer_spec.experts, ops, spec
         if self.experts is None:
             raise UnsupportedModelError(
                 f"{spec.architecture}: a layer names mlp 'moe' without experts; accepted: a "
@@ -57,16 +56,43 @@ class MixtureOfExperts:
         layer.experts_gate_up = Linear(ops)
         layer.experts_down = Linear(ops)
 
-    def forward(self, layer, x):
-        # x: [T, H] normed -> [T, H] (under tp: this rank's share, summed by the layer)
+    def fusable(self, layer) -> bool:
+        return True  # every form it loads (refused at build otherwise) runs both paths
+
+    def forward(self, layer, x, residual=None, sum_sq=False):
+        # x: [T, H] normed -> [T, H] (under tp: this rank's share, summed by the layer);
+        # with ``residual`` (the fused layer's stream): (residual + that, its sums or None)
         x = x.contiguous()
         weights, ids = route(layer.router(x), self.experts.top_k, self.experts.renormalize)
+        (wgu, sgu), (wd, sd) = self._experts(layer)
+        return self.ops.fused_moe(x, wgu, wd, weights, ids, sgu, sd, residual=residual,
+                                  sum_sq=sum_sq)
+
+    def forward_fused(self, layer, stream, sum_sq, want_next: bool):
+        """stream [T, H] (the residual stream after the attention), its sums of squares
+        [P, T] -> (stream + MoE(norm(stream)), its sums or None without ``want_next``)."""
+        norm, top_k, t = layer.mlp_norm, self.experts.top_k, stream.shape[0]
+        (wgu, sgu), (wd, sd) = self._experts(layer)
+        router = gemm_operands(layer.router)
+        if layer.tp is None and sgu is None and sd is None and router is not None and \
+                router[2] is None and wgu.dtype == router[0].dtype == stream.dtype and \
+                takes_pair_path(t, self.experts.num_experts, top_k):
+            return self.ops.moe_decode(stream, sum_sq, norm.weight, self.spec.norm_eps,
+                                       router[0], wgu, wd, top_k, self.experts.renormalize,
+                                       want_next)
+        x = norm(stream)[0]  # [T, H]
+        if layer.tp is None:  # the grouped kernels' last adds the stream (and its sums)
+            return self.forward(layer, x, residual=stream, sum_sq=want_next)
+        out = stream + layer.tp.all_reduce(self.forward(layer, x))  # each rank's share
+        return out, (row_sum_sq(out) if want_next else None)
+
+    def _experts(self, layer):
+        """((gate_up [E, 2I, H], its scales [E, 2I] or None), (down [E, H, I], scales))."""
         (wgu, sgu), (wd, sd) = (_operands(getattr(layer, name)) for name in EXPERT_WEIGHTS)
-        e, h = self.experts.num_experts, x.shape[-1]
+        e, h = self.experts.num_experts, wgu.shape[-1]
         i = wd.shape[-1]  # this rank's share of the intermediate rows
-        return self.ops.fused_moe(x, wgu.view(e, 2 * i, h), wd.view(e, h, i), weights, ids,
-                                  None if sgu is None else sgu.view(e, 2 * i),
-                                  None if sd is None else sd.view(e, h))
+        return ((wgu.view(e, 2 * i, h), None if sgu is None else sgu.view(e, 2 * i)),
+                (wd.view(e, h, i), None if sd is None else sd.view(e, h)))
 
 
 def _operands(lin):

@@ -55,9 +55,11 @@ class DecoderLayer(nn.Module):
 
     @property
     def norm_feeds(self) -> tuple[tuple[str, str], ...]:
-        """(norm, the projection it feeds): where the fused decode layer folds its weight."""
-        return (("attn_norm", self.attention.input_projection),
-                ("mlp_norm", self.mlp.input_projection))
+        """(norm, the projection it feeds): where the fused decode layer folds its weight
+        (not a part's whose ``folds_input_norm`` is False: a mixture of experts)."""
+        return tuple((norm, part.input_projection) for norm, part in
+                     (("attn_norm", self.attention), ("mlp_norm", self.mlp))
+                     if getattr(part, "folds_input_norm", True))
 
     def will_fuse(self) -> bool:
         """Whether the parts run in the fused decode layer (known before weights load)."""
