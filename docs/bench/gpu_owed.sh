@@ -113,6 +113,37 @@ if has bench44; then
       | cut -c1-240 | head -10
   done
 fi
+if has moe44; then
+  # issue 44's MoE batch 1 after moe_decode (kernels/moe_decode.py), and its CUDA tests;
+  # INFERGRAFT_FUSE=0 is the path before it (a MoE layer never took the fused layer then)
+  for fuse in 1 0; do
+    INFERGRAFT_FUSE=$fuse timeout "${MOE_TIMEOUT:-130}" infergraft bench --model qwen3-30b-a3b \
+      --batches 1,32 --systems infergraft --new-tokens 32 --out "$OUT/moe-fuse$fuse" \
+      > "$OUT/moe-fuse$fuse.txt" 2>&1
+    echo "moe INFERGRAFT_FUSE=$fuse rc $?"; grep -E "^\| [0-9]" "$OUT/moe-fuse$fuse.txt" | head -4
+  done
+  timeout "${MOE_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    -m gpu tests/kernel_tests/test_moe_decode.py tests/test_fused_decode_moe.py \
+    > "$OUT/moe-tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe-tests.txt" | tail -8
+  timeout 60 python3 -m infergraft.core.tools.kernel_bench.moe --rows 1,2,4 \
+    > "$OUT/moe-kernel.txt" 2>&1; tail -12 "$OUT/moe-kernel.txt"
+fi
+if has async45; then
+  # issue 45 item 3: async steps on (the default) and off on the same requests, one run each
+  timeout "${ASYNC_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    -m gpu tests/test_async_steps.py tests/test_mixed_steps.py > "$OUT/async-tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/async-tests.txt" | tail -8
+  COMPARE=async_steps=false timeout "${ASYNC_TIMEOUT:-300}" python3 docs/bench/throughput_runs.py \
+    "$OUT/async45" 200 fixed:512:256:1000:2048 sharegpt-like:161:338:1000:2048 \
+    > "$OUT/async45.txt" 2>&1
+  echo "async45 rc $?"; grep -E "^==|Output token throughput|idle" "$OUT/async45.txt"
+fi
+if has kv8; then  # issue 43 item 4: the widen modes, one layer then end to end (kv8_widen.sh)
+  ATTN_ARGS="--plans shipped,1x64x4x3,1x128x4x2 --reps 30" timeout "${KV8_TIMEOUT:-295}" \
+    bash docs/bench/kv8_widen.sh "$OUT/kv8" attn e2e > "$OUT/kv8.txt" 2>&1
+  echo "kv8 rc $?"; tail -30 "$OUT/kv8.txt"
+fi
 if has kvmem; then
   timeout "${KVMEM_TESTS_TIMEOUT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     -m gpu tests/test_gpu_kv_memory.py > "$OUT/kvmem-tests.txt" 2>&1
