@@ -86,6 +86,7 @@ class Compiler:
         self._pool = ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) // 2)),
                                         thread_name_prefix="infergraft-grammar")
         self.compile_seconds: list[float] = []  # each compilation's wall time
+        self._forced: dict[str, list[int]] = {}  # forced text -> its ids (``encode``)
 
     def compile(self, constraint: Constraint) -> Future:
         """The compiled grammar of ``constraint`` (a Future; compiled once)."""
@@ -135,6 +136,16 @@ class Compiler:
                 self._bytes[(kind, text)] = out.memory_size_bytes
         return out
 
+    def encode(self, text: str) -> list[int]:
+        """The tokenizer's ids of a forced text (the same few texts recur: a schema's
+        punctuation and keys, kept, the newest ``CACHED``)."""
+        ids = self._forced.get(text)
+        if ids is None:
+            ids = self._forced[text] = self.vocab.tokenizer.encode(text, add_special_tokens=False)
+            if len(self._forced) > CACHED:
+                self._forced.pop(next(iter(self._forced)))
+        return ids
+
     def _grammar_compiler(self):
         with self._vocabulary_lock:  # the vocabulary: once per tokenizer
             if self._compiler is None:
@@ -150,7 +161,8 @@ def _tokenizer_width(vocab: Vocabulary) -> int:
     """The tokens a mask covers: the tokenizer's ids (xgrammar's count of them) and the
     stop tokens, within the logits' width; the ids past it are never allowed."""
     ids = vocab.tokenizer.get_vocab()
-    known = max(len(ids), max(ids.values(), default=-1) + 1, max(vocab.eos_token_ids, default=-1) + 1)
+    known = max(len(ids), max(ids.values(), default=-1) + 1,
+                max(vocab.eos_token_ids, default=-1) + 1)
     return min(vocab.size, known)
 
 
@@ -158,7 +170,7 @@ class GrammarState(ConstraintState):
     """One request's xgrammar matcher (made when its first mask is asked for)."""
 
     def __init__(self, compiled: Future, compiler: Compiler):
-        self._compiled, self._vocab = compiled, compiler.vocab
+        self._compiled, self._vocab, self._compiler = compiled, compiler.vocab, compiler
         self.batch = compiler.batch  # fills many states' masks in one call
         self._matcher = None
 
@@ -205,7 +217,7 @@ class GrammarState(ConstraintState):
             return []
         if not text or limit < 1:
             return []
-        ids = self._vocab.tokenizer.encode(text, add_special_tokens=False)[:limit]
+        ids = self._compiler.encode(text)[:limit]
         # the tokenizer's own split of the forced text; one the grammar refuses (a
         # tokenizer that adds a prefix space, say) is rolled back and nothing is forced
         for n, token in enumerate(ids):
