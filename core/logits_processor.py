@@ -78,7 +78,16 @@ class ConstraintState:
 
     Only ``fill_bitmask`` is required; the defaults never complete, force nothing and
     accept every token. Called from the thread stepping the engine, one request at a time.
+
+    ``batch`` (optional): an object shared by states that can fill their masks together,
+    with ``words`` (its bitmask's width: ids past it are never allowed) and
+    ``fill(states, bitmask) -> {row: error}`` (row ``r`` of a contiguous host bitmask
+    [len(states), words] for ``states[r]``, every word written). A step's rows whose one
+    state has the same ``batch`` are filled by one call of it (the grammar processor's:
+    ``core/structured/batch.py``); rows without one, row by row through ``fill_bitmask``.
     """
+
+    batch = None
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         """Write the tokens this request may take next into row ``row`` of ``bitmask``

@@ -7,8 +7,11 @@ it is queued), and each step:
 1. ``mask``: fills one host bitmask [R, words] for the R constrained rows of the step's
    logits (R = 0: nothing at all happens) and masks them in one kernel launch
    (``kernels/token_bitmask.py``; the host work overlaps the device's forward pass, which
-   runs ahead of the sampler). A row whose processor raises, or allows no token, is
-   sampled as -1: its request ends with ``finish_reason="error"``, the others go on.
+   runs ahead of the sampler, and nothing before it waits for the device). The rows
+   whose one state has a ``batch`` (a grammar's) are filled by one call of it, across
+   its threads, not row by row; other rows (a plugin's state, several processors) one
+   by one, in a launch of their own. A row whose processor raises, or allows no token,
+   is sampled as -1: its request ends with ``finish_reason="error"``, the others go on.
 2. ``advance``: each state takes the row's sampled token; a refused token ends the request
    ("error"), a complete constraint finishes it ("stop").
 3. ``forced``: the tokens a request's constraint forces next (jump-forward), which the
@@ -41,7 +44,9 @@ class RowConstraints:
     def __init__(self, vocab: Vocabulary, device, processors=None):
         self.vocab, self.device = vocab, torch.device(device)
         self._processors = processors  # a Registry (core.build's); None: the process-wide
-        self._host = None  # [rows, words] int32 bitmask, pinned on CUDA, grown as needed
+        # a step's bitmasks and rows pinned on CUDA (the caching host allocator keeps them
+        # until their copies are done), so their copies to the device do not wait
+        self._pinned = self.device.type == "cuda"
         self._op = None
         # host time on constraints: masks filled and applied (on the CPU the op runs here),
         # tokens accepted, forced tokens found
@@ -76,30 +81,69 @@ class RowConstraints:
         rows = [i for i, s in enumerate(seqs) if s.params.constrained]
         if not rows:
             return []
-        bitmask = self._bitmask(len(rows))  # [R, words], all ones
-        failed = []
-        for j, i in enumerate(rows):
+        # rows whose one state fills in a batch (``state.batch``: a grammar's, per
+        # tokenizer) go together; the others (several processors, a plugin's) one by one
+        groups, failed = {}, []
+        for i in rows:
+            seq = seqs[i]
             try:
-                self._fill(seqs[i], bitmask, j)
-            except Exception as e:  # this request fails, not the batch
-                seqs[i].error = f"its logits processor failed: {type(e).__name__}: {e}"
-                bitmask[j] = -1  # any token: the row is sampled, then dropped
-                failed.append(i)
-        index = torch.tensor(rows, dtype=torch.long)
-        self.op(logits, bitmask.to(self.device, non_blocking=True), index.to(self.device))
-        return failed
+                if seq.constraints is None:  # a sample of n, forked from a validated request
+                    self.start(seq)
+            except Exception as e:
+                failed.append(self._failed(seq, e))
+                continue
+            states = seq.constraints
+            batch = getattr(states[0], "batch", None) if len(states) == 1 else None
+            groups.setdefault(batch, []).append(i)
+        for batch, group in groups.items():
+            failed += self._mask_rows(logits, [seqs[i] for i in group], group, batch)
+        failed = {id(s) for s in failed}
+        return [i for i in rows if id(seqs[i]) in failed]
+
+    def _mask_rows(self, logits, seqs, rows: list[int], batch) -> list:
+        """Rows ``rows`` of ``logits`` masked by their ``seqs``' states in one launch, one
+        fill call if ``batch``; returns the sequences that failed."""
+        # 1. their bitmask [R, words] on the host: a batch's as wide as its tokenizer
+        # (the kernel masks every id past a bitmask's width), else the logits' width
+        words = bitmask_words(self.vocab.size) if batch is None else batch.words
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=self._pinned)
+        if batch is not None:
+            errors = batch.fill([s.constraints[0] for s in seqs], bitmask)
+        else:
+            bitmask.fill_(-1)
+            errors = {}
+            for j, seq in enumerate(seqs):
+                try:
+                    self._fill(seq, bitmask, j)
+                except Exception as e:
+                    errors[j] = e
+        # 2. a row left with no token allowed fails; a failed row allows any token (it
+        # is sampled, then dropped)
+        for j in (~bitmask.any(1)).nonzero().flatten().tolist():
+            errors.setdefault(j, ValueError("its constraint allows no token here"))
+        for j, e in errors.items():
+            self._failed(seqs[j], e)
+            bitmask[j] = -1
+        # 3. one launch; both copies asynchronous (pinned), so nothing here waits for
+        # the device's forward pass
+        index = torch.tensor(rows, dtype=torch.long, pin_memory=self._pinned)
+        self.op(logits, bitmask.to(self.device, non_blocking=True),
+                index.to(self.device, non_blocking=True))
+        return [seqs[j] for j in errors]
+
+    @staticmethod
+    def _failed(seq, error: Exception):
+        """``seq`` failed in its logits processor: ``seq.error`` says how; returns it."""
+        seq.error = f"its logits processor failed: {type(error).__name__}: {error}"
+        return seq
 
     def _fill(self, seq, bitmask, j: int) -> None:
-        if seq.constraints is None:  # a sample of n, forked from a validated request
-            self.start(seq)
         first, *others = seq.constraints
         first.fill_bitmask(bitmask, j)
         for state in others:  # several processors: the tokens all of them allow
             row = torch.full_like(bitmask[j:j + 1], -1)
             state.fill_bitmask(row, 0)
             bitmask[j] &= row[0]
-        if not bitmask[j].any():
-            raise ValueError("its constraint allows no token here")
 
     @_timed
     def advance(self, seq, token: int) -> str | None:
@@ -140,12 +184,3 @@ class RowConstraints:
             from infergraft.kernels.dispatch import get_op, resolve_backend
             self._op = get_op("apply_token_bitmask", resolve_backend(self.device))
         return self._op
-
-    def _bitmask(self, rows: int) -> torch.Tensor:
-        if self._host is None or self._host.shape[0] < rows:
-            grown = max(rows, 8, 2 * (0 if self._host is None else self._host.shape[0]))
-            self._host = torch.empty((grown, bitmask_words(self.vocab.size)),
-                                     dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        out = self._host[:rows]
-        out.fill_(-1)
-        return out

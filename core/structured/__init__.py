@@ -9,7 +9,8 @@ guaranteed to follow (others are refused by name, not silently ignored); ``gramm
 the built-in ``grammar`` logits processor on xgrammar (the tokenizer's vocabulary
 compiled once per tokenizer, each grammar once per (kind, text), in a background thread
 while the request's prompt is prefilled), which ``plugins/structured_output.py`` registers
-through ``infergraft_register_logits_processors`` like any other plugin.
+through ``infergraft_register_logits_processors`` like any other plugin; ``batch``: a
+step's masks of those grammars filled in one call, across xgrammar's threads.
 
 xgrammar is an optional dependency: ``pip install 'infergraft[structured]'``.
 """

@@ -7,19 +7,23 @@ while a grammar's compilation, the slower part, runs once per schema, off that p
 * The tokenizer's vocabulary (byte-level BPE, SentencePiece, added tokens: xgrammar reads
   them from the Hugging Face tokenizer) is compiled once per (tokenizer, vocabulary size,
   stop tokens) and kept: ``Compiler``.
+  Its width is the tokenizer's, not the logits' (``core/structured/batch.py`` says why).
 * Each Constraint is compiled once per (kind, text) and kept (the newest ``CACHED``). For
-  an engine on a GPU, in a background thread: ``start`` returns at once and the request's
-  prompt is prefilled meanwhile (its first mask waits for the compilation if it has not
+  an engine on a GPU, in background threads (half the host's cores, at most 8: a batch of
+  new schemas compiles side by side): ``start`` returns at once and the request's prompt
+  is prefilled meanwhile (its first mask waits for the compilation if it has not
   finished). For an engine on the CPU, at once in ``start``: there a compiling thread
   would take a core from the model's threads, which then wait for it at every barrier
   (docs/bench/structured.md has what that cost).
 * ``GrammarState`` holds one request's matcher: its masks, the tokens it accepts, whether
   the grammar is complete (then the request stops without sampling its stop token) and
-  the text the grammar forces next (jump-forward: tokenised and appended at once).
+  the text the grammar forces next (jump-forward: tokenised and appended at once). A
+  step's masks are filled together, in one call (``batch``: ``core/structured/batch.py``).
 """
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,8 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..errors import InvalidRequestError
-from ..logits_processor import (ConstraintState, LogitsProcessor, Vocabulary, bitmask_words,
-                                pack_bitmask)
+from ..logits_processor import ConstraintState, LogitsProcessor, Vocabulary, pack_bitmask
+from .batch import GrammarBatch
 from .constraint import PROCESSOR, Constraint, xgrammar
 
 #: compiled grammars kept per tokenizer, at most, and the bytes they may hold together
@@ -54,7 +58,8 @@ class GrammarProcessor(LogitsProcessor):
         if vocab.tokenizer is None:
             raise InvalidRequestError("structured output needs the engine's tokenizer; this "
                                       "engine has none (build with tokenizer=...)")
-        return GrammarState(self.compiler(vocab).compile(arg), vocab)
+        compiler = self.compiler(vocab)
+        return GrammarState(compiler.compile(arg), compiler)
 
     def compiler(self, vocab: Vocabulary) -> "Compiler":
         key = (id(vocab.tokenizer), vocab.size, tuple(sorted(vocab.eos_token_ids)),
@@ -71,12 +76,17 @@ class Compiler:
     def __init__(self, vocab: Vocabulary):
         self.vocab = vocab  # (holds the tokenizer: its id stays this one's key)
         self._xgr = xgrammar()
-        self._compiler = None  # made by the first compilation, in the background thread
+        self._compiler = None  # made by the first compilation, in a background thread
+        self.width = _tokenizer_width(vocab)  # the masks' tokens
+        self.batch = GrammarBatch(self._xgr, self.width)  # a step's masks in one call
         self._futures: collections.OrderedDict[tuple, Future] = collections.OrderedDict()
         self._bytes: dict[tuple, int] = {}  # of those compiled
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infergraft-grammar")
+        self._vocabulary_lock = threading.Lock()  # (compilations run side by side)
+        self._pool = ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) // 2)),
+                                        thread_name_prefix="infergraft-grammar")
         self.compile_seconds: list[float] = []  # each compilation's wall time
+        self._forced: dict[str, list[int]] = {}  # forced text -> its ids (``encode``)
 
     def compile(self, constraint: Constraint) -> Future:
         """The compiled grammar of ``constraint`` (a Future; compiled once)."""
@@ -126,21 +136,42 @@ class Compiler:
                 self._bytes[(kind, text)] = out.memory_size_bytes
         return out
 
+    def encode(self, text: str) -> list[int]:
+        """The tokenizer's ids of a forced text (the same few texts recur: a schema's
+        punctuation and keys, kept, the newest ``CACHED``)."""
+        ids = self._forced.get(text)
+        if ids is None:
+            ids = self._forced[text] = self.vocab.tokenizer.encode(text, add_special_tokens=False)
+            if len(self._forced) > CACHED:
+                self._forced.pop(next(iter(self._forced)))
+        return ids
+
     def _grammar_compiler(self):
-        if self._compiler is None:  # the vocabulary: once per tokenizer
-            xgr, vocab = self._xgr, self.vocab
-            info = xgr.TokenizerInfo.from_huggingface(
-                vocab.tokenizer, vocab_size=vocab.size,
-                stop_token_ids=sorted(vocab.eos_token_ids) or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        with self._vocabulary_lock:  # the vocabulary: once per tokenizer
+            if self._compiler is None:
+                xgr, vocab = self._xgr, self.vocab
+                info = xgr.TokenizerInfo.from_huggingface(
+                    vocab.tokenizer, vocab_size=self.width,
+                    stop_token_ids=sorted(vocab.eos_token_ids) or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         return self._compiler
+
+
+def _tokenizer_width(vocab: Vocabulary) -> int:
+    """The tokens a mask covers: the tokenizer's ids (xgrammar's count of them) and the
+    stop tokens, within the logits' width; the ids past it are never allowed."""
+    ids = vocab.tokenizer.get_vocab()
+    known = max(len(ids), max(ids.values(), default=-1) + 1,
+                max(vocab.eos_token_ids, default=-1) + 1)
+    return min(vocab.size, known)
 
 
 class GrammarState(ConstraintState):
     """One request's xgrammar matcher (made when its first mask is asked for)."""
 
-    def __init__(self, compiled: Future, vocab: Vocabulary):
-        self._compiled, self._vocab = compiled, vocab
+    def __init__(self, compiled: Future, compiler: Compiler):
+        self._compiled, self._vocab, self._compiler = compiled, compiler.vocab, compiler
+        self.batch = compiler.batch  # fills many states' masks in one call
         self._matcher = None
 
     @property
@@ -154,7 +185,10 @@ class GrammarState(ConstraintState):
         return self._matcher
 
     def fill_bitmask(self, bitmask, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        # (a step's rows come to ``batch.fill`` together; this is a row of its own)
+        words = self.batch.words
+        bitmask[row, :words] = self._mask()[0]
+        bitmask[row, words:] = 0  # the ids past the tokenizer's
 
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)
@@ -165,9 +199,15 @@ class GrammarState(ConstraintState):
             return True
         if not m.is_completed():  # (cheap; the mask below only at the grammar's end)
             return False
-        mask = torch.empty(1, bitmask_words(self._vocab.size), dtype=torch.int32)
-        m.fill_next_token_bitmask(mask, 0)
-        return torch.equal(mask, stop_only(self._vocab))
+        return torch.equal(self._mask(), stop_only(self._vocab, self.batch.width))
+
+    def _mask(self) -> torch.Tensor:
+        """The tokens it allows next: [1, batch.words]."""
+        mask = torch.empty(1, self.batch.words, dtype=torch.int32)
+        failed = self.batch.fill([self], mask)
+        if failed:
+            raise failed[0]
+        return mask
 
     def take_forced(self, limit: int) -> list[int]:
         m = self.matcher
@@ -177,7 +217,7 @@ class GrammarState(ConstraintState):
             return []
         if not text or limit < 1:
             return []
-        ids = self._vocab.tokenizer.encode(text, add_special_tokens=False)[:limit]
+        ids = self._compiler.encode(text)[:limit]
         # the tokenizer's own split of the forced text; one the grammar refuses (a
         # tokenizer that adds a prefix space, say) is rolled back and nothing is forced
         for n, token in enumerate(ids):
@@ -191,11 +231,11 @@ class GrammarState(ConstraintState):
 _STOP_ONLY: dict[tuple, torch.Tensor] = {}
 
 
-def stop_only(vocab: Vocabulary) -> torch.Tensor:
-    """The bitmask [1, words] allowing the stop tokens alone."""
-    key = (vocab.size, vocab.eos_token_ids)
+def stop_only(vocab: Vocabulary, width: int) -> torch.Tensor:
+    """The bitmask [1, bitmask_words(width)] allowing the stop tokens alone."""
+    key = (width, vocab.eos_token_ids)
     if key not in _STOP_ONLY:
-        allowed = torch.zeros(vocab.size, dtype=torch.bool)
+        allowed = torch.zeros(width, dtype=torch.bool)
         allowed[sorted(vocab.eos_token_ids)] = True
         _STOP_ONLY[key] = pack_bitmask(allowed)[None]
     return _STOP_ONLY[key]
