@@ -5,15 +5,17 @@
 # travels in three pieces, one a call, so three calls back to back (each within the warm
 # machine's 30 s) carry them (`bash docs/bench/demo_model_chunks.sh` here first, and
 # `bash docs/bench/device_wheels.sh` for .whl):
+#   (done on an H100 at 06447bf, docs/bench/HISTORY.md: census45, bench44, the quant bench
+#   0 / auto / 1, structured, speculative.) Owed next, four calls back to back:
 #   A. carry [".demo1", ".whl"]: bash docs/bench/demo_model_chunks.sh take .demo1;
-#      bash docs/bench/gpu_quant_next.sh $OUT   (issue 43: INFERGRAFT_QUANT_MMA 0 / auto / 1)
+#      bash docs/bench/gpu_owed.sh $OUT moe44   (issue 44: moe_decode, FUSE 1 vs 0; < 7 min)
 #   B. carry [".demo2"]: bash docs/bench/demo_model_chunks.sh take .demo2;
-#      bash docs/bench/gpu_owed.sh $OUT census45 bench44   (issues 45, 44)
+#      bash docs/bench/gpu_owed.sh $OUT async45   (issue 45 item 3: async steps on / off)
 #   C. carry [".demo3", ".whl"]: source docs/bench/demo_model_chunks.sh take .demo3;
-#      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47; < 10 min)
-#   D. (the same warm machine) bash docs/bench/gpu_owed.sh $OUT speculative-batch
-#   then: kernels families steps45 (the rest of the kernels' CUDA tests: rms_norm, gelu_mul,
-#   the varlen tail), kvmem (issue 45's owed KV-memory runs), and issue 43's profile
+#      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47 after the
+#      host-path, async-constrained and verify-ahead work; < 10 min)
+#   D. bash docs/bench/gpu_owed.sh $OUT kv8   (issue 43 item 4: the widen modes; < 5 min)
+#   then: speculative-batch, kernels families steps45, kvmem, and issue 43's profile
 #   (bash docs/bench/gpu_quant_profile.sh OUT ncu).
 # kvmem: tests/test_gpu_kv_memory.py, then sharegpt-like at max_seq_len 8192 vs 2048 again
 #   (since 531a8db a graph step gathers only the table entries it uses), < 8 min.
@@ -66,7 +68,7 @@ fi
 if has structured; then
   timeout "${STRUCTURED_TIMEOUT:-120}" python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
-    tests/test_serve_structured.py tests/test_tool_call_parsers.py \
+    tests/test_serve_structured.py tests/test_tool_call_parsers.py tests/test_structured_batch.py \
     > "$OUT/structured.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
   # issue 46's overhead target: 256 concurrent requests, a schema each, LLaMA-3-8B shape
