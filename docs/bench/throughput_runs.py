@@ -8,7 +8,7 @@ comma list, hf_prompts 0 for no HF, eager 1 for INFERGRAFT_STEP_GRAPHS=0). Each 
 OUT/<dataset>-<budgets>[-eager]/throughput.json as the command itself does; runs that would
 start after DEADLINE_S seconds are skipped. STEP_GAPS=0: without ``--step-gaps``;
 STEP_CENSUS=1: with ``--step-census`` (every step classed and timed, a table a run).
-COMPARE=VARIANTS: ``--compare-options VARIANTS`` on every run, e.g. COMPARE=async_steps=false
+COMPARE=VARIANTS: ``--compare-options VARIANTS`` on every run, e.g. COMPARE=async_steps=true
 (asynchronous steps on, then off, on the same requests: each row with its GPU idle share).
 """
 import os
