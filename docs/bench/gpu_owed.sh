@@ -141,6 +141,16 @@ if has async45; then
     > "$OUT/async45.txt" 2>&1
   echo "async45 rc $?"; grep -E "^==|Output token throughput|idle" "$OUT/async45.txt"
 fi
+if has budget45 || has budget45-512; then
+  # issue 45 item 4: the token budget swept (1024 / 2048 / 4096 / 8192) on the three
+  # workloads, max batch 256 (budget45) or 512 (budget45-512); < 9 min a part
+  mb=256; has budget45-512 && mb=512
+  MAX_BATCH=$mb STEP_GAPS=1 timeout "${BUDGET_TIMEOUT:-520}" python3 docs/bench/throughput_runs.py \
+    "$OUT/budget45-$mb" 400 fixed:512:256:1000:1024,2048,4096,8192 \
+    uniform:512:256:1000:1024,2048,4096,8192 sharegpt-like:161:338:1000:1024,2048,4096,8192 \
+    > "$OUT/budget45-$mb.txt" 2>&1
+  echo "budget45 ($mb) rc $?"; grep -E "^==|Output token throughput|budget|idle" "$OUT/budget45-$mb.txt"
+fi
 if has kv8; then  # issue 43 item 4: the widen modes, one layer then end to end (kv8_widen.sh)
   ATTN_ARGS="--plans shipped,1x64x4x3,1x128x4x2 --reps 30" timeout "${KV8_TIMEOUT:-295}" \
     bash docs/bench/kv8_widen.sh "$OUT/kv8" attn e2e > "$OUT/kv8.txt" 2>&1
