@@ -235,8 +235,11 @@ def summary(results: dict) -> str:
     out = []
     for tree, res in results.items():
         r = res["rounds"]
+        steps = {name: sum(k.get("steps", 0) for k in r[-1][name].values())
+                 for name in ("plain", "ngram")}
         out.append(f"{tree}: accepted length {r[-1]['accepted_length']:.2f}, same tokens as "
-                   f"plain in every round: {all(x['same_tokens'] for x in r)}")
+                   f"plain in every round: {all(x['same_tokens'] for x in r)}; engine steps "
+                   f"a round: plain {steps['plain']}, ngram {steps['ngram']}")
     return "\n".join(out)
 
 
