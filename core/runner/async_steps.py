@@ -21,7 +21,11 @@ Steps stay synchronous (``Engine._step_body``) where this would not be exact or 
   CPU generators (a device draw would change seeded tokens); penalties, min_p and logprobs
   read the logits on the host; a constraint's mask needs its grammar's state after the
   newest token (and may force tokens, which the next step then feeds);
-- speculative decoding (drafts are proposed after the newest token, verified lengths move);
+- speculative decoding with a drafter that does not propose on the host alone, or with
+  ``speculative={"ahead": false}``; with an n-gram drafter, verify steps are launched
+  ahead too, each drafted request taken to keep its whole draft
+  (core/speculative/ahead.py: how its rows of the next step are fed, and dropped where it
+  did not);
 - samples of ``n`` > 1 waiting to fork (their parent's K/V are forked once its first token
   is known);
 - tensor / pipeline parallel ranks (every rank takes the sampling rank's tokens);
@@ -80,8 +84,17 @@ class SampledTokens:
 @attrs.define
 class Launched:
     step: object  # scheduler.Step
-    rows: dict  # sequence id -> its row of ``tokens``: those that get a token at this step
+    # sequence id -> its row of ``tokens`` whose token the next step is fed: those that get
+    # a token at this step (a drafted one's last row: its bonus, if it keeps its draft)
+    rows: dict
     tokens: SampledTokens
+    # sequence id -> (its first row, its Proposal, its length before the step): verified
+    drafted: dict = attrs.Factory(dict)
+
+    def drop(self, seq_id) -> bool:
+        """Read nothing of ``seq_id`` here (its rows were fed a draft it did not keep)."""
+        self.drafted.pop(seq_id, None)
+        return self.rows.pop(seq_id, None) is not None
 
 
 class AsyncSteps:
@@ -93,8 +106,9 @@ class AsyncSteps:
     def takes(self, step) -> bool:
         """Whether ``step`` runs here (the module's docstring says what does not)."""
         e = self.engine
-        return self.enabled and step.drafts is None and e.speculation is None \
-            and e.ranks is None and not e._forks and all(s.params.plain_greedy for s in step.seqs)
+        ahead = e.speculation is None or e.speculation.ahead is not None
+        return self.enabled and ahead and e.ranks is None and not e._forks \
+            and all(s.params.plain_greedy for s in step.seqs)
 
     def stepping(self) -> list:
         """The sequences of the step in flight (recomputed if reading it fails)."""
@@ -103,12 +117,13 @@ class AsyncSteps:
     def run(self, step, tokens: list[int], replay: bool) -> list:
         """A scheduled step: launch it, launch the next one where it may, read this one."""
         self.inflight = self._launch(step, tokens, replay, None)
-        return self.advance()
+        return self.advance(pipelined=False)
 
-    def advance(self) -> list:
+    def advance(self, pipelined: bool = True) -> list:
         """Read the step in flight (launching the next one first where it may); returns
-        the sequences that got a token."""
-        e, current = self.engine, self.inflight
+        the sequences that got a token. ``pipelined``: the step in flight was launched by
+        the call before (this call lasts one step of the pipeline: timed for speculation)."""
+        e, current, start = self.engine, self.inflight, time.perf_counter()
         self.inflight = None
         # 1) the next step, scheduled now that this one's lengths are counted (as the
         # synchronous engine does while the GPU runs it)
@@ -116,6 +131,8 @@ class AsyncSteps:
         # (nothing finished since it was scheduled: resume gives the same step)
         step = e.scheduler.resume(ahead) if ahead is not None and self._launches(ahead) \
             else None
+        if step is not None and e.speculation is not None:  # its drafts (ahead.py)
+            step = e.speculation.ahead.extend(step, current)
         inputs = None if step is None else self._inputs(step, current)
         # 2) launched before this one is read, or left to the next step() (which runs it
         # without the sequences that finish now: Scheduler.resume)
@@ -130,6 +147,8 @@ class AsyncSteps:
         if self.inflight is not None and \
                 all(s.status is Status.FINISHED for s in self.inflight.step.seqs):
             self.inflight = None
+        if pipelined and e.speculation is not None:
+            e.speculation.ahead.observe(current.step, time.perf_counter() - start)
         return got
 
     def _launches(self, step) -> bool:
@@ -143,21 +162,28 @@ class AsyncSteps:
 
     def _launch(self, step, tokens, replay, feed) -> Launched:
         logits = self.engine.runner.forward(step, tokens, replay, feed)
-        for s, n in zip(step.seqs, step.counts):
+        rows, drafted, row = {}, {}, 0  # (row: of the logits, step.logit_rows')
+        for i, (s, n) in enumerate(zip(step.seqs, step.counts)):
+            draft = None if step.drafts is None else step.drafts[i]
+            if draft is not None:
+                drafted[s.id] = (row, draft, s.num_computed_tokens)
+            row += 1 if draft is None else n
             s.num_computed_tokens += n
-        # a sequence still prefilling after its chunk gets no token yet
-        rows = {s.id: row for row, s in enumerate(step.seqs) if not s.prefilling}
-        return Launched(step, rows, SampledTokens(logits))
+            if not s.prefilling:  # a sequence still prefilling after its chunk: no token yet
+                rows[s.id] = row - 1
+        return Launched(step, rows, SampledTokens(logits), drafted)
 
     def _inputs(self, step, current: Launched):
         """(tokens, replay, feed) of ``step``: a placeholder for each sequence whose token
         ``current`` samples, fed from the device; None where one of those would feed
         anything but that token (not the case of a step scheduled ahead)."""
         tokens, rows, sources = [], [], []
-        for s, n in zip(step.seqs, step.counts):
+        for i, (s, n) in enumerate(zip(step.seqs, step.counts)):
             row = current.rows.get(s.id)
+            draft = () if step.drafts is None or step.drafts[i] is None \
+                else step.drafts[i].tokens  # proposed after the token it is fed
             if row is not None:
-                if s.prefilling or n != 1:
+                if s.prefilling or n != 1 + len(draft):
                     return None
                 rows.append(len(tokens))
                 sources.append(row)
@@ -167,6 +193,7 @@ class AsyncSteps:
                 tokens += tokens_of(s)[done:done + n]
             else:  # sat the current step out: its token was read before
                 tokens.append(s.output_ids[-1])
+            tokens += draft
         replay = self.engine.runner.replays_decode(step)
         if not rows:
             return tokens, replay, None
@@ -181,7 +208,15 @@ class AsyncSteps:
         got = []
         for s in launched.step.seqs:
             row = launched.rows.get(s.id)
-            if row is None or s.status is Status.FINISHED:  # a chunk; aborted meanwhile
+            # a chunk; aborted meanwhile; rows dropped (fed a draft before it not kept)
+            if row is None or s.status is Status.FINISHED:
+                continue
+            if s.id in launched.drafted:  # verified (the next step's rows kept or dropped)
+                first, draft, start = launched.drafted[s.id]
+                e.speculation.ahead.settle(
+                    s, draft, start, tokens[first:row + 1], any(nan[first:row + 1]),
+                    self.inflight, lambda seq, token: e._append(seq, token, now))
+                got.append(s)
                 continue
             token = tokens[row]
             if nan[row]:  # as sampler.sample_each: this row fails, the others do not
