@@ -166,11 +166,12 @@ if has kvmem; then
 fi
 if has speculative; then
   timeout "${SPECULATIVE_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short \
-    -p no:cacheprovider -m gpu tests/test_speculative_gpu.py > "$OUT/speculative-tests.txt" 2>&1
+    -p no:cacheprovider -m gpu tests/test_speculative_gpu.py tests/test_speculative_ahead.py \
+    > "$OUT/speculative-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/speculative-tests.txt" | tail -15
+  # tpot: plain, ngram with verify steps launched ahead, ngram synchronous (--ahead both)
   timeout "${SPECULATIVE_TIMEOUT:-200}" python3 docs/bench/speculative.py --device cuda \
-    --dtype bfloat16 --parts tpot,verify --rounds 3 --new-tokens 96 \
-    --verify-model llama2-7b --context 512 \
+    --dtype bfloat16 --parts tpot --ahead both --rounds 3 --new-tokens 96 \
     --out "$OUT/speculative.json" > "$OUT/speculative.txt" 2>&1
   tail -20 "$OUT/speculative.txt"
 fi
@@ -180,7 +181,7 @@ if has speculative-batch; then  # (the demo model already converted by a call be
     --out "$OUT/speculative-batch.json" > "$OUT/speculative-batch.txt" 2>&1
   tail -6 "$OUT/speculative-batch.txt"
   timeout "${SPECULATIVE_K8_TIMEOUT:-150}" python3 docs/bench/speculative.py --device cuda \
-    --dtype bfloat16 --parts tpot --k 8 --rounds 3 --new-tokens 96 \
+    --dtype bfloat16 --parts tpot --ahead both --k 8 --rounds 3 --new-tokens 96 \
     --out "$OUT/speculative-k8.json" > "$OUT/speculative-k8.txt" 2>&1
   tail -8 "$OUT/speculative-k8.txt"
 fi
