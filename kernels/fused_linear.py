@@ -196,7 +196,7 @@ def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, 
                          norm=None, counters=None):
     _check_sum_sq(x, sum_sq)
     if _int4(weight, norm):
-        return int4.normed_linear(x, weight, bias, sum_sq, eps, norm, True, mma, counters)
+        return int4.normed_linear(x, weight, bias, sum_sq, eps, norm, True, mma, counters, config)
     if not _fusable(x, weight, scale):
         return _gemm(_normed(x, sum_sq, eps), weight, bias, scale, mma)
     m, k = x.shape
@@ -225,7 +225,7 @@ def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, 
                          norm=None, counters=None):
     _check_sum_sq(x, sum_sq)
     if _int4(weight, norm):
-        return int4.normed_swiglu(x, weight, bias, sum_sq, eps, norm, True, mma, counters)
+        return int4.normed_swiglu(x, weight, bias, sum_sq, eps, norm, True, mma, counters, config)
     assert weight.shape[0] % 2 == 0, f"gate_up weight needs an even row count, got {weight.shape[0]}"
     if not _fusable(x, weight, scale):
         return silu_mul_torch(_gemm(_normed(x, sum_sq, eps), weight, bias, scale, mma))
@@ -241,7 +241,7 @@ def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, 
 def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scale=None,
                            config=None, mma=False, counters=None):
     if isinstance(weight, Int4Weight):
-        return int4.linear_residual(x, weight, bias, residual, sum_sq, True, mma, counters)
+        return int4.linear_residual(x, weight, bias, residual, sum_sq, True, mma, counters, config)
     m, k = x.shape
     n = weight.shape[0]
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, \
@@ -304,7 +304,7 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     if _int4(weight, norm):
         return int4.normed_qkv_rope(x, weight, bias, sum_sq, eps, cos, sin, positions,
                                     num_heads, k_cache, v_cache, idx0, idx1, norm, True, mma,
-                                    counters)
+                                    counters, config)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     half = cos.shape[1]
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \

@@ -5,7 +5,8 @@ The input norm's weight comes as ``norm`` (not folded into the weight: plugins/w
 says why); None where it is ones. A GPTQ act order's ``perm`` gathers x's columns. The
 references dequantise and multiply (``int4_linear_torch``) between the same torch ops as
 fused_linear's references; the Triton entry points run ``int4_fused``'s kernel at
-1..``FUSED_ROWS`` rows (16-bit or float32 x), else the same composition on the Triton
+1..``FUSED_ROWS`` rows (16-bit or float32 x; ``config``: ``int4_fused.fused_config``'s
+tiles), else the same composition on the Triton
 GEMM (``int4_linear_triton``: its tensor-core tiles, or ``int4_mma`` from its rows under
 ``INFERGRAFT_QUANT_MMA``) and the unfused Triton ops.
 """
@@ -58,17 +59,19 @@ def _fusable(x) -> bool:
     return HAVE_TRITON and 0 < x.shape[0] <= FUSED_ROWS and (x.shape[1] <= 1 or x.stride(1) == 1)
 
 
-def normed_linear(x, w, bias, sum_sq, eps, norm=None, kernel=False, mma=False, counters=None):
+def normed_linear(x, w, bias, sum_sq, eps, norm=None, kernel=False, mma=False, counters=None,
+                  config=None):
     """rms_norm(x, norm) W^T + b: [M, K] -> [M, N]."""
     _check(x, w, bias, norm)
     if not (kernel and _fusable(x)):
         return _gemm(_normed(x, sum_sq, eps, norm), w, bias, kernel, mma, counters)
     y = torch.empty((x.shape[0], w.qweight.shape[0]), dtype=x.dtype, device=x.device)
     return launch_int4_fused(x, w, bias, y, gemm="linear", norm=norm, sum_sq=sum_sq, eps=eps,
-                             counters=counters)[0]
+                             counters=counters, config=config)[0]
 
 
-def normed_swiglu(x, w, bias, sum_sq, eps, norm=None, kernel=False, mma=False, counters=None):
+def normed_swiglu(x, w, bias, sum_sq, eps, norm=None, kernel=False, mma=False, counters=None,
+                  config=None):
     """silu(n Wg^T) * (n Wu^T), n = rms_norm(x, norm), W = gate | up rows: [M, K] -> [M, I]."""
     _check(x, w, bias, norm)
     n = w.qweight.shape[0]
@@ -78,11 +81,11 @@ def normed_swiglu(x, w, bias, sum_sq, eps, norm=None, kernel=False, mma=False, c
         return (silu_mul_triton if kernel else silu_mul_torch)(gate_up)
     y = torch.empty((x.shape[0], n // 2), dtype=x.dtype, device=x.device)
     return launch_int4_fused(x, w, bias, y, gemm="swiglu", norm=norm, sum_sq=sum_sq, eps=eps,
-                             counters=counters)[0]
+                             counters=counters, config=config)[0]
 
 
 def linear_residual(x, w, bias, residual, sum_sq=False, kernel=False, mma=False,
-                    counters=None):
+                    counters=None, config=None):
     """x W^T + b + r (and its sums of squares per row, partials [P, M] float32)."""
     _check(x, w, bias, None)
     m, n = x.shape[0], w.qweight.shape[0]
@@ -93,12 +96,13 @@ def linear_residual(x, w, bias, residual, sum_sq=False, kernel=False, mma=False,
         return _with_sum_sq(_gemm(x, w, bias, kernel, mma, counters) + residual, sum_sq)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     y, parts = launch_int4_fused(x, w, bias, y, gemm="linear", residual=residual,
-                                 sum_sq_out=sum_sq, counters=counters)
+                                 sum_sq_out=sum_sq, counters=counters, config=config)
     return (y, parts) if sum_sq else y
 
 
 def normed_qkv_rope(x, w, bias, sum_sq, eps, cos, sin, positions, num_heads, k_cache, v_cache,
-                    idx0, idx1, norm=None, kernel=False, mma=False, counters=None):
+                    idx0, idx1, norm=None, kernel=False, mma=False, counters=None,
+                  config=None):
     """fused_linear.normed_qkv_rope's contract: rms_norm(x, norm) W^T split into heads, RoPE
     on q and k, k and v to ``cache[idx0[t], idx1[t]]`` -> rotated q [T, Hq, D]. The
     kernel where half a head is a whole number of its tiles and the caches are x's dtype."""
@@ -126,5 +130,5 @@ def normed_qkv_rope(x, w, bias, sum_sq, eps, cos, sin, positions, num_heads, k_c
     rope = (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
             v_cache, num_heads, hkv)
     launch_int4_fused(x, w, bias, q, gemm="qkv_rope", norm=norm, sum_sq=sum_sq, eps=eps,
-                      rope=rope, counters=counters)
+                      rope=rope, counters=counters, config=config)
     return q.view(m, num_heads, d)
