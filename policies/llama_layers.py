@@ -4,10 +4,11 @@ too, without RoPE), MLPs ``gated`` (SwiGLU over one fused gate_up projection) an
 ``plain`` (GPT-2's fc_in, GELU), norms ``rms`` and ``layer`` (with the residual add).
 
 The attention and the gated MLP also run in the fused decode layer (steps of at most
-``ops.fuse_max_rows`` rows, 16-bit weights): the norm's statistic in the GEMM prologues
-(its weight folded into qkv / gate_up), SwiGLU and the residual adds inside the GEMMs,
-RoPE and the K/V write in the qkv GEMM's epilogue (kernels/fused_linear.py). A variant
-subclasses one of them and registers under a name of its own.
+``ops.fuse_max_rows`` rows, 16-bit weights, 8-bit rows or int4 groups): the norm's
+statistic in the GEMM prologues (its weight folded into qkv / gate_up, or given as ``norm``
+where int4 keeps it: ``DecoderLayer.input_norm``), SwiGLU and the residual adds inside the
+GEMMs, RoPE and the K/V write in the qkv GEMM's epilogue (kernels/fused_linear.py). A
+variant subclasses one of them and registers under a name of its own.
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from infergraft.kernels.int4_format import Int4Weight
 
 from test_fused_decode_moe import host_syncs
 
-pytestmark = pytest.mark.skipif(not (HAVE_TRITON and interpreting()),
-                                reason="needs TRITON_INTERPRET=1 (or runs as a GPU test)")
+interpreter = pytest.mark.skipif(not (HAVE_TRITON and interpreting()),
+                                 reason="needs TRITON_INTERPRET=1 (or runs as a GPU test)")
 
 KW = dict(max_seq_len=48, max_batch_size=2, dtype="float16", device="cpu")
 GEMMS = ("normed_qkv_rope", "normed_linear", "normed_swiglu", "linear_residual")
@@ -40,6 +40,7 @@ def _hf():
     return with_random_norm_weights(random_model(config, seed=8, dtype=torch.float16, scale=2.0))
 
 
+@interpreter
 def test_an_int4_step_takes_the_fused_layer(monkeypatch):
     hf = _hf()
     plugins = ["paged", "int4"]
@@ -76,6 +77,7 @@ def test_an_int4_step_takes_the_fused_layer(monkeypatch):
     assert not inside, inside
 
 
+@interpreter
 def test_an_act_order_checkpoint_takes_the_fused_layer(tmp_path):
     """GPTQ act order: qkv, o and gate_up keep a perm (down's folded into gate_up's rows),
     gathered in the fused GEMMs' prologues; the same greedy tokens as the plain layer."""
@@ -96,3 +98,35 @@ def test_an_act_order_checkpoint_takes_the_fused_layer(tmp_path):
     assert engine.generate(ids, max_new_tokens=4)[0].token_ids == \
         reference.generate(ids, max_new_tokens=4)[0].token_ids
     assert any(rows == 1 and int4 for _, rows, int4 in calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("group_size", [128, 32])
+def test_gpu_fused_int4_under_the_decode_graphs(monkeypatch, group_size):
+    """On the GPU, decode replayed from CUDA graphs (the split-K counters inside them), one
+    sequence and three at once, float16: the fused layer's int4 GEMMs give the plain
+    layer's (``INFERGRAFT_FUSE=0``) greedy tokens and close logits."""
+    config = tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    hf = with_random_norm_weights(random_model(config, seed=8, scale=2.0))
+    kw = dict(plugins=["paged", "int4"], group_size=group_size, device="cuda", dtype="float16",
+              max_seq_len=96, max_batch_size=4)
+    prompts = [random_prompt(n, config.vocab_size, seed) for n, seed in ((7, 1), (5, 2), (9, 3))]
+
+    def run(engine):
+        assert engine.decode_graphs is not None
+        return (engine.logits(prompts[2]).float(),
+                engine.generate(prompts[0], max_new_tokens=6)[0].token_ids,
+                [c.token_ids for c in engine.generate(prompts, max_new_tokens=4)])
+
+    monkeypatch.setenv("INFERGRAFT_FUSE", "0")
+    plain = core.build(hf, **kw)
+    want = run(plain)
+    del plain
+    monkeypatch.delenv("INFERGRAFT_FUSE")
+    engine = core.build(hf, **kw)
+    assert engine.model._fused(1)  # (the graphs captured its GEMMs: none are called here)
+    assert isinstance(gemm_operands(engine.model.layers[0].qkv)[0], Int4Weight)
+    got = run(engine)
+    assert relative_error(got[0], want[0]) < 5e-3
+    assert got[1:] == want[1:]
