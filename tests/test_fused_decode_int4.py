@@ -36,7 +36,7 @@ def _count(engine):
 
 
 def _hf():
-    config = tiny_llama_config(hidden_size=256, intermediate_size=512)  # head_dim 64
+    config = tiny_llama_config(hidden_size=128, intermediate_size=256)  # head_dim 32
     return with_random_norm_weights(random_model(config, seed=8, dtype=torch.float16, scale=2.0))
 
 
@@ -59,19 +59,17 @@ def test_an_int4_step_takes_the_fused_layer(monkeypatch):
             assert torch.equal(getattr(b, norm).weight, getattr(a, norm).weight)
             assert b.input_norm(norm)["norm"] is getattr(b, norm).weight
     calls = _count(engine)
-    prompt = random_prompt(9, hf.config.vocab_size, 9)
-    logits = engine.logits(prompt).float()
-    assert relative_error(logits, ref.logits(prompt).float()) < 1e-2
-    assert relative_error(logits, plain.logits(prompt).float()) < 1e-2
+    prompt = random_prompt(6, hf.config.vocab_size, 9)
+    assert relative_error(engine.logits(prompt).float(), ref.logits(prompt).float()) < 1e-2
     calls.clear()
     with host_syncs() as syncs:
-        tokens = engine.generate(prompt, max_new_tokens=6)[0].token_ids
-    assert tokens == plain.generate(prompt, max_new_tokens=6)[0].token_ids
-    assert tokens == ref.generate(prompt, max_new_tokens=6)[0].token_ids
+        tokens = engine.generate(prompt, max_new_tokens=4)[0].token_ids
+    assert tokens == plain.generate(prompt, max_new_tokens=4)[0].token_ids
+    assert tokens == ref.generate(prompt, max_new_tokens=4)[0].token_ids
     layers = hf.config.num_hidden_layers
-    decode = [(name, int4) for name, rows, int4 in calls if rows == 1]  # 5 steps, 4 a layer
-    assert len(decode) == 4 * layers * 5 and all(int4 for _, int4 in decode)
-    assert [n for n, _ in decode].count("normed_qkv_rope") == layers * 5
+    decode = [(name, int4) for name, rows, int4 in calls if rows == 1]  # 3 steps, 4 a layer
+    assert len(decode) == 4 * layers * 3 and all(int4 for _, int4 in decode)
+    assert [n for n, _ in decode].count("normed_qkv_rope") == layers * 3
     inside = [s for s in syncs if s[1].endswith(("int4_fused.py", "int4_fused_ops.py",
                                                  "fused_linear.py", "llama_layers.py"))]
     assert not inside, inside
