@@ -82,6 +82,13 @@ class Quantizer:
         folded in before packing). None (the default): the plain decode layer runs."""
         return None
 
+    def int4_groups(self, packed):
+        """``packed`` as a ``kernels.int4_format.Int4Weight`` (4-bit codes, a scale and a
+        zero-point per group of columns) when it is that form: the fused decode GEMMs then
+        read it, the input norm's weight applied in their prologue (not folded in: W g's
+        groups would widen with the norm's outliers). None (the default)."""
+        return None
+
     def dense_on(self, device: torch.device, kernels: str) -> bool:
         """Whether ``core.build`` also keeps each packed projection's dequantised weight
         (``unpack``, in the model's dtype) on ``device`` and multiplies by that, the dense

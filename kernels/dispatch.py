@@ -51,11 +51,11 @@ OPS = {
 BACKENDS = ("auto", "torch", "triton")
 #: the Triton ops that take ``mma=`` (INFERGRAFT_QUANT_MMA's value: each applies its route
 #: rule, ``int4_linear.int4_mma_chosen`` / ``fp8_mma.rows_mma_chosen``): the weight
-#: quantisers' GEMMs and the fused decode GEMMs over 8-bit rows; those with ``counters=``
-#: count split-K on them
+#: quantisers' GEMMs and the fused decode GEMMs over 8-bit rows or int4; those with
+#: ``counters=`` count split-K on them
 MMA_OPS = {"int4_linear": True, "fp8_linear": True, "int8_linear": True,
-           "normed_linear": False, "normed_swiglu": False, "normed_qkv_rope": False,
-           "linear_residual": False}
+           "normed_linear": True, "normed_swiglu": True, "normed_qkv_rope": True,
+           "linear_residual": True}
 
 
 def triton_usable(device: torch.device | str) -> bool:

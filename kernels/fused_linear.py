@@ -25,16 +25,22 @@ Both take the same tiles (one byte a weight); one int8 row takes the word loop
 bound by ``dispatch.get_ops``) reads the same tiles' 8-bit rows as int32 words widened by bit
 tricks (``fp8_mma.dot_words``, ``WORDS``): the widening changes, never the grid (``plan``);
 under ``auto``, byte tiles (``fp8_mma.rows_mma_chosen``).
+
+An int4 weight (``Int4Weight``) goes to ``int4_fused_ops`` (its own kernel, ``int4_fused``),
+its input norm's weight given as ``norm`` (not folded into the weight). ``counters``: the
+split-K merges' ``paged_plan.CounterPool`` (int4; None: the shared one).
 """
 import torch
 
 from infergraft.core.spec import split_qkv
 
+from . import int4_fused_ops as int4
 from . import switches
 from ._triton import HAVE_TRITON, next_pow2
 from ._rows import check_row_dtype
 from .fp8_linear import FP8, fp8_linear_torch, fp8_linear_triton, fp8_native
 from .fp8_mma import rows_mma_chosen
+from .int4_format import Int4Weight
 from .int8_linear import int8_linear_torch, int8_linear_triton
 from .gemv import gemv_config, gemv_kind, int8_gemv_config, takes_gemv, takes_int8_gemv
 from .linear import SWAP_TILES, check_gemm, launch_gemm, linear_torch, skinny_config
@@ -67,23 +73,38 @@ def _linear(x, weight, bias, scale, kernel=False, mma=False):
                                                                               bias)
 
 
+def _int4(weight, norm) -> bool:
+    # whether the weight is int4 (int4_fused_ops' GEMMs, ``norm`` its input norm's weight);
+    # the other forms carry the norm weight folded into their columns
+    if isinstance(weight, Int4Weight):
+        return True
+    assert norm is None, f"{weight.dtype} weights carry the norm weight folded in, not as norm"
+    return False
+
+
 def _with_sum_sq(out, sum_sq: bool):
     # out: [M, N] -> out, or (out, its sum of squares per row [1, M] float32)
     return (out, out.float().square().sum(-1)[None]) if sum_sq else out
 
 
-def normed_linear_torch(x, weight, bias, sum_sq, eps, scale=None):
+def normed_linear_torch(x, weight, bias, sum_sq, eps, scale=None, norm=None):
     # x: [M, K], weight: [N, K] (norm weight folded in), sum_sq: [P, M] -> [M, N]
+    if _int4(weight, norm):
+        return int4.normed_linear(x, weight, bias, sum_sq, eps, norm)
     return _linear(_normed(x, sum_sq, eps), weight, bias, scale)
 
 
-def normed_swiglu_torch(x, weight, bias, sum_sq, eps, scale=None):
+def normed_swiglu_torch(x, weight, bias, sum_sq, eps, scale=None, norm=None):
     # x: [M, K], weight: [2I, K] (gate | up, norm weight folded in; scale [2I]) -> [M, I]
+    if _int4(weight, norm):
+        return int4.normed_swiglu(x, weight, bias, sum_sq, eps, norm)
     return silu_mul_torch(normed_linear_torch(x, weight, bias, sum_sq, eps, scale=scale))
 
 
 def linear_residual_torch(x, weight, bias, residual, sum_sq: bool = False, scale=None):
     # x: [M, K], weight: [N, K], residual: [M, N] -> [M, N] (and its sum of squares [1, M])
+    if isinstance(weight, Int4Weight):
+        return int4.linear_residual(x, weight, bias, residual, sum_sq)
     return _with_sum_sq(_linear(x, weight, bias, scale) + residual, sum_sq)
 
 
@@ -171,8 +192,11 @@ def _check_sum_sq(x, sum_sq):
         f"{tuple(sum_sq.shape)} {sum_sq.dtype}"
 
 
-def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, mma=False):
+def normed_linear_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, mma=False,
+                         norm=None, counters=None):
     _check_sum_sq(x, sum_sq)
+    if _int4(weight, norm):
+        return int4.normed_linear(x, weight, bias, sum_sq, eps, norm, True, mma, counters, config)
     if not _fusable(x, weight, scale):
         return _gemm(_normed(x, sum_sq, eps), weight, bias, scale, mma)
     m, k = x.shape
@@ -197,8 +221,11 @@ def swiglu_config(m: int, i: int, k: int, gemv: bool = True) -> dict:
                 num_warps=4, num_stages=3)
 
 
-def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, mma=False):
+def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, mma=False,
+                         norm=None, counters=None):
     _check_sum_sq(x, sum_sq)
+    if _int4(weight, norm):
+        return int4.normed_swiglu(x, weight, bias, sum_sq, eps, norm, True, mma, counters, config)
     assert weight.shape[0] % 2 == 0, f"gate_up weight needs an even row count, got {weight.shape[0]}"
     if not _fusable(x, weight, scale):
         return silu_mul_torch(_gemm(_normed(x, sum_sq, eps), weight, bias, scale, mma))
@@ -212,7 +239,9 @@ def normed_swiglu_triton(x, weight, bias, sum_sq, eps, scale=None, config=None, 
 
 
 def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scale=None,
-                           config=None, mma=False):
+                           config=None, mma=False, counters=None):
+    if isinstance(weight, Int4Weight):
+        return int4.linear_residual(x, weight, bias, residual, sum_sq, True, mma, counters, config)
     m, k = x.shape
     n = weight.shape[0]
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, \
@@ -229,10 +258,13 @@ def linear_residual_triton(x, weight, bias, residual, sum_sq: bool = False, scal
 
 
 def normed_qkv_rope_torch(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
-                          k_cache, v_cache, idx0, idx1, scale=None):
+                          k_cache, v_cache, idx0, idx1, scale=None, norm=None):
     """The decode step's attention input: rms_norm(x) W^T (norm weight folded into W) split
     into heads, RoPE on q and k, k and v written to ``cache[idx0[t], idx1[t]]`` (rows
     with idx0 < 0 nowhere) -> rotated q [T, Hq, D]. Caches: [NB, BS, Hkv, D]."""
+    if _int4(weight, norm):
+        return int4.normed_qkv_rope(x, weight, bias, sum_sq, eps, cos, sin, positions,
+                                    num_heads, k_cache, v_cache, idx0, idx1, norm)
     qkv = normed_linear_torch(x, weight, bias, sum_sq, eps, scale=scale)
     q, k, v = split_qkv(qkv, num_heads, k_cache.shape[2], k_cache.shape[3])
     return rotary_kv_write_torch(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
@@ -262,12 +294,17 @@ def qkv_rope_config(m: int, half: int, k: int, gemv: bool = True) -> dict:
 
 
 def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, num_heads,
-                           k_cache, v_cache, idx0, idx1, scale=None, config=None, mma=False):
+                           k_cache, v_cache, idx0, idx1, scale=None, config=None, mma=False,
+                           norm=None, counters=None):
     """Same contract as ``normed_qkv_rope_torch``; one GEMM whose epilogue rotates and
     stores q, k and v where it applies (<= ``QKV_ROPE_MAX_ROWS`` rows on swapped tiles,
     else <= ``UNSWAPPED_ROPE_MAX_ROWS``; all of every head rotated, D / 2 a multiple of
     the tiles' BLOCK_N, a power of two >= 16), else ``normed_linear`` + ``rotary_kv_write``."""
     _check_sum_sq(x, sum_sq)
+    if _int4(weight, norm):
+        return int4.normed_qkv_rope(x, weight, bias, sum_sq, eps, cos, sin, positions,
+                                    num_heads, k_cache, v_cache, idx0, idx1, norm, True, mma,
+                                    counters, config)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     half = cos.shape[1]
     assert weight.shape[0] == (num_heads + 2 * hkv) * d, \

@@ -8,10 +8,11 @@ codes, two a byte, with a float32 scale and a uint8 zero-point per row and group
 loaders convert into; an act-order GPTQ checkpoint's codes come reordered by group, and
 its ``perm`` gathers x's columns the same way before the product). ``ops.int4_linear`` unpacks the nibbles in registers: about a
 quarter of bf16's weight bytes (plus 5 bytes a group). Embeddings, the lm_head and norms
-stay in the model dtype. The fused decode layer reads 8-bit rows with a scale each only
-(``scaled_rows`` is None here): an int4 model runs the plain layer, its norms unfolded
-(``core.loading.packing.SlotPacker`` folds norms into 8-bit rows only: W g's groups
-would widen with the norm's outliers). ``INFERGRAFT_QUANT_MMA`` (read at build): groups
+stay in the model dtype. The norms stay unfolded (``core.loading.packing.SlotPacker``
+folds norms into 8-bit rows only: W g's groups would widen with the norm's outliers); the
+fused decode layer reads the packed form as loaded (``int4_groups``) and applies each
+norm's weight to x as its GEMM loads it (kernels/int4_fused.py; more than 8 rows: the
+composition of kernels/int4_fused_ops.py). ``INFERGRAFT_QUANT_MMA`` (read at build): groups
 of 128 at 16-64 rows (its default ``auto``; ``1``: 1-64 rows) on ``kernels/int4_mma.py``'s
 tensor-core kernel, which reads this format as loaded; a GPTQ act-order down projection's
 order lives in gate_up's rows (``core.loading.prequantized.fold_act_orders``).
@@ -63,6 +64,9 @@ class WeightInt4(Quantizer):
         if packed.perm is None:
             return w
         return torch.empty_like(w).index_copy_(1, packed.perm, w)  # back to the input's
+
+    def int4_groups(self, packed):
+        return packed  # the fused decode layer's int4 GEMMs read it as loaded
 
     def dense_on(self, device, kernels) -> bool:
         return device.type == "cpu" and kernels == "torch"  # not Triton's interpreter

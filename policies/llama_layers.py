@@ -4,10 +4,11 @@ too, without RoPE), MLPs ``gated`` (SwiGLU over one fused gate_up projection) an
 ``plain`` (GPT-2's fc_in, GELU), norms ``rms`` and ``layer`` (with the residual add).
 
 The attention and the gated MLP also run in the fused decode layer (steps of at most
-``ops.fuse_max_rows`` rows, 16-bit weights): the norm's statistic in the GEMM prologues
-(its weight folded into qkv / gate_up), SwiGLU and the residual adds inside the GEMMs,
-RoPE and the K/V write in the qkv GEMM's epilogue (kernels/fused_linear.py). A variant
-subclasses one of them and registers under a name of its own.
+``ops.fuse_max_rows`` rows, 16-bit weights, 8-bit rows or int4 groups): the norm's
+statistic in the GEMM prologues (its weight folded into qkv / gate_up, or given as ``norm``
+where int4 keeps it: ``DecoderLayer.input_norm``), SwiGLU and the residual adds inside the
+GEMMs, RoPE and the K/V write in the qkv GEMM's epilogue (kernels/fused_linear.py). A
+variant subclasses one of them and registers under a name of its own.
 """
 from __future__ import annotations
 
@@ -48,16 +49,18 @@ class LlamaAttention:
         attention, its sums [P, T])."""
         s, ops = self.spec, self.ops
         (wqkv, bqkv, sqkv), (wo, bo, so) = gemm_operands(layer.qkv), gemm_operands(layer.o)
+        norm = layer.input_norm("attn_norm")  # {} where folded into qkv's weight
         slots_of = getattr(cache, "decode_kv_slots", None)  # third-party caches may lack it
         slots = None if rope is None or slots_of is None or not self.rope_in_qkv_epilogue \
             else slots_of(layer_idx, meta)
         if slots is not None:  # RoPE and the K/V write in the qkv GEMM's epilogue
             q = ops.normed_qkv_rope(stream, wqkv, bqkv, sum_sq, s.norm_eps, rope[0], rope[1],
-                                    positions, s.num_heads, *slots, scale=sqkv)  # [T, Hq, D]
+                                    positions, s.num_heads, *slots, scale=sqkv,
+                                    **norm)  # [T, Hq, D]
             attn = cache.attention(layer_idx, q, None, None, meta).reshape(-1, s.q_size)
         else:
-            qkv = ops.normed_linear(stream, wqkv, bqkv, sum_sq, s.norm_eps,
-                                    scale=sqkv)  # [T, q + 2kv]
+            qkv = ops.normed_linear(stream, wqkv, bqkv, sum_sq, s.norm_eps, scale=sqkv,
+                                    **norm)  # [T, q + 2kv]
             attn = self.attend(layer, qkv, layer_idx, positions, rope, cache, meta)  # [T, q]
         return add_to_stream(layer, attn, wo, bo, so, stream, True)  # [T, H], [P, T]
 
@@ -121,8 +124,8 @@ class GatedMLP:
         """stream [T, H], its sums [P, T] -> (stream + MLP, its sums or None without
         ``want_next``)."""
         (wgu, bgu, sgu), (wd, bd, sd) = gemm_operands(layer.gate_up), gemm_operands(layer.down)
-        act = self.ops.normed_swiglu(stream, wgu, bgu, sum_sq, self.spec.norm_eps,
-                                     scale=sgu)  # [T, I]
+        act = self.ops.normed_swiglu(stream, wgu, bgu, sum_sq, self.spec.norm_eps, scale=sgu,
+                                     **layer.input_norm("mlp_norm"))  # [T, I]
         return add_to_stream(layer, act, wd, bd, sd, stream, want_next)
 
 

@@ -55,14 +55,31 @@ class QuantizedLinear(nn.Module):
         form (the fused decode GEMMs read it: ``Quantizer.scaled_rows``), else None."""
         return self.quantizer.scaled_rows(self.packed)
 
+    def int4_groups(self):
+        """The packed ``Int4Weight`` when the quantiser packs that form
+        (``Quantizer.int4_groups``) and no dense copy is multiplied instead, else None."""
+        return None if self.dense is not None else self.quantizer.int4_groups(self.packed)
+
 
 def gemm_operands(lin):
     """(weight, bias, scale) of a projection for the fused decode GEMMs: a Linear's weight
-    (scale None), or a quantised one's 8-bit rows and their scales; None if neither."""
+    (scale None), a quantised one's 8-bit rows and their scales, or its ``Int4Weight``
+    (scale None; ``reads_norm``); None if none of these."""
     if type(lin) is Linear:
         return lin.weight, lin.bias, None
-    rows = lin.scaled_rows() if isinstance(lin, QuantizedLinear) else None
-    return None if rows is None else (rows[0], lin.bias, rows[1])
+    if not isinstance(lin, QuantizedLinear):
+        return None
+    rows = lin.scaled_rows()
+    if rows is not None:
+        return rows[0], lin.bias, rows[1]
+    groups = lin.int4_groups()
+    return None if groups is None else (groups, lin.bias, None)
+
+
+def reads_norm(lin) -> bool:
+    """Whether the fused decode GEMMs apply the input norm's weight to this projection's
+    input in their prologue (int4 groups), rather than have it folded into its weight."""
+    return isinstance(lin, QuantizedLinear) and lin.int4_groups() is not None
 
 
 def row_sum_sq(h: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from ..rope import long_rope_boundary, rope_cos_sin, table_rows
 from ..slots import folded, slot_layout  # noqa: F401  (slot_layout: imported from here too)
 from ..spec import ModelSpec, split_qkv  # noqa: F401  (split_qkv: imported from here too)
 # (Linear, QuantizedLinear, gemm_operands: imported from here too)
-from .layers import Linear, QuantizedLinear, gemm_operands, row_sum_sq  # noqa: F401
+from .layers import Linear, QuantizedLinear, gemm_operands, reads_norm, row_sum_sq  # noqa: F401
 from .parts import check_slots_built, layer_parts
 
 # the weight streamer of a model whose layers all stay on the device: nothing to copy
@@ -67,13 +67,14 @@ class DecoderLayer(nn.Module):
                     and self.mlp.fuses and not self.post_norms)
 
     def fusable(self) -> bool:
-        """Parts that fuse, every projection our own Linear or 8-bit rows (other
-        quantised forms have their own forward), and norms the fused layer can drop: a
-        Linear takes them at ``fold_norm_weights``, packed weights only before packing
-        (``core.loading.packing.SlotPacker``). The shape ``forward_fused`` knows."""
+        """Parts that fuse, every projection our own Linear, 8-bit rows or int4 groups
+        (other quantised forms have their own forward), and norms the fused layer can
+        drop: a Linear takes them at ``fold_norm_weights``, 8-bit rows only before packing
+        (``core.loading.packing.SlotPacker``), int4 groups never (``reads_norm``: the GEMM
+        applies the norm weight as it loads x). The shape ``forward_fused`` knows."""
         return self.will_fuse() and self.attention.fusable(self) and self.mlp.fusable(self) \
             and all(n in self.folded_norms or type(getattr(self, p)) is Linear
-                    for n, p in self.norm_feeds)
+                    or reads_norm(getattr(self, p)) for n, p in self.norm_feeds)
 
     # core.distributed.collectives.TensorParallelGroup: o and down outputs summed over ranks
     tp = None
@@ -83,12 +84,19 @@ class DecoderLayer(nn.Module):
     def fold_norm_weights(self) -> None:
         """rms_norm(x, g) W^T == rms_norm(x, 1) (W g)^T: the norm weights move into the
         projections they feed (qkv, gate_up), so the fused layer runs no norm kernel (the
-        plain layer's norms then multiply by ones)."""
+        plain layer's norms then multiply by ones). Not into int4 groups (``reads_norm``):
+        the fused GEMMs take those norms' weights as they are (``input_norm``)."""
         for name, proj in self.norm_feeds:
-            if name not in self.folded_norms:
+            if name not in self.folded_norms and not reads_norm(getattr(self, proj)):
                 lin = getattr(self, proj)
                 lin.weight = folded(lin.weight, getattr(self, name).weight)
                 self.mark_norm_folded(name)
+
+    def input_norm(self, name: str) -> dict:
+        """The keyword arguments that give a fused GEMM norm ``name``'s weight to apply in
+        its prologue: ``{"norm": weight}`` where it is not folded into the projection it
+        feeds (int4 groups), else none."""
+        return {} if name in self.folded_norms else {"norm": getattr(self, name).weight}
 
     def mark_norm_folded(self, name: str) -> None:
         """Norm ``name``'s weight now lives in the projection it feeds: it multiplies by ones."""

@@ -235,14 +235,15 @@ def test_the_switch_is_read_at_each_build(monkeypatch):
     on = dispatch.get_ops("cpu", "triton")
     again = dispatch.get_ops("cpu", "triton")
     assert on.quant_mma is True and on.int4_linear.keywords["mma"] is True
-    assert on.normed_swiglu.keywords == {"mma": True}
     pool = on.fp8_linear.keywords["counters"]
+    assert on.normed_swiglu.keywords == {"mma": True, "counters": pool}  # (int4's split-K)
     assert on.int8_linear.keywords["counters"] is pool is not again.fp8_linear.keywords["counters"]
     assert dispatch.get_ops("cpu", "torch").quant_mma is False
     monkeypatch.delenv("INFERGRAFT_QUANT_MMA")
     auto = dispatch.get_ops("cpu", "triton")
     assert auto.quant_mma == "auto" and auto.int4_linear.keywords["mma"] == "auto"
-    assert auto.normed_qkv_rope.keywords == {"mma": "auto"}
+    assert auto.normed_qkv_rope.keywords == {"mma": "auto",
+                                             "counters": auto.int4_linear.keywords["counters"]}
     assert auto.int8_linear.keywords["counters"] is auto.int4_linear.keywords["counters"]
     assert dispatch.get_ops("cpu", "torch").quant_mma is False
     monkeypatch.setenv("INFERGRAFT_QUANT_MMA", "0")

@@ -8,7 +8,8 @@ refuses, or registers spilled to local memory shows here, not in a GPU session's
 minutes. PDL launches as on sm_90. ``--set quant_mma`` (the default): the quantised decode
 GEMMs ``INFERGRAFT_QUANT_MMA`` selects (``int4_mma``, ``fp8_mma``'s e4m3 and int8 rows, the
 fused decode GEMMs' WORDS tiles) at the LLaMA-2-7B shapes (``--shapes small``: a few
-small ones) and ``--rows``. ``--set kv8``: decode and varlen attention over int8 / e4m3 K/V
+small ones) and ``--rows``. ``--set int4_fused``: the fused decode layer's int4 GEMMs
+(``kernels/int4_fused.py``) at ``--rows`` up to 8, beside the unfused GEMV. ``--set kv8``: decode and varlen attention over int8 / e4m3 K/V
 under each ``INFERGRAFT_KV8_WIDEN`` mode (``kernels/kv8.py``), bf16 and fp16 q, MHA and
 GQA at 132 SMs' plans (batch 16 x 4,032 tokens). Prints a line a kernel compiled (its name, the meta-parameters
 that tell it apart, registers, spilled bytes, shared memory); exit 1 if any failed.
@@ -27,7 +28,7 @@ import torch
 
 SMALL = {"qkv": (384, 256), "o": (128, 256), "gate_up": (704, 256), "down": (128, 352)}
 SHOWN = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT", "FIXUP", "SWAP", "WORDS", "FP8", "W_FP8",
-         "ASM", "SWIGLU", "ROPE", "NORM", "RESIDUAL", "PDL", "WIDEN")
+         "ASM", "SWIGLU", "ROPE", "NORM", "RESIDUAL", "PDL", "WIDEN", "ROWS", "GAMMA", "PERM")
 
 
 class _Driver:
@@ -55,8 +56,9 @@ def compiling_for(arch: int = 90):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from infergraft.kernels import (_triton, fp8_linear, fp8_mma, fused_linear, int4_gemv,
-                                    int4_mma, linear, paged_attention, varlen_attention)
+    from infergraft.kernels import (_triton, fp8_linear, fp8_mma, fused_linear, int4_fused,
+                                    int4_gemv, int4_mma, linear, paged_attention,
+                                    varlen_attention)
     if _triton.interpreting():
         raise RuntimeError("TRITON_INTERPRET is set: kernels would be interpreted, not "
                            "compiled; run with TRITON_INTERPRET=0")
@@ -71,7 +73,7 @@ def compiling_for(arch: int = 90):
     # what the launchers ask of the device, answered as sm_90 would: PDL launches, e4m3 loads
     pdl = {"PDL": True, "launch_pdl": True}
     stand_ins = {(m, "pdl_launch"): lambda device: pdl
-                 for m in (fp8_mma, int4_mma, linear, int4_gemv, paged_attention,
+                 for m in (fp8_mma, int4_mma, linear, int4_gemv, int4_fused, paged_attention,
                            varlen_attention)}
     stand_ins.update({(m, "_sm_count"): lambda device: 132  # an H100's plans
                       for m in (paged_attention, varlen_attention)})
@@ -163,6 +165,48 @@ def fused_cases(FL, shapes: dict, rows: list[int]):
                         pos, pos, scale=e(nq), mma=True)
 
 
+def int4_fused_cases(shapes: dict, rows: list[int]):
+    """The fused decode layer's int4 GEMMs (group 128, the norm weight in the prologue;
+    ``kernels/int4_fused.py``) at 1..8 rows, beside the unfused GEMV they replace
+    (``int4_gemv``, its split-K reduce a second kernel), and with an act order's perm."""
+    from infergraft.kernels import fused_linear as FL
+    from infergraft.kernels.int4_format import Int4Weight
+    from infergraft.kernels.int4_gemv import int4_gemv_triton
+
+    e, bf16 = torch.empty, torch.bfloat16
+
+    def int4(n, k, perm=False):
+        g = -(-k // 128)
+        return Int4Weight(e(n, k // 2, dtype=torch.uint8), e(n, g), e(n, g, dtype=torch.uint8),
+                          128, k, bf16, torch.zeros(k, dtype=torch.long) if perm else None)
+
+    (nq, k), (no, ko), (ni2, _), (nd, kd) = (shapes[s] for s in ("qkv", "o", "gate_up", "down"))
+    d = 128
+    hq = hkv = nq // d // 3
+    for m in [r for r in rows if r <= 8]:
+        x, ss, g = e(m, k, dtype=bf16), torch.ones(1, m), e(k, dtype=bf16)
+        for name, (n, kk) in shapes.items():
+            w = int4(n, kk)
+            yield f"int4 gemv {name} M={m}", lambda w=w, kk=kk: int4_gemv_triton(
+                e(m, kk, dtype=bf16), w.qweight, w.scales, w.zeros, 128, kk)
+        yield f"int4 fused qkv M={m}", lambda x=x, ss=ss, g=g: FL.normed_linear_triton(
+            x, int4(nq, k), None, ss, 1e-5, norm=g)
+        yield f"int4 fused qkv perm M={m}", lambda x=x, ss=ss, g=g: FL.normed_linear_triton(
+            x, int4(nq, k, perm=True), None, ss, 1e-5, norm=g)
+        yield f"int4 fused gate_up M={m}", lambda x=x, ss=ss, g=g: FL.normed_swiglu_triton(
+            x, int4(ni2, k), None, ss, 1e-5, norm=g)
+        for label, (n, kk) in (("o", (no, ko)), ("down", (nd, kd))):
+            xr, r = e(m, kk, dtype=bf16), e(m, n, dtype=bf16)
+            yield f"int4 fused {label} M={m}", lambda xr=xr, r=r, n=n, kk=kk: \
+                FL.linear_residual_triton(xr, int4(n, kk), None, r, sum_sq=True)
+        if hq > 0:
+            cache, cos = e(4, 16, hkv, d, dtype=bf16), e(64, d // 2)
+            pos = torch.zeros(m, dtype=torch.long)
+            yield f"int4 fused qkv+rope M={m}", lambda x=x, ss=ss, g=g, c=cache, cos=cos, \
+                pos=pos: FL.normed_qkv_rope_triton(x, int4(nq, k), None, ss, 1e-5, cos, cos,
+                                                   pos, hq, c, c.clone(), pos, pos, norm=g)
+
+
 def _under(mode: str, call):
     """``call`` run with ``INFERGRAFT_KV8_WIDEN=mode`` (read at launch), then as it was."""
     def run():
@@ -213,7 +257,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100)")
-    p.add_argument("--set", choices=("quant_mma", "kv8"), default="quant_mma")
+    p.add_argument("--set", choices=("quant_mma", "kv8", "int4_fused"), default="quant_mma")
     p.add_argument("--modes", default="cvt,f16,words,words16", help="--set kv8's modes")
     p.add_argument("--shapes", choices=("llama2-7b", "small"), default="llama2-7b")
     p.add_argument("--rows", default="1,16,32,64")
@@ -227,6 +271,7 @@ def main(argv=None) -> int:
     failed, seen = 0, set()
     with compiling_for(args.arch) as compiled:
         cases = kv8_cases(args.modes.split(",")) if args.set == "kv8" else \
+            int4_fused_cases(shapes, rows) if args.set == "int4_fused" else \
             quant_mma_cases(shapes, rows)
         for label, call in cases:
             if args.only not in label:
