@@ -83,6 +83,10 @@ SWITCHES = _switches(
     Switch("INFERGRAFT_FUSE", BOOL, "1", "build", "`0`",
            "the plain decoder layer (norm kernels, weights as loaded) instead of the fused one",
            changes_results=True),
+    Switch("INFERGRAFT_INT4_FUSED", BOOL, "0", "build", "`1`",
+           "int4 models in the fused decode layer (`int4_fused.py`: the norm applied as x "
+           "loads, the epilogues fused) instead of the plain one; off until its GPU run",
+           changes_results=True),
     Switch("INFERGRAFT_FUSE_MAX_ROWS", ROWS, "32", "import", "rows",
            "up to how many rows a step takes the fused layer",
            changes_results=True, constant="fused_linear.FUSE_MAX_ROWS"),

@@ -32,6 +32,7 @@ import torch
 from infergraft.core.errors import PlanError
 from infergraft.core.hookspecs import hookimpl
 from infergraft.core.quant import Quantizer
+from infergraft.kernels import switches
 from infergraft.kernels.dispatch import get_op, resolve_backend
 from infergraft.kernels.int4_linear import (GROUP_SIZES, Int4Weight, dequantize_int4,
                                             quantize_int4)
@@ -52,9 +53,11 @@ class WeightInt4(Quantizer):
             raise PlanError(f"quantizer 'int4': group_size={group_size!r} is not accepted; "
                             f"choose one of {', '.join(map(str, GROUP_SIZES))}")
         self.group_size = group_size
+        # the fused decode layer's int4 GEMMs, read at build (INFERGRAFT_INT4_FUSED)
+        self.fused = bool(switches.value("INFERGRAFT_INT4_FUSED"))
 
     def configured(self, group_size: int = 128) -> "WeightInt4":
-        return self if group_size == self.group_size else WeightInt4(group_size)
+        return WeightInt4(group_size)  # (a fresh one a build: INFERGRAFT_INT4_FUSED is read now)
 
     def pack(self, weight) -> Int4Weight:
         return quantize_int4(weight, self.group_size)
@@ -66,7 +69,8 @@ class WeightInt4(Quantizer):
         return torch.empty_like(w).index_copy_(1, packed.perm, w)  # back to the input's
 
     def int4_groups(self, packed):
-        return packed  # the fused decode layer's int4 GEMMs read it as loaded
+        # the fused decode layer's int4 GEMMs read it as loaded (INFERGRAFT_INT4_FUSED=1)
+        return packed if self.fused else None
 
     def dense_on(self, device, kernels) -> bool:
         return device.type == "cpu" and kernels == "torch"  # not Triton's interpreter

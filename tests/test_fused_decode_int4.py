@@ -25,6 +25,12 @@ KW = dict(max_seq_len=48, max_batch_size=2, dtype="float16", device="cpu")
 GEMMS = ("normed_qkv_rope", "normed_linear", "normed_swiglu", "linear_residual")
 
 
+@pytest.fixture(autouse=True)
+def int4_fused(monkeypatch):
+    """The fused layer's int4 GEMMs are off by default until their GPU run."""
+    monkeypatch.setenv("INFERGRAFT_INT4_FUSED", "1")
+
+
 def _count(engine):
     """(op, rows, whether its weight is int4) of each fused GEMM the engine calls."""
     calls, ops = [], engine.model.ops

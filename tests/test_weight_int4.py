@@ -171,17 +171,21 @@ def test_triton_kernel_in_the_model_matches_the_reference_ops():
 
 
 @pytest.mark.skipif(not (HAVE_TRITON and interpreting()), reason="needs TRITON_INTERPRET=1")
-def test_where_the_fused_layer_runs_no_norm_folds_into_int4():
-    """Triton ops, fp16: the fused decode layer runs (its int4 GEMMs apply the norm weights
-    as they load x: test_fused_decode_int4.py), on projections packed from W as loaded and
-    the norms as loaded: folding g into W g first would widen each group by the norm's
-    outliers (on SmolLM2 it takes int4-g128's perplexity ratio from 1.40 to 1.86)."""
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_where_the_fused_layer_runs_no_norm_folds_into_int4(monkeypatch, fused):
+    """Triton ops, fp16: the plain layer (the default) or, with INFERGRAFT_INT4_FUSED=1,
+    the fused decode layer (its int4 GEMMs apply the norm weights as they load x:
+    test_fused_decode_int4.py) runs, on projections packed from W as loaded and the norms
+    as loaded: folding g into W g first would widen each group by the norm's outliers (on
+    SmolLM2 it takes int4-g128's perplexity ratio from 1.40 to 1.86)."""
+    if fused == "1":
+        monkeypatch.setenv("INFERGRAFT_INT4_FUSED", fused)
     hf = with_random_norm_weights(random_model(
         tiny_llama_config(hidden_size=96, intermediate_size=160), seed=6, dtype=torch.float16))
     kw = dict(KW, dtype="float16")
     plain = core.build(hf, kernels="torch", **kw)
     engine = core.build(hf, plugins=["int4"], group_size=32, kernels="triton", **kw)
-    assert engine.model._fused(1)  # the fused layer on, no norm folded
+    assert engine.model._fused(1) is (fused == "1")  # no norm folded either way
     q = WeightInt4(32)
     for a, b in zip(plain.model.layers, engine.model.layers):
         assert b.folded_norms == frozenset()
