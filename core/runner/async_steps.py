@@ -16,11 +16,15 @@ is read) wasted its row of N+1: its token is never appended, its cache is freed 
 host when it finishes, and the GPU's write into its slot is stream-ordered before any
 later step that reuses the memory (as the look-ahead's).
 
+Greedy rows under a constraint (a JSON schema, a regex, a grammar: their masks need
+their grammars' states after N's tokens) are launched so too, their sampling (mask,
+argmax) launched once N's tokens are read and accepted: ``constrained_steps.py``.
+
 Steps stay synchronous (``Engine._step_body``) where this would not be exact or safe:
-- a row that is not ``plain_greedy``: sampled rows draw on the host from their requests'
+- a row that is neither ``plain_greedy`` nor greedy and constrained alone
+  (``constrained_steps.on_device``): sampled rows draw on the host from their requests'
   CPU generators (a device draw would change seeded tokens); penalties, min_p and logprobs
-  read the logits on the host; a constraint's mask needs its grammar's state after the
-  newest token (and may force tokens, which the next step then feeds);
+  read the logits on the host; jump-forward on a cache that cannot roll a position back;
 - speculative decoding (drafts are proposed after the newest token, verified lengths move);
 - samples of ``n`` > 1 waiting to fork (their parent's K/V are forked once its first token
   is known);
@@ -37,6 +41,7 @@ import torch
 
 from ..request import Status
 from ..step import tokens_of
+from . import constrained_steps
 from .host_tensors import from_ints
 from .sampler import failure, nan_error
 
@@ -81,7 +86,9 @@ class SampledTokens:
 class Launched:
     step: object  # scheduler.Step
     rows: dict  # sequence id -> its row of ``tokens``: those that get a token at this step
-    tokens: SampledTokens
+    logits: object  # [n, V] until sampled (a constrained step: once its masks are filled)
+    tokens: SampledTokens | None = None
+    failed: set = attrs.field(factory=set)  # rows whose constraint failed: read as -1
 
 
 class AsyncSteps:
@@ -94,7 +101,8 @@ class AsyncSteps:
         """Whether ``step`` runs here (the module's docstring says what does not)."""
         e = self.engine
         return self.enabled and step.drafts is None and e.speculation is None \
-            and e.ranks is None and not e._forks and all(s.params.plain_greedy for s in step.seqs)
+            and e.ranks is None and not e._forks and \
+            all(constrained_steps.on_device(s, e.cache) for s in step.seqs)
 
     def stepping(self) -> list:
         """The sequences of the step in flight (recomputed if reading it fails)."""
@@ -103,6 +111,7 @@ class AsyncSteps:
     def run(self, step, tokens: list[int], replay: bool) -> list:
         """A scheduled step: launch it, launch the next one where it may, read this one."""
         self.inflight = self._launch(step, tokens, replay, None)
+        self._sample(self.inflight)  # (nothing before it is left to accept)
         return self.advance()
 
     def advance(self) -> list:
@@ -124,13 +133,25 @@ class AsyncSteps:
         else:
             e._stepping = list(current.step.seqs) + list(step.seqs)  # (recomputed on errors)
             self.inflight = self._launch(step, *inputs)
+            if not constrained_steps.constrained(step):  # else its masks wait for 3)
+                self._sample(self.inflight)
         # 3) this step's tokens, appended while the next one runs; a next step whose
         # every sequence finished now has nothing to read (its writes are stream-ordered)
         got = self._read(current)
-        if self.inflight is not None and \
-                all(s.status is Status.FINISHED for s in self.inflight.step.seqs):
+        launched = self.inflight
+        if launched is not None and launched.tokens is None:  # rows forced tokens meanwhile
+            constrained_steps.drop_forced(e, launched)
+        if launched is not None and all(s.status is Status.FINISHED for s in launched.step.seqs):
             self.inflight = None
+        elif launched is not None and launched.tokens is None:  # its masks, now filled
+            self._sample(launched)
         return got
+
+    def _sample(self, launched: Launched) -> None:
+        """Launch ``launched``'s sampling: its constrained rows masked, every row's argmax."""
+        if constrained_steps.constrained(launched.step):
+            constrained_steps.masks(self.engine, launched)
+        launched.tokens, launched.logits = SampledTokens(launched.logits), None
 
     def _launches(self, step) -> bool:
         e = self.engine
@@ -147,7 +168,7 @@ class AsyncSteps:
             s.num_computed_tokens += n
         # a sequence still prefilling after its chunk gets no token yet
         rows = {s.id: row for row, s in enumerate(step.seqs) if not s.prefilling}
-        return Launched(step, rows, SampledTokens(logits))
+        return Launched(step, rows, logits)
 
     def _inputs(self, step, current: Launched):
         """(tokens, replay, feed) of ``step``: a placeholder for each sequence whose token
@@ -186,6 +207,8 @@ class AsyncSteps:
             token = tokens[row]
             if nan[row]:  # as sampler.sample_each: this row fails, the others do not
                 s.error, token = failure(nan_error([0])), -1
+            elif row in launched.failed:  # its constraint failed (seq.error says why)
+                token = -1
             e._append(s, token, now)
             got.append(s)
         return got
