@@ -9,8 +9,12 @@ time through chunked prefill, grammars completing mid-batch, a constraint failin
 mid-generation, aborts); and step N+1's forward is launched before N is read, its mask
 filled after.
 """
+import json
+
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given
+from hypothesis import strategies as st
 
 from infergraft import core
 from infergraft.core import hookimpl
@@ -19,7 +23,9 @@ from infergraft.core.runner import async_steps, constrained_steps
 from infergraft.core.runner.cuda_graph import CudaGraphRunner
 from infergraft.core.runner.step_graph import StepGraphRunner
 from infergraft.core.testing.models import random_model, tiny_llama_config
-from structured_support import EOS, VOCAB, ascii_tokenizer, check_json, check_regex
+from infergraft.core.testing.strategies import kit_settings
+from structured_support import (EOS, VOCAB, ascii_tokenizer, check_json, check_regex,
+                                max_chars, regexes, schemas)
 
 SCHEMA = {"type": "object", "required": ["id", "tag"], "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 99999},
@@ -197,6 +203,31 @@ def test_constrained_rows_get_the_synchronous_tokens(hf, setup, monkeypatch):
             assert "allows no token" in s.error
         elif p.grammar is None:
             assert s.finish_reason == "length" and s.error is None
+
+
+def constraints():
+    """A request's structured-output fields: a random schema (jump-forward or not), a
+    random regex, or none."""
+    return st.one_of(
+        st.tuples(schemas(), st.booleans()).filter(lambda a: max_chars(a[0]) <= 60).map(
+            lambda a: dict(json_schema=a[0], jump_forward=a[1])),
+        regexes().map(lambda r: dict(regex=r)), st.just({}))
+
+
+@kit_settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.integers(0, 4), constraints()), min_size=2, max_size=6))
+def test_random_constraints_get_the_synchronous_tokens(hf, batch):
+    assume(any(c for _, c in batch))
+    arrivals = sorted(((at, f"request {i}: " * (1 + i % 3), params(new=64, **c))
+                       for i, (at, c) in enumerate(batch)), key=lambda a: a[0])
+    got = run_workload(engine_for(hf, True, graphs=False), arrivals)
+    assert outcome(got) == outcome(run_workload(engine_for(hf, False, graphs=False), arrivals))
+    for s in got:
+        assert s.finish_reason == "stop" or not s.params.constrained, s.text
+        if s.params.json_schema is not None:
+            check_json(s.text, json.loads(s.params.json_schema))
+        elif s.params.regex is not None:
+            check_regex(s.text, s.params.regex, finished=True)
 
 
 def test_an_abort_drops_the_constrained_row_launched_ahead(hf):
