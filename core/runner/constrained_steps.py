@@ -49,11 +49,14 @@ def masks(engine, launched) -> None:
     """Mask the constrained rows of ``launched``'s logits that still get a token (their
     states took every token before), in place; the rows that failed are kept, to be read
     as -1."""
-    seqs = launched.step.seqs
-    rows = [launched.rows[s.id] for s in seqs
-            if s.params.constrained and s.id in launched.rows and s.status is Status.RUNNING]
+    # each row's sequence, by its row of the logits (a drafted sequence has several)
+    by_row = [None] * len(launched.logits)
+    for s in launched.step.seqs:
+        if s.params.constrained and s.id in launched.rows and s.status is Status.RUNNING:
+            by_row[launched.rows[s.id]] = s
+    rows = [row for row, s in enumerate(by_row) if s is not None]
     if rows:
-        launched.failed = set(engine.constraints.mask(launched.logits, seqs, rows))
+        launched.failed = set(engine.constraints.mask(launched.logits, by_row, rows))
 
 
 def drop_forced(engine, launched) -> None:
