@@ -30,7 +30,7 @@ def hf():
     ({"method": "ngram", "k": "4"}, "k must be an integer >= 1"),
     ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "kk": 4}, r"unknown key\(s\) \['kk'\]; accepted: method, k, "
-                                   r"disable_by_batch_size, min_n, max_n"),
+                                   r"disable_by_batch_size, ahead, min_n, max_n"),
     ({"method": "ngram", "min_n": 3, "max_n": 2}, "min_n=3 is more than max_n=2"),
     ({"method": "ngram", "max_n": 0}, "max_n must be an integer >= 1"),
     (5, "speculative must be an object"),

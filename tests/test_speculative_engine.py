@@ -206,8 +206,8 @@ def test_verify_steps_replay_the_step_graphs(models):
     engine.runner.step_graphs = runner
     verified, split = [], engine.speculation.split
     run = runner.run
-    runner.run = lambda ids, counts, toks, rows=None: (
-        verified.append(rows is not None), run(ids, counts, toks, rows))[1]
+    runner.run = lambda ids, counts, toks, rows=None, feed=None: (
+        verified.append(rows is not None), run(ids, counts, toks, rows, feed))[1]
     engine.speculation.split = lambda step, logits: (verified.append("split"),
                                                      split(step, logits))[1]
     assert [c.token_ids for c in tokens(engine, PROMPTS)] == want

@@ -29,7 +29,7 @@ OWN_KEYS = {
     "prefill_graphs": "true, false or null: a fresh prompt's prefill under CUDA graphs",
     "step_graphs": "true, false or null: every other step under CUDA graphs",
     "async_steps": "true, false or null: a step launched before the last one's tokens "
-                   "are read (null: on CUDA in one process)",
+                   "are read (null: off)",
     "max_num_batched_tokens": "an integer >= 1: tokens one step carries at most",
     "max_prefill_tokens": "the old name of max_num_batched_tokens (deprecated)",
     "checkpoint": "where the weights are (checkpoint below)",

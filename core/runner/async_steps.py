@@ -25,7 +25,11 @@ Steps stay synchronous (``Engine._step_body``) where this would not be exact or 
   (``constrained_steps.on_device``): sampled rows draw on the host from their requests'
   CPU generators (a device draw would change seeded tokens); penalties, min_p and logprobs
   read the logits on the host; jump-forward on a cache that cannot roll a position back;
-- speculative decoding (drafts are proposed after the newest token, verified lengths move);
+- speculative decoding with a drafter that does not propose on the host alone, or with
+  ``speculative={"ahead": false}``; with an n-gram drafter, verify steps are launched
+  ahead too, each drafted request taken to keep its whole draft
+  (core/speculative/ahead.py: how its rows of the next step are fed, and dropped where it
+  did not);
 - samples of ``n`` > 1 waiting to fork (their parent's K/V are forked once its first token
   is known);
 - tensor / pipeline parallel ranks (every rank takes the sampling rank's tokens);
@@ -85,10 +89,19 @@ class SampledTokens:
 @attrs.define
 class Launched:
     step: object  # scheduler.Step
-    rows: dict  # sequence id -> its row of ``tokens``: those that get a token at this step
+    # sequence id -> its row of ``tokens`` whose token the next step is fed: those that get
+    # a token at this step (a drafted one's last row: its bonus, if it keeps its draft)
+    rows: dict
     logits: object  # [n, V] until sampled (a constrained step: once its masks are filled)
     tokens: SampledTokens | None = None
-    failed: set = attrs.field(factory=set)  # rows whose constraint failed: read as -1
+    # sequence id -> (its first row, its Proposal, its length before the step): verified
+    drafted: dict = attrs.Factory(dict)
+    failed: set = attrs.Factory(set)  # rows whose constraint failed: read as -1
+
+    def drop(self, seq_id) -> bool:
+        """Read nothing of ``seq_id`` here (its rows were fed a draft it did not keep)."""
+        self.drafted.pop(seq_id, None)
+        return self.rows.pop(seq_id, None) is not None
 
 
 class AsyncSteps:
@@ -100,9 +113,9 @@ class AsyncSteps:
     def takes(self, step) -> bool:
         """Whether ``step`` runs here (the module's docstring says what does not)."""
         e = self.engine
-        return self.enabled and step.drafts is None and e.speculation is None \
-            and e.ranks is None and not e._forks and \
-            all(constrained_steps.on_device(s, e.cache) for s in step.seqs)
+        ahead = e.speculation is None or e.speculation.ahead is not None
+        return self.enabled and ahead and e.ranks is None and not e._forks \
+            and all(constrained_steps.on_device(s, e.cache) for s in step.seqs)
 
     def stepping(self) -> list:
         """The sequences of the step in flight (recomputed if reading it fails)."""
@@ -112,12 +125,13 @@ class AsyncSteps:
         """A scheduled step: launch it, launch the next one where it may, read this one."""
         self.inflight = self._launch(step, tokens, replay, None)
         self._sample(self.inflight)  # (nothing before it is left to accept)
-        return self.advance()
+        return self.advance(pipelined=False)
 
-    def advance(self) -> list:
+    def advance(self, pipelined: bool = True) -> list:
         """Read the step in flight (launching the next one first where it may); returns
-        the sequences that got a token."""
-        e, current = self.engine, self.inflight
+        the sequences that got a token. ``pipelined``: the step in flight was launched by
+        the call before (this call lasts one step of the pipeline: timed for speculation)."""
+        e, current, start = self.engine, self.inflight, time.perf_counter()
         self.inflight = None
         # 1) the next step, scheduled now that this one's lengths are counted (as the
         # synchronous engine does while the GPU runs it)
@@ -125,6 +139,8 @@ class AsyncSteps:
         # (nothing finished since it was scheduled: resume gives the same step)
         step = e.scheduler.resume(ahead) if ahead is not None and self._launches(ahead) \
             else None
+        if step is not None and e.speculation is not None:  # its drafts (ahead.py)
+            step = e.speculation.ahead.extend(step, current)
         inputs = None if step is None else self._inputs(step, current)
         # 2) launched before this one is read, or left to the next step() (which runs it
         # without the sequences that finish now: Scheduler.resume)
@@ -145,6 +161,8 @@ class AsyncSteps:
             self.inflight = None
         elif launched is not None and launched.tokens is None:  # its masks, now filled
             self._sample(launched)
+        if pipelined and e.speculation is not None:
+            e.speculation.ahead.observe(current.step, time.perf_counter() - start)
         return got
 
     def _sample(self, launched: Launched) -> None:
@@ -164,21 +182,28 @@ class AsyncSteps:
 
     def _launch(self, step, tokens, replay, feed) -> Launched:
         logits = self.engine.runner.forward(step, tokens, replay, feed)
-        for s, n in zip(step.seqs, step.counts):
+        rows, drafted, row = {}, {}, 0  # (row: of the logits, step.logit_rows')
+        for i, (s, n) in enumerate(zip(step.seqs, step.counts)):
+            draft = None if step.drafts is None else step.drafts[i]
+            if draft is not None:
+                drafted[s.id] = (row, draft, s.num_computed_tokens)
+            row += 1 if draft is None else n
             s.num_computed_tokens += n
-        # a sequence still prefilling after its chunk gets no token yet
-        rows = {s.id: row for row, s in enumerate(step.seqs) if not s.prefilling}
-        return Launched(step, rows, logits)
+            if not s.prefilling:  # a sequence still prefilling after its chunk: no token yet
+                rows[s.id] = row - 1
+        return Launched(step, rows, logits, drafted=drafted)
 
     def _inputs(self, step, current: Launched):
         """(tokens, replay, feed) of ``step``: a placeholder for each sequence whose token
         ``current`` samples, fed from the device; None where one of those would feed
         anything but that token (not the case of a step scheduled ahead)."""
         tokens, rows, sources = [], [], []
-        for s, n in zip(step.seqs, step.counts):
+        for i, (s, n) in enumerate(zip(step.seqs, step.counts)):
             row = current.rows.get(s.id)
+            draft = () if step.drafts is None or step.drafts[i] is None \
+                else step.drafts[i].tokens  # proposed after the token it is fed
             if row is not None:
-                if s.prefilling or n != 1:
+                if s.prefilling or n != 1 + len(draft):
                     return None
                 rows.append(len(tokens))
                 sources.append(row)
@@ -188,6 +213,7 @@ class AsyncSteps:
                 tokens += tokens_of(s)[done:done + n]
             else:  # sat the current step out: its token was read before
                 tokens.append(s.output_ids[-1])
+            tokens += draft
         replay = self.engine.runner.replays_decode(step)
         if not rows:
             return tokens, replay, None
@@ -202,7 +228,15 @@ class AsyncSteps:
         got = []
         for s in launched.step.seqs:
             row = launched.rows.get(s.id)
-            if row is None or s.status is Status.FINISHED:  # a chunk; aborted meanwhile
+            # a chunk; aborted meanwhile; rows dropped (fed a draft before it not kept)
+            if row is None or s.status is Status.FINISHED:
+                continue
+            if s.id in launched.drafted:  # verified (the next step's rows kept or dropped)
+                first, draft, start = launched.drafted[s.id]
+                e.speculation.ahead.settle(
+                    s, draft, start, tokens[first:row + 1], any(nan[first:row + 1]),
+                    self.inflight, lambda seq, token: e._append(seq, token, now))
+                got.append(s)
                 continue
             token = tokens[row]
             if nan[row]:  # as sampler.sample_each: this row fails, the others do not

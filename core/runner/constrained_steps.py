@@ -64,6 +64,6 @@ def drop_forced(engine, launched) -> None:
     launched (it is prefilling again): dropped, their last position rolled back."""
     for s in launched.step.seqs:
         if s.id in launched.rows and s.status is Status.RUNNING and s.prefilling:
-            del launched.rows[s.id]
+            launched.drop(s.id)
             s.num_computed_tokens -= 1
             engine.cache.truncate(s.id, s.num_computed_tokens)

@@ -13,6 +13,10 @@ predictable again (a quote) comes back within a pause.
 that is below what a proposed token costs on this machine at this batch
 (``cost.StepCost.share``), the speculator ``hold``s it: a pause as above, after which one
 draft probes the rate again (``probing``: never held).
+
+``whole`` estimates how often a draft is kept whole (every token of it): the chance that a
+verify step launched before this one's tokens are read, taking them all as kept, is not
+wasted on this request (``ahead.py``).
 """
 from __future__ import annotations
 
@@ -28,12 +32,18 @@ class AdaptiveK:
         self.pause = 0  # decode steps left without proposing
         self.next_pause = FIRST_PAUSE
         self._kept = self._proposed = 0.0  # recent drafts' tokens, kept and proposed
+        self._whole = self._drafts = 0.0  # recent drafts kept whole, and all of them
         self.probing = False  # a pause just ended: its next draft measures ``rate`` again
 
     @property
     def rate(self) -> float:
         """Recent proposed tokens kept, 0 to 1 (1 before any draft: let it try)."""
         return self._kept / self._proposed if self._proposed else 1.0
+
+    @property
+    def whole(self) -> float:
+        """Recent drafts kept whole, 0 to 1 (1 before any draft)."""
+        return self._whole / self._drafts if self._drafts else 1.0
 
     def hold(self) -> None:
         """Stop proposing for a pause (its tokens cost more than they are kept for)."""
@@ -57,6 +67,8 @@ class AdaptiveK:
         """A draft of ``proposed`` tokens was verified and ``accepted`` of them kept."""
         self._kept = RATE_DECAY * self._kept + accepted
         self._proposed = RATE_DECAY * self._proposed + proposed
+        self._whole = RATE_DECAY * self._whole + (accepted == proposed)
+        self._drafts = RATE_DECAY * self._drafts + 1
         self.probing = False
         if accepted > 0:
             self.k, self.misses, self.next_pause = min(self.k_max, self.k + 1), 0, FIRST_PAUSE

@@ -1,14 +1,17 @@
 """The ``speculative`` setting: ``core.build(..., speculative={...})``, the config file's
 key of the same name, ``infergraft serve / generate --speculative JSON``.
 
-    {"method": "ngram", "k": 4, "min_n": 1, "max_n": 4}
+    {"method": "ngram", "k": 4, "min_n": 1, "max_n": 4, "ahead": true}
     {"method": "draft", "model": "path/or/alias", "k": 4, "build": {"plugins": ["paged"]}}
 
 ``method`` names a registered proposer (``infergraft_register_proposers``; a bare string
 is ``{"method": that}``), ``k`` the tokens a request proposes at most per step (its
 adaptive length starts there), ``disable_by_batch_size`` the most decoding requests a step
 may hold and still speculate (a larger batch is compute-bound enough that extra tokens
-cost throughput); the other keys are the proposer's own (``Proposer.options``). Every
+cost throughput), ``ahead`` whether a greedy verify step may be launched before the one
+before it is read (``ahead.py``: with asynchronous steps and a proposer that proposes on
+the host; false: each verify step waits for the last one's tokens); the other keys are
+the proposer's own (``Proposer.options``). Every
 value is checked before any weight loads: an error names the key, the value and what is
 accepted.
 """
@@ -21,7 +24,7 @@ import attrs
 from ..errors import PlanError, UnknownPluginError
 
 #: the keys every method takes, with their defaults (``method`` has none)
-COMMON = {"method": None, "k": 4, "disable_by_batch_size": 32}
+COMMON = {"method": None, "k": 4, "disable_by_batch_size": 32, "ahead": True}
 
 
 @attrs.frozen
@@ -29,6 +32,7 @@ class SpeculativeConfig:
     method: str
     k: int
     disable_by_batch_size: int
+    ahead: bool = True  # verify steps launched before the last one is read (ahead.py)
     options: dict = attrs.field(factory=dict, eq=False)  # the proposer's own, defaults filled
 
 
@@ -59,9 +63,13 @@ def parse_speculative(value, proposers) -> SpeculativeConfig | None:
     given = {**COMMON, **own, **value}
     for key in ("k", "disable_by_batch_size"):
         _positive(method, key, given[key])
+    if not isinstance(given["ahead"], bool):
+        raise PlanError(f"speculative {method}: ahead must be true or false (a verify step "
+                        f"launched before the last one is read), got {given['ahead']!r}")
     options = {key: given[key] for key in own}
     proposer.check(options)
-    return SpeculativeConfig(method, given["k"], given["disable_by_batch_size"], options)
+    return SpeculativeConfig(method, given["k"], given["disable_by_batch_size"],
+                             given["ahead"], options)
 
 
 def _positive(method: str, key: str, value: Any) -> None:

@@ -16,6 +16,14 @@ weighted least-squares fit, so the fit follows the machine's load and the sequen
 growing context. Until the points tell ``c1`` apart (steps of different sizes) it is 0,
 and until steps with and without drafts were both seen ``c2`` is; before either, a
 proposed token is taken to cost nothing.
+
+A point is the engine call that ran a step, the host's work around it included. Where
+steps are launched ahead (the decode look-ahead, asynchronous steps, verify steps
+launched ahead: ``ahead.py``) a call launches the next step and reads this one, so back
+to back it lasts one step of the pipeline, the host's work beside the GPU's: such calls
+are points of the step they read, and ``c2`` is then what a drafted step costs beyond its
+tokens with its host work overlapped. The calls that start a pipeline (launching two
+steps, reading one) are not points.
 """
 from __future__ import annotations
 

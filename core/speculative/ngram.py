@@ -10,6 +10,8 @@ search runs over the tokens as bytes (``bytes.rfind``, 4 bytes a token): a loop 
 in Python, however long the request, from the end back to the latest match. The drafter
 keeps each request's bytes between steps and appends only the tokens it got since, so a
 step's proposal costs in Python what the step added, not the length of the request.
+A request's ``ahead`` tokens (a draft not verified yet) are looked up after a copy of
+those bytes, never kept in them: what is kept is only ever the request's own tokens.
 """
 from __future__ import annotations
 
@@ -57,14 +59,20 @@ def _rfind(data: bytes, needle: bytes, end: int) -> int:
 
 
 class NgramDrafter(Drafter):
+    proposes_ahead = True  # a lookup on the host
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         # seq id -> [its tokens so far as bytes, how many, the last one]
         self._seen: dict = {}
 
     def propose(self, requests):
-        return [Proposal(lookup_bytes(self._bytes(r), r.k, self.min_n, self.max_n))
+        return [Proposal(lookup_bytes(self._with_ahead(r), r.k, self.min_n, self.max_n))
                 for r in requests]
+
+    def _with_ahead(self, request):
+        data = self._bytes(request)
+        return data + array("i", request.ahead).tobytes() if request.ahead else data
 
     def _bytes(self, request) -> bytearray:
         """The request's tokens as bytes: those it had at its last proposal, then the

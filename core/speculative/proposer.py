@@ -13,6 +13,12 @@ and ``disable_by_batch_size``, as the proposer declares them in ``options``). Th
 asks it, once a step, for drafts of the requests that speculate (``propose``), and tells
 it which requests it no longer needs to remember (``release``: finished, preempted,
 aborted). Proposing is on the step's critical path: the host work should stay small.
+
+A drafter that proposes on the host alone (no device work, no wait for the step in flight)
+sets ``proposes_ahead``: the engine then also asks it while the step before runs, for
+requests whose last tokens are not known yet (``DraftRequest.ahead``: the draft that step
+verifies, taken as kept; the proposal's first token is a guess at the token the step
+gives after it, which the engine drops: ``core/speculative/ahead.py``).
 """
 from __future__ import annotations
 
@@ -43,10 +49,13 @@ class DraftRequest:
     """One request to propose for: its tokens so far (prompt, then output) and how many
     tokens the engine verifies at most (``k`` >= 1; fewer, or none, may be proposed).
     The engine's ``token_ids`` is a ``TokensSoFar``: the request's own lists, read in
-    place, which grow after ``propose`` returns (copy what is kept)."""
+    place, which grow after ``propose`` returns (copy what is kept). ``ahead``: tokens
+    taken to follow ``token_ids`` that are not the request's yet (a draft being verified;
+    only a drafter with ``proposes_ahead`` is given any): propose what follows them."""
     seq_id: Any
     token_ids: Sequence[int]
     k: int
+    ahead: tuple = ()
 
 
 class TokensSoFar(Sequence):
@@ -92,6 +101,10 @@ NO_PROPOSAL = Proposal()
 
 class Drafter:
     """One engine's proposer (``Proposer.create`` makes it)."""
+
+    #: proposes on the host alone, for requests with ``ahead`` tokens too (the module's
+    #: docstring); a drafter with a model of its own waits for the device: False
+    proposes_ahead: bool = False
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         """One Proposal per request, in order (``NO_PROPOSAL`` where there is none)."""

@@ -26,6 +26,7 @@ from ..errors import PlanError
 from ..runner.host_tensors import from_ints
 from ..runner.sampler import place_logprob
 from .adaptive import AdaptiveK
+from .ahead import VerifyAhead
 from .cost import SHARE_OFF, StepCost
 from .proposer import DraftRequest, Proposal, ProposerContext, TokensSoFar
 from .verify import verify_request
@@ -39,6 +40,9 @@ class Speculator:
         self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0
         self._known: set = set()  # requests the drafter was asked about and not released
         self.cost = StepCost()  # what a proposed token costs, from this engine's steps
+        # verify steps launched before the last one is read (asynchronous steps, a drafter
+        # that proposes on the host); None: each waits for the tokens before it
+        self.ahead = VerifyAhead(self) if config.ahead and drafter.proposes_ahead else None
 
     # -- 1) the step's proposed tokens -------------------------------------------------
     def eligible(self, seq, share: float) -> bool:
@@ -80,9 +84,12 @@ class Speculator:
                 for s in speculating)
         return self.cost.share(len(decoding), proposed)
 
-    def extend(self, step):
+    def extend(self, step, ahead=None):
         """``step`` with proposed tokens after its decoding requests' last ones (as
-        ``Step.drafts``), or ``step`` itself where none are proposed."""
+        ``Step.drafts``), or ``step`` itself where none are proposed. ``ahead``: seq id ->
+        the tokens taken to follow a request whose last token the step in flight gives
+        (its draft there; ``ahead.py``): its proposal is made after them and a guess at that
+        token, the guess dropped."""
         scheduler = self.engine.scheduler
         self._release_gone(scheduler.running)
         decoding = [i for i, s in enumerate(step.seqs) if not s.prefilling]
@@ -100,8 +107,12 @@ class Speculator:
                 continue
             if s.speculation is None:
                 s.speculation = AdaptiveK(self.config.k)
-            # the last token kept always comes with one more of the target's own
-            k = min(s.speculation.take(), s.params.max_new_tokens - len(s.output_ids) - 1)
+            # the last token kept always comes with one more of the target's own (and one
+            # in flight, with its draft, before it)
+            pending = None if ahead is None else ahead.get(s.id)
+            coming = 0 if pending is None else len(pending) + 1
+            k = min(s.speculation.take(),
+                    s.params.max_new_tokens - len(s.output_ids) - coming - 1)
             # drafts that cost more than they give: held (greedy requests only, whose
             # tokens do not depend on it; a sampled one's draws do, and its seed reproduces)
             state = s.speculation
@@ -109,16 +120,19 @@ class Speculator:
                 state.hold()
             elif k > 0:
                 where.append(i)
-                requests.append(DraftRequest(s.id, TokensSoFar(s.prompt_ids, s.output_ids), k))
+                requests.append(DraftRequest(
+                    s.id, TokensSoFar(s.prompt_ids, s.output_ids), k + (pending is not None),
+                    () if pending is None else tuple(pending)))
         if not requests:
             return step
         self._known.update(r.seq_id for r in requests)
         drafts, counts = [None] * len(step.seqs), list(step.counts)
         for i, r, prop in zip(where, requests, self.drafter.propose(requests)):
-            n = min(len(prop.tokens), r.k, budget)
-            if n and self._valid(prop.tokens[:n]):
-                drafts[i] = Proposal(tuple(prop.tokens[:n]),
-                                     None if prop.probs is None else prop.probs[:n])
+            guessed = int(ahead is not None and r.seq_id in ahead)  # (the unknown token's)
+            n = min(len(prop.tokens) - guessed, r.k - guessed, budget)
+            if n > 0 and self._valid(prop.tokens[guessed:guessed + n]):
+                probs = None if prop.probs is None else prop.probs[guessed:guessed + n]
+                drafts[i] = Proposal(tuple(prop.tokens[guessed:guessed + n]), probs)
                 counts[i] += n
                 budget -= n
         if not any(drafts) or not self.engine.cache.can_append([s.id for s in step.seqs], counts):
@@ -211,6 +225,10 @@ class Speculator:
         seq.num_computed_tokens -= proposed - kept
         if proposed > kept and tokens[-1] >= 0:  # (a failed one's cache is freed whole)
             self.engine.cache.truncate(seq.id, seq.num_computed_tokens)
+        self.count(seq, proposed, kept)
+
+    def count(self, seq, proposed: int, kept: int) -> None:
+        """A draft of ``seq``'s was verified: ``kept`` of its ``proposed`` tokens kept."""
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += kept
         self.num_drafts += 1
@@ -218,9 +236,12 @@ class Speculator:
         seq.speculation.update(proposed, kept)
 
     def observe(self, step, seconds: float) -> None:
-        """A step ran in ``seconds``: a point of the cost fit where no prompt was fed."""
+        """A step ran in ``seconds`` (its call, nothing launched ahead of it): a point of
+        the cost fit where no prompt was fed."""
         if step.kind == "decode":
             self.cost.observe(sum(step.counts), seconds, step.drafts is not None)
+        if step.drafts is not None and self.ahead is not None:
+            self.ahead.cost.observe(seconds, pipelined=False)
 
     def stats(self) -> dict:
         """Counters for ``engine.stats()`` and /metrics (names as vLLM's spec_decode ones)."""

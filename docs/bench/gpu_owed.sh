@@ -5,15 +5,17 @@
 # travels in three pieces, one a call, so three calls back to back (each within the warm
 # machine's 30 s) carry them (`bash docs/bench/demo_model_chunks.sh` here first, and
 # `bash docs/bench/device_wheels.sh` for .whl):
+#   (done on an H100 at 06447bf, docs/bench/HISTORY.md: census45, bench44, the quant bench
+#   0 / auto / 1, structured, speculative.) Owed next, four calls back to back:
 #   A. carry [".demo1", ".whl"]: bash docs/bench/demo_model_chunks.sh take .demo1;
-#      bash docs/bench/gpu_quant_next.sh $OUT   (issue 43: INFERGRAFT_QUANT_MMA 0 / auto / 1)
+#      bash docs/bench/gpu_owed.sh $OUT moe44   (issue 44: moe_decode, FUSE 1 vs 0; < 7 min)
 #   B. carry [".demo2"]: bash docs/bench/demo_model_chunks.sh take .demo2;
-#      bash docs/bench/gpu_owed.sh $OUT census45 bench44   (issues 45, 44)
+#      bash docs/bench/gpu_owed.sh $OUT async45   (issue 45 item 3: async steps on / off)
 #   C. carry [".demo3", ".whl"]: source docs/bench/demo_model_chunks.sh take .demo3;
-#      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47; < 10 min)
-#   D. (the same warm machine) bash docs/bench/gpu_owed.sh $OUT speculative-batch
-#   then: kernels families steps45 (the rest of the kernels' CUDA tests: rms_norm, gelu_mul,
-#   the varlen tail), kvmem (issue 45's owed KV-memory runs), and issue 43's profile
+#      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47 after the
+#      host-path, async-constrained and verify-ahead work; < 10 min)
+#   D. bash docs/bench/gpu_owed.sh $OUT kv8   (issue 43 item 4: the widen modes; < 5 min)
+#   then: speculative-batch, kernels families steps45, kvmem, and issue 43's profile
 #   (bash docs/bench/gpu_quant_profile.sh OUT ncu).
 # kvmem: tests/test_gpu_kv_memory.py, then sharegpt-like at max_seq_len 8192 vs 2048 again
 #   (since 531a8db a graph step gathers only the table entries it uses), < 8 min.
@@ -66,7 +68,7 @@ fi
 if has structured; then
   timeout "${STRUCTURED_TIMEOUT:-120}" python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
-    tests/test_serve_structured.py tests/test_tool_call_parsers.py \
+    tests/test_serve_structured.py tests/test_tool_call_parsers.py tests/test_structured_batch.py \
     > "$OUT/structured.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
   # issue 46's overhead target: 256 concurrent requests, a schema each, LLaMA-3-8B shape
@@ -130,14 +132,24 @@ if has moe44; then
     > "$OUT/moe-kernel.txt" 2>&1; tail -12 "$OUT/moe-kernel.txt"
 fi
 if has async45; then
-  # issue 45 item 3: async steps on (the default) and off on the same requests, one run each
+  # issue 45 item 3: async steps off (the default until this run) and on, the same requests
   timeout "${ASYNC_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     -m gpu tests/test_async_steps.py tests/test_mixed_steps.py > "$OUT/async-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/async-tests.txt" | tail -8
-  COMPARE=async_steps=false timeout "${ASYNC_TIMEOUT:-300}" python3 docs/bench/throughput_runs.py \
+  COMPARE=async_steps=true timeout "${ASYNC_TIMEOUT:-300}" python3 docs/bench/throughput_runs.py \
     "$OUT/async45" 200 fixed:512:256:1000:2048 sharegpt-like:161:338:1000:2048 \
     > "$OUT/async45.txt" 2>&1
   echo "async45 rc $?"; grep -E "^==|Output token throughput|idle" "$OUT/async45.txt"
+fi
+if has budget45 || has budget45-512; then
+  # issue 45 item 4: the token budget swept (1024 / 2048 / 4096 / 8192) on the three
+  # workloads, max batch 256 (budget45) or 512 (budget45-512); < 9 min a part
+  mb=256; has budget45-512 && mb=512
+  MAX_BATCH=$mb STEP_GAPS=1 timeout "${BUDGET_TIMEOUT:-520}" python3 docs/bench/throughput_runs.py \
+    "$OUT/budget45-$mb" 400 fixed:512:256:1000:1024,2048,4096,8192 \
+    uniform:512:256:1000:1024,2048,4096,8192 sharegpt-like:161:338:1000:1024,2048,4096,8192 \
+    > "$OUT/budget45-$mb.txt" 2>&1
+  echo "budget45 ($mb) rc $?"; grep -E "^==|Output token throughput|budget|idle" "$OUT/budget45-$mb.txt"
 fi
 if has kv8; then  # issue 43 item 4: the widen modes, one layer then end to end (kv8_widen.sh)
   ATTN_ARGS="--plans shipped,1x64x4x3,1x128x4x2 --reps 30" timeout "${KV8_TIMEOUT:-295}" \
@@ -154,11 +166,12 @@ if has kvmem; then
 fi
 if has speculative; then
   timeout "${SPECULATIVE_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short \
-    -p no:cacheprovider -m gpu tests/test_speculative_gpu.py > "$OUT/speculative-tests.txt" 2>&1
+    -p no:cacheprovider -m gpu tests/test_speculative_gpu.py tests/test_speculative_ahead.py \
+    > "$OUT/speculative-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/speculative-tests.txt" | tail -15
+  # tpot: plain, ngram with verify steps launched ahead, ngram synchronous (--ahead both)
   timeout "${SPECULATIVE_TIMEOUT:-200}" python3 docs/bench/speculative.py --device cuda \
-    --dtype bfloat16 --parts tpot,verify --rounds 3 --new-tokens 96 \
-    --verify-model llama2-7b --context 512 \
+    --dtype bfloat16 --parts tpot --ahead both --rounds 3 --new-tokens 96 \
     --out "$OUT/speculative.json" > "$OUT/speculative.txt" 2>&1
   tail -20 "$OUT/speculative.txt"
 fi
@@ -168,7 +181,7 @@ if has speculative-batch; then  # (the demo model already converted by a call be
     --out "$OUT/speculative-batch.json" > "$OUT/speculative-batch.txt" 2>&1
   tail -6 "$OUT/speculative-batch.txt"
   timeout "${SPECULATIVE_K8_TIMEOUT:-150}" python3 docs/bench/speculative.py --device cuda \
-    --dtype bfloat16 --parts tpot --k 8 --rounds 3 --new-tokens 96 \
+    --dtype bfloat16 --parts tpot --ahead both --k 8 --rounds 3 --new-tokens 96 \
     --out "$OUT/speculative-k8.json" > "$OUT/speculative-k8.txt" 2>&1
   tail -8 "$OUT/speculative-k8.txt"
 fi

@@ -3,13 +3,16 @@ the input, what a verify step costs against a decode step, and a batch's through
 speculation on and off, each pair in the same run on the same engine.
 
 ``python docs/bench/speculative.py [--parts tpot,verify,batch] [--model smollm2-135m]
-[--device cpu] [--k 4] [--new-tokens 96] [--rounds 3] [--verify-model tiny]
+[--device cpu] [--k 4] [--ahead both] [--new-tokens 96] [--rounds 3] [--verify-model tiny]
 [--context 512] [--batch 32] [--batch-tokens 64] [--out FILE.json]``
 
 tpot: the model (real weights) at batch 1, greedy, on an edit / summarise / code workload
 whose answers quote their prompts; each prompt alternately with ``speculative=False`` and
 with n-gram drafts (``{"method": "ngram", "k": K}``) on one engine (the paged cache, no
-prefix caching), rounds alternating. Per prompt: the median TPOT of each, their ratio,
+prefix caching, asynchronous steps as on one CUDA device, the CPU too), rounds alternating;
+``--ahead both`` (default) runs the drafts on two engines, verify steps launched ahead
+(``"ahead": true``, core/speculative/ahead.py) and each after the last is read (false),
+rounds alternating between the three (``on`` / ``off``: that one alone). Per prompt: the median TPOT of each, their ratio,
 the mean accepted length (tokens a verify step gave, the target's own included), the share
 of proposed tokens kept, and whether the tokens were the same (greedy: they must be).
 Beside them, in the same run: HF transformers' ``generate`` on the same weights, plain and
@@ -118,23 +121,50 @@ def roofline_tpot(engine, bandwidth: float, context: int) -> float:
                       plan.kv_bytes_per_token, 1, context) / bandwidth
 
 
+def tpot_engines(args) -> dict:
+    """"ahead" / "synchronous" -> an engine speculating so (``--ahead``), warmed up."""
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.ahead]
+    engines = {}
+    for ahead in modes:
+        engine = core.build(args.model, plugins=["paged"], device=args.device,
+                            dtype=args.dtype, max_batch_size=max(args.batch, 1),
+                            max_seq_len=1024, prefix_caching=False, async_steps=True,
+                            speculative={"method": "ngram", "k": args.k, "ahead": ahead})
+        run(engine, [chat(engine, "Hello")], core.SamplingParams(max_new_tokens=8))
+        engines["ahead" if ahead else "synchronous"] = engine
+    return engines
+
+
 def tpot_part(args) -> list[dict]:
-    engine = core.build(args.model, plugins=["paged"], device=args.device, dtype=args.dtype,
-                        max_batch_size=max(args.batch, 1), max_seq_len=1024,
-                        prefix_caching=False, speculative={"method": "ngram", "k": args.k})
-    run(engine, [chat(engine, "Hello")], core.SamplingParams(max_new_tokens=8))  # warm-up
+    engines = tpot_engines(args)
+    engine = next(iter(engines.values()))  # (the plain requests': either does)
     hf = load_hf(args.model, args.device, getattr(torch, engine.plan.dtype))  # the same weights
     bandwidth = copy_bandwidth(torch.device(args.device),
                                nbytes=(1 << 30) if str(args.device).startswith("cuda") else 1 << 28)
     rows = []
     for kind, text in WORKLOAD.items():
-        prompt, got = chat(engine, text), {False: [], True: []}
+        prompt, got = chat(engine, text), {False: [], **{name: [] for name in engines}}
+        dropped = {name: e.speculation.ahead.dropped for name, e in engines.items()
+                   if e.speculation.ahead is not None}
         for _ in range(args.rounds):
-            for on in (False, True):
-                params = core.SamplingParams(max_new_tokens=args.new_tokens, speculative=on)
-                got[on].append(run(engine, [prompt], params)[0])
+            params = core.SamplingParams(max_new_tokens=args.new_tokens, speculative=False)
+            got[False].append(run(engine, [prompt], params)[0])
+            for name, e in engines.items():
+                params = core.SamplingParams(max_new_tokens=args.new_tokens, speculative=True)
+                got[name].append(run(e, [prompt], params)[0])
+        extra = {f"{name}_tpot_ms": statistics.median(s.metrics.tpot for s in got[name]) * 1e3
+                 for name in engines}
+        extra.update({f"{name}_ratio": extra[f"{name}_tpot_ms"] * 1e-3 / statistics.median(
+            s.metrics.tpot for s in got[False]) for name in engines})
+        # rows of a step launched ahead that were dropped (a draft not kept whole), a round
+        extra.update({"dropped_a_round": (engines["ahead"].speculation.ahead.dropped -
+                                           dropped["ahead"]) / args.rounds}
+                     if "ahead" in dropped else {})
+        same = all(a.output_ids == b.output_ids for name in engines
+                   for a, b in zip(got[False], got[name]))
+        got[True] = got[next(iter(engines))]  # the first mode's figures, as before
         off, on = got[False], got[True]
-        tpot = {m: statistics.median(s.metrics.tpot for s in v) for m, v in got.items()}
+        tpot = {m: statistics.median(s.metrics.tpot for s in got[m]) for m in (False, True)}
         drafts = sum(s.metrics.num_drafts for s in on)
         kept = sum(s.metrics.num_accepted_tokens for s in on)
         proposed = sum(s.metrics.num_draft_tokens for s in on)
@@ -148,14 +178,18 @@ def tpot_part(args) -> list[dict]:
                      "ratio": tpot[True] / tpot[False],
                      "mean_accepted_length": 1 + kept / drafts if drafts else None,
                      "acceptance_rate": kept / proposed if proposed else None,
-                     "same_tokens": all(a.output_ids == b.output_ids for a, b in zip(off, on)),
+                     "same_tokens": same, "ngram_mode": next(iter(engines)), **extra,
                      "hf_tpot_ms": hf_plain * 1e3, "hf_prompt_lookup_tpot_ms": hf_lookup * 1e3,
                      "roofline_tpot_ms": roof * 1e3, "copy_gb_s": bandwidth / 1e9})
         r = rows[-1]
         print(f"  {kind:<10} {r['tokens']:4d} tokens  TPOT plain {r['plain_tpot_ms']:7.2f} ms  "
               f"ngram {r['ngram_tpot_ms']:7.2f} ms  ({r['ratio']:.2f}x)  accepted length "
               f"{r['mean_accepted_length'] or 0:.2f}  kept {r['acceptance_rate'] or 0:.0%}  "
-              f"same tokens: {r['same_tokens']}\n  {'':<10} HF generate {hf_plain * 1e3:7.2f} "
+              f"same tokens: {r['same_tokens']}\n" + "".join(
+                  f"  {'':<10} ngram {name}: {r[name + '_tpot_ms']:7.2f} ms "
+                  f"({r[name + '_ratio']:.2f}x)\n" for name in engines) +
+              f"  {'':<10} {r.get('dropped_a_round', 0):.1f} requests' rows launched ahead "
+              f"dropped a round\n  {'':<10} HF generate {hf_plain * 1e3:7.2f} "
               f"ms, its prompt lookup {hf_lookup * 1e3:7.2f} ms ({hf_lookup / hf_plain:.2f}x); "
               f"roofline {roof * 1e3:6.3f} ms (copy {bandwidth / 1e9:.0f} GB/s)", flush=True)
     return rows
@@ -268,6 +302,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--ahead", choices=("both", "on", "off"), default="both",
+                   help="tpot: verify steps launched ahead, each after the last, or both")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--verify-model", default=None,

@@ -14,9 +14,12 @@ GPU's forward; a verify step's does not). The cost fit and ``AdaptiveK``'s pause
 bypassed (every decode step proposes), so both trees verify the same drafts.
 
     python docs/bench/speculative_host.py [--batch 1] [--k 4] [--new-tokens 160]
-        [--prompt-tokens 72] [--rounds 5] [--before REF] [--profile]
+        [--prompt-tokens 72] [--rounds 5] [--before REF] [--async-steps] [--profile]
 
-``--before REF``: also measures the tree of git ``REF`` (``git archive`` into a scratch
+``--async-steps``: both engines built with ``async_steps=True`` (as on one CUDA device:
+plain steps and, where the tree has them, verify steps launched before the last is read;
+"host apart from the model" is then the host's work a step, which runs beside the GPU's
+forward rather than after it). ``--before REF``: also measures the tree of git ``REF`` (``git archive`` into a scratch
 folder, imported in a subprocess), rounds alternating between the two; the table then
 has both. ``--profile``: cProfile's top functions over the verify steps instead.
 """
@@ -90,9 +93,13 @@ def instrument(engine, clock: Clock) -> None:
     spec.cost.share = lambda *args, **kw: 0.0
     adaptive.MISSES_BEFORE_PAUSE = 1 << 30
     extend = spec.extend
+    ahead = getattr(spec, "ahead", None)  # verify steps launched ahead (this tree has it)
+    if ahead is not None:  # every drafted request launched ahead: no timing decides
+        ahead.cost.gambles = lambda whole: True
+        clock.wrap(ahead, "settle", "accept")
 
-    def extend_and_classify(step):
-        out = extend(step)
+    def extend_and_classify(step, **kw):  # (ahead=: a step launched ahead's)
+        out = extend(step, **kw)
         clock.kind = "verify" if out.drafts is not None else \
             "prefill" if out.kind == "prefill" else "decode"
         return out
@@ -123,7 +130,7 @@ def build(speculative, args):
     engine = core.build(hf, plugins=["paged"], block_size=16, max_seq_len=length,
                         max_batch_size=args.batch, dtype="float32", device="cpu",
                         max_num_batched_tokens=512, prefix_caching=False,
-                        speculative=speculative)
+                        speculative=speculative, **args.build)
     net = engine.runner.model
     engine.decode_graphs = CudaGraphRunner(net, engine.cache, args.batch, use_graphs=False)
     engine.decode_graphs.capture()
@@ -228,8 +235,11 @@ def summary(results: dict) -> str:
     out = []
     for tree, res in results.items():
         r = res["rounds"]
+        steps = {name: sum(k.get("steps", 0) for k in r[-1][name].values())
+                 for name in ("plain", "ngram")}
         out.append(f"{tree}: accepted length {r[-1]['accepted_length']:.2f}, same tokens as "
-                   f"plain in every round: {all(x['same_tokens'] for x in r)}")
+                   f"plain in every round: {all(x['same_tokens'] for x in r)}; engine steps "
+                   f"a round: plain {steps['plain']}, ngram {steps['ngram']}")
     return "\n".join(out)
 
 
@@ -251,7 +261,7 @@ def in_subprocess(args, path: str | None) -> dict:
         env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, __file__, "--json", "--rounds", "1", "--batch", str(args.batch),
            "--k", str(args.k), "--new-tokens", str(args.new_tokens), "--prompt-tokens",
-           str(args.prompt_tokens)]
+           str(args.prompt_tokens)] + (["--async-steps"] if args.async_steps else [])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
@@ -266,9 +276,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=72)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--before", help="a git ref measured too, rounds alternating")
+    parser.add_argument("--async-steps", action="store_true",
+                        help="both engines with async_steps=True (a tree that has them: "
+                             "verify steps launched ahead where it has those)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.build = {"async_steps": True} if args.async_steps else {}
     if args.json:
         print(json.dumps(measure(args)))
         return

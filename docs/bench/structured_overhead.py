@@ -5,9 +5,10 @@ unconstrained, in the same run; and each new schema's compile time.
 ``python docs/bench/structured_overhead.py [--model smollm2-135m | llama3-8b] [--requests 32]
 [--new-tokens 64] [--rounds 2] [--device cpu] [--async-steps auto|on|off] [--out FILE.json]``
 
-``--async-steps``: ``build(async_steps=)`` (auto: on CUDA, off on the CPU), for every run of
-the process: ``off`` measures the synchronous engine, whose constrained steps the host's
-masks and accepted tokens hold up (core/runner/constrained_steps.py).
+``--async-steps``: ``build(async_steps=)`` for every run of the process (auto: build's
+default); ``on`` launches each constrained step before the one before is read, its masks
+filled while its forward pass runs (core/runner/constrained_steps.py), ``off`` measures the
+synchronous engine, whose constrained steps wait for the host's masks and accepted tokens.
 
 Both runs generate exactly ``--new-tokens`` per request, so they run the same batches:
 the unconstrained one with ``ignore_eos``, the constrained one under schemas that cannot

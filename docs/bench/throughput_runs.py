@@ -8,7 +8,8 @@ comma list, hf_prompts 0 for no HF, eager 1 for INFERGRAFT_STEP_GRAPHS=0). Each 
 OUT/<dataset>-<budgets>[-eager]/throughput.json as the command itself does; runs that would
 start after DEADLINE_S seconds are skipped. STEP_GAPS=0: without ``--step-gaps``;
 STEP_CENSUS=1: with ``--step-census`` (every step classed and timed, a table a run).
-COMPARE=VARIANTS: ``--compare-options VARIANTS`` on every run, e.g. COMPARE=async_steps=false
+MAX_BATCH=N: ``--max-batch-size N`` on every run (the engine's default otherwise).
+COMPARE=VARIANTS: ``--compare-options VARIANTS`` on every run, e.g. COMPARE=async_steps=true
 (asynchronous steps on, then off, on the same requests: each row with its GPU idle share).
 """
 import os
@@ -21,6 +22,7 @@ MODEL = os.environ.get("MODEL", "llama3-8b")
 GAPS = ["--step-gaps"] if os.environ.get("STEP_GAPS", "1") == "1" else []
 GAPS += ["--step-census"] if os.environ.get("STEP_CENSUS") == "1" else []
 GAPS += ["--compare-options", os.environ["COMPARE"]] if os.environ.get("COMPARE") else []
+GAPS += ["--max-batch-size", os.environ["MAX_BATCH"]] if os.environ.get("MAX_BATCH") else []
 _hf = {}
 LOAD_MODELS = bt.load_models
 
