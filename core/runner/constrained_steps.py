@@ -16,6 +16,9 @@ What differs from an unconstrained step, and how:
   rolled back: the sequence's last position and its K/V (``KVCache.truncate``) are
   forgotten, so its next step feeds the token and the forced ones as one chunk, as the
   synchronous engine does. A cache that cannot truncate keeps such requests synchronous.
+  (The synchronous engine schedules its next step afresh then, the forced chunk taking
+  its token budget one step earlier than here: other prompts' chunks may be cut
+  otherwise, the same tokens where the model's rows do not depend on their batch.)
 - a grammar that completes at N ("stop"), like EOS, wastes its row of N+1 (not masked:
   a finished grammar allows nothing);
 - a row whose constraint fails or allows no token is sampled as -1 when read: its
