@@ -16,11 +16,15 @@ is read) wasted its row of N+1: its token is never appended, its cache is freed 
 host when it finishes, and the GPU's write into its slot is stream-ordered before any
 later step that reuses the memory (as the look-ahead's).
 
+Greedy rows under a constraint (a JSON schema, a regex, a grammar: their masks need
+their grammars' states after N's tokens) are launched so too, their sampling (mask,
+argmax) launched once N's tokens are read and accepted: ``constrained_steps.py``.
+
 Steps stay synchronous (``Engine._step_body``) where this would not be exact or safe:
-- a row that is not ``plain_greedy``: sampled rows draw on the host from their requests'
+- a row that is neither ``plain_greedy`` nor greedy and constrained alone
+  (``constrained_steps.on_device``): sampled rows draw on the host from their requests'
   CPU generators (a device draw would change seeded tokens); penalties, min_p and logprobs
-  read the logits on the host; a constraint's mask needs its grammar's state after the
-  newest token (and may force tokens, which the next step then feeds);
+  read the logits on the host; jump-forward on a cache that cannot roll a position back;
 - speculative decoding with a drafter that does not propose on the host alone, or with
   ``speculative={"ahead": false}``; with an n-gram drafter, verify steps are launched
   ahead too, each drafted request taken to keep its whole draft
@@ -41,6 +45,7 @@ import torch
 
 from ..request import Status
 from ..step import tokens_of
+from . import constrained_steps
 from .host_tensors import from_ints
 from .sampler import failure, nan_error
 
@@ -87,9 +92,11 @@ class Launched:
     # sequence id -> its row of ``tokens`` whose token the next step is fed: those that get
     # a token at this step (a drafted one's last row: its bonus, if it keeps its draft)
     rows: dict
-    tokens: SampledTokens
+    logits: object  # [n, V] until sampled (a constrained step: once its masks are filled)
+    tokens: SampledTokens | None = None
     # sequence id -> (its first row, its Proposal, its length before the step): verified
     drafted: dict = attrs.Factory(dict)
+    failed: set = attrs.Factory(set)  # rows whose constraint failed: read as -1
 
     def drop(self, seq_id) -> bool:
         """Read nothing of ``seq_id`` here (its rows were fed a draft it did not keep)."""
@@ -108,7 +115,7 @@ class AsyncSteps:
         e = self.engine
         ahead = e.speculation is None or e.speculation.ahead is not None
         return self.enabled and ahead and e.ranks is None and not e._forks \
-            and all(s.params.plain_greedy for s in step.seqs)
+            and all(constrained_steps.on_device(s, e.cache) for s in step.seqs)
 
     def stepping(self) -> list:
         """The sequences of the step in flight (recomputed if reading it fails)."""
@@ -117,6 +124,7 @@ class AsyncSteps:
     def run(self, step, tokens: list[int], replay: bool) -> list:
         """A scheduled step: launch it, launch the next one where it may, read this one."""
         self.inflight = self._launch(step, tokens, replay, None)
+        self._sample(self.inflight)  # (nothing before it is left to accept)
         return self.advance(pipelined=False)
 
     def advance(self, pipelined: bool = True) -> list:
@@ -141,15 +149,27 @@ class AsyncSteps:
         else:
             e._stepping = list(current.step.seqs) + list(step.seqs)  # (recomputed on errors)
             self.inflight = self._launch(step, *inputs)
+            if not constrained_steps.constrained(step):  # else its masks wait for 3)
+                self._sample(self.inflight)
         # 3) this step's tokens, appended while the next one runs; a next step whose
         # every sequence finished now has nothing to read (its writes are stream-ordered)
         got = self._read(current)
-        if self.inflight is not None and \
-                all(s.status is Status.FINISHED for s in self.inflight.step.seqs):
+        launched = self.inflight
+        if launched is not None and launched.tokens is None:  # rows forced tokens meanwhile
+            constrained_steps.drop_forced(e, launched)
+        if launched is not None and all(s.status is Status.FINISHED for s in launched.step.seqs):
             self.inflight = None
+        elif launched is not None and launched.tokens is None:  # its masks, now filled
+            self._sample(launched)
         if pipelined and e.speculation is not None:
             e.speculation.ahead.observe(current.step, time.perf_counter() - start)
         return got
+
+    def _sample(self, launched: Launched) -> None:
+        """Launch ``launched``'s sampling: its constrained rows masked, every row's argmax."""
+        if constrained_steps.constrained(launched.step):
+            constrained_steps.masks(self.engine, launched)
+        launched.tokens, launched.logits = SampledTokens(launched.logits), None
 
     def _launches(self, step) -> bool:
         e = self.engine
@@ -171,7 +191,7 @@ class AsyncSteps:
             s.num_computed_tokens += n
             if not s.prefilling:  # a sequence still prefilling after its chunk: no token yet
                 rows[s.id] = row - 1
-        return Launched(step, rows, SampledTokens(logits), drafted)
+        return Launched(step, rows, logits, drafted=drafted)
 
     def _inputs(self, step, current: Launched):
         """(tokens, replay, feed) of ``step``: a placeholder for each sequence whose token
@@ -221,6 +241,8 @@ class AsyncSteps:
             token = tokens[row]
             if nan[row]:  # as sampler.sample_each: this row fails, the others do not
                 s.error, token = failure(nan_error([0])), -1
+            elif row in launched.failed:  # its constraint failed (seq.error says why)
+                token = -1
             e._append(s, token, now)
             got.append(s)
         return got

@@ -75,10 +75,12 @@ class RowConstraints:
         seq.constraints = states
 
     @_timed
-    def mask(self, logits: torch.Tensor, seqs) -> list[int]:
-        """Mask the constrained rows of ``logits`` [B, V] in place; returns the rows that
-        failed (``seq.error`` says why), to be sampled as -1."""
-        rows = [i for i, s in enumerate(seqs) if s.params.constrained]
+    def mask(self, logits: torch.Tensor, seqs, rows=None) -> list[int]:
+        """Mask the constrained rows of ``logits`` [B, V] in place (``rows``: those of
+        them to mask, default all); returns the rows that failed (``seq.error`` says why),
+        to be sampled as -1."""
+        if rows is None:
+            rows = [i for i, s in enumerate(seqs) if s.params.constrained]
         if not rows:
             return []
         # rows whose one state fills in a batch (``state.batch``: a grammar's, per

@@ -3,7 +3,12 @@ own (never seen before: every one is compiled), against the same N requests
 unconstrained, in the same run; and each new schema's compile time.
 
 ``python docs/bench/structured_overhead.py [--model smollm2-135m | llama3-8b] [--requests 32]
-[--new-tokens 64] [--rounds 2] [--device cpu] [--out FILE.json]``
+[--new-tokens 64] [--rounds 2] [--device cpu] [--async-steps auto|on|off] [--out FILE.json]``
+
+``--async-steps``: ``build(async_steps=)`` for every run of the process (auto: build's
+default); ``on`` launches each constrained step before the one before is read, its masks
+filled while its forward pass runs (core/runner/constrained_steps.py), ``off`` measures the
+synchronous engine, whose constrained steps wait for the host's masks and accepted tokens.
 
 Both runs generate exactly ``--new-tokens`` per request, so they run the same batches:
 the unconstrained one with ``ignore_eos``, the constrained one under schemas that cannot
@@ -61,7 +66,8 @@ def build(args, n: int):
     ids fit every shape's vocabulary; the ids past it are masked like any other)."""
     from infergraft.core.tools.bench_cli import SHAPES, load_hf
 
-    options = dict(plugins=["paged"], device=args.device, max_batch_size=n, max_seq_len=256)
+    options = dict(plugins=["paged"], device=args.device, max_batch_size=n, max_seq_len=256,
+                   async_steps={"auto": None, "on": True, "off": False}[args.async_steps])
     if args.model not in SHAPES:
         return core.build(args.model, dtype=args.dtype, **options)
     import torch
@@ -87,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--async-steps", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--out")
     args = p.parse_args(argv)
     n, m = args.requests, args.new_tokens
@@ -115,7 +122,8 @@ def main(argv=None) -> int:
     ratios = {k: statistics.median(x["tok_s"] / u["tok_s"] for x, u in
                                    zip(v, results["unconstrained"])) for k, v in results.items()}
     print(f"{args.model} on {engine.plan.device} ({engine.plan.dtype}), {n} requests x {m} "
-          f"new tokens, median of {args.rounds} rounds")
+          f"new tokens, median of {args.rounds} rounds, async steps "
+          f"{'on' if engine.async_steps.enabled else 'off'}")
     for kind, s in summary.items():
         step_ms = s["seconds"] / s["steps"] * 1e3
         print(f"  {kind:<14} {s['tok_s']:8.1f} out tok/s  ({ratios[kind]:6.1%} of the round's "
@@ -128,6 +136,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "device": engine.plan.device, "requests": n,
+                       "async_steps": engine.async_steps.enabled,
                        "new_tokens": m, "rounds": results, "compile_ms": compile_ms,
                        "compile_p50_ms": q["p50"], "compile_p99_ms": q["p99"],
                        "mean_compile_ms": statistics.mean(compile_ms)}, f, indent=1)
