@@ -14,7 +14,7 @@
 #   C. carry [".demo3", ".whl"]: source docs/bench/demo_model_chunks.sh take .demo3;
 #      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47 after the
 #      host-path, async-constrained and verify-ahead work; < 10 min)
-#   D. bash docs/bench/gpu_owed.sh $OUT kv8   (issue 43 item 4: the widen modes; < 5 min)
+#   D. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused; < 9 min)
 #   then: speculative-batch, kernels families steps45, kvmem, and issue 43's profile
 #   (bash docs/bench/gpu_quant_profile.sh OUT ncu).
 # kvmem: tests/test_gpu_kv_memory.py, then sharegpt-like at max_seq_len 8192 vs 2048 again
@@ -69,13 +69,18 @@ if has structured; then
   timeout "${STRUCTURED_TIMEOUT:-120}" python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
     tests/test_serve_structured.py tests/test_tool_call_parsers.py tests/test_structured_batch.py \
+    tests/test_async_constrained.py \
     > "$OUT/structured.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
   # issue 46's overhead target: 256 concurrent requests, a schema each, LLaMA-3-8B shape
-  timeout "${STRUCTURED_BENCH_TIMEOUT:-150}" python3 docs/bench/structured_overhead.py \
-    --model llama3-8b --requests 256 --new-tokens 64 --rounds 2 --device cuda \
-    --out "$OUT/h200-structured-overhead.json" > "$OUT/structured-overhead.txt" 2>&1
-  tail -6 "$OUT/structured-overhead.txt"
+  # (async steps on: constrained rows' masks filled while the next forward runs; off: as before)
+  for arm in on off; do
+    timeout "${STRUCTURED_BENCH_TIMEOUT:-150}" python3 docs/bench/structured_overhead.py \
+      --model llama3-8b --requests 256 --new-tokens 64 --rounds 2 --device cuda \
+      --async-steps $arm --out "$OUT/structured-overhead-$arm.json" \
+      > "$OUT/structured-overhead-$arm.txt" 2>&1
+    echo "structured overhead, async steps $arm"; tail -6 "$OUT/structured-overhead-$arm.txt"
+  done
 fi
 if has steps45; then
   for ds in fixed sharegpt-like; do
@@ -150,6 +155,18 @@ if has budget45 || has budget45-512; then
     uniform:512:256:1000:1024,2048,4096,8192 sharegpt-like:161:338:1000:1024,2048,4096,8192 \
     > "$OUT/budget45-$mb.txt" 2>&1
   echo "budget45 ($mb) rc $?"; grep -E "^==|Output token throughput|budget|idle" "$OUT/budget45-$mb.txt"
+fi
+if has int4fused; then  # issue 43: int4 in the fused decode layer (INFERGRAFT_INT4_FUSED) vs plain
+  for on in 1 0; do
+    INFERGRAFT_INT4_FUSED=$on timeout "${INT4_TIMEOUT:-120}" infergraft bench --model llama2-7b \
+      --batches 1,32 --plugins int4 --new-tokens 32 --out "$OUT/int4-fused$on" \
+      > "$OUT/int4-fused$on.txt" 2>&1
+    echo "int4 INFERGRAFT_INT4_FUSED=$on rc $?"; grep -E "^\| [0-9]" "$OUT/int4-fused$on.txt" | head -4
+  done
+  timeout "${INT4_TESTS_TIMEOUT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    -m gpu tests/test_fused_decode_int4.py tests/kernel_tests/test_int4_fused.py \
+    > "$OUT/int4-fused-tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/int4-fused-tests.txt" | tail -8
 fi
 if has kv8; then  # issue 43 item 4: the widen modes, one layer then end to end (kv8_widen.sh)
   ATTN_ARGS="--plans shipped,1x64x4x3,1x128x4x2 --reps 30" timeout "${KV8_TIMEOUT:-295}" \
