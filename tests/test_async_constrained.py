@@ -20,10 +20,9 @@ from infergraft import core
 from infergraft.core import hookimpl
 from infergraft.core.logits_processor import ConstraintState, LogitsProcessor
 from infergraft.core.runner import async_steps, constrained_steps
-from infergraft.core.runner.cuda_graph import CudaGraphRunner
-from infergraft.core.runner.step_graph import StepGraphRunner
 from infergraft.core.testing.models import random_model, tiny_llama_config
 from infergraft.core.testing.strategies import kit_settings
+from graph_support import eager_graph_runners
 from structured_support import (EOS, VOCAB, ascii_tokenizer, check_json, check_regex,
                                 max_chars, regexes, schemas)
 
@@ -97,14 +96,8 @@ def engine_for(hf, on, graphs=True, budget=16, batch=6):
                         max_num_batched_tokens=budget, async_steps=on)
     engine.schedule_ahead = True  # both engines schedule the same way (the CPU's default: off)
     if graphs:
-        steps = StepGraphRunner(engine.model, engine.cache, budget, batch, buckets=(8, 16),
-                                use_graphs=False)
-        steps.capture()
-        engine.runner.step_graphs = steps
-        decode = CudaGraphRunner(engine.model, engine.cache, batch, buckets=(2, 4, 6),
-                                 use_graphs=False)
-        decode.capture()
-        engine.decode_graphs = decode
+        eager_graph_runners(engine, budget, batch, step_buckets=(8, 16),
+                            decode_buckets=(2, 4, 6))
     return engine
 
 

@@ -15,10 +15,9 @@ from infergraft import core
 from infergraft.core.errors import ConfigError, PlanError
 from infergraft.core.request import SamplingParams
 from infergraft.core.runner import async_steps
-from infergraft.core.runner.cuda_graph import CudaGraphRunner
-from infergraft.core.runner.step_graph import StepGraphRunner
 from infergraft.core.testing.models import (byte_tokenizer, random_model, random_prompt,
                                             tiny_llama_config)
+from graph_support import eager_graph_runners
 
 CFG = tiny_llama_config()
 SETUPS = {  # name -> (plugins, build options, graph runners on their static buffers)
@@ -40,14 +39,7 @@ def engine_for(hf, setup, on, budget=8, batch=4, **kw):
                         max_num_batched_tokens=budget, async_steps=on, **options, **kw)
     engine.schedule_ahead = True  # both engines schedule the same way (the CPU's default: off)
     if graphs:
-        steps = StepGraphRunner(engine.model, engine.cache, budget, batch, buckets=(4, 8),
-                                use_graphs=False)
-        steps.capture()
-        engine.runner.step_graphs = steps
-        decode = CudaGraphRunner(engine.model, engine.cache, batch, buckets=(2, 4),
-                                 use_graphs=False)
-        decode.capture()
-        engine.decode_graphs = decode
+        eager_graph_runners(engine, budget, batch)
     return engine
 
 

@@ -15,12 +15,11 @@ import torch
 from infergraft import core
 from infergraft.core.errors import PlanError
 from infergraft.core.request import SamplingParams
-from infergraft.core.runner.cuda_graph import CudaGraphRunner
-from infergraft.core.runner.step_graph import StepGraphRunner
 from infergraft.core.speculative.ahead import WHOLE_UNTIMED, AheadCost
 from infergraft.core.speculative.config import draft_rows
 from infergraft.core.testing.models import (byte_tokenizer, random_model, random_prompt,
                                             tiny_llama_config)
+from graph_support import eager_graph_runners
 
 NGRAM = {"method": "ngram", "k": 4}
 SETUPS = {  # name -> (build options, graph runners on their static buffers)
@@ -54,14 +53,7 @@ def engine_for(hf, setup, speculative=NGRAM, batch=4, gambles=None, **kw):
     if graphs:
         budget = options["max_num_batched_tokens"]
         extra = draft_rows(engine.speculation and engine.speculation.config, batch)
-        steps = StepGraphRunner(engine.model, engine.cache, budget, batch, buckets=(4, 8),
-                                use_graphs=False, extra_rows=extra)
-        steps.capture()
-        engine.runner.step_graphs = steps
-        decode = CudaGraphRunner(engine.model, engine.cache, batch, buckets=(2, 4),
-                                 use_graphs=False)
-        decode.capture()
-        engine.decode_graphs = decode
+        eager_graph_runners(engine, budget, batch, extra_rows=extra)
     return engine
 
 
