@@ -55,3 +55,19 @@ def test_the_kv8_attention_modes_assemble_for_sm90_without_spills(tmp_path):
     assert len(lines) == 12 and all("_paged_decode_kernel" in line for line in lines), out
     spilled = [line for line in lines if not re.search(r"LOCAL 0 ", line)]
     assert not spilled, "\n".join(spilled)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and _ptxas()), reason="needs Triton's NVIDIA backend")
+def test_the_moe_decode_kernels_assemble_for_sm90_without_spills(tmp_path):
+    # the fused layer's mixture of experts at one and two rows (route, gate_up, down)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "infergraft.core.tools.kernel_bench.cubin",
+                          "--set", "moe", "--rows", "1,2"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    out = run.stdout
+    assert run.returncode == 0 and "0 failed" in out, out[-3000:] + run.stderr[-3000:]
+    lines = [line for line in out.splitlines() if "REG" in line]
+    kernels = {re.search(r" (_\w+_kernel) ", line)[1] for line in lines}
+    assert kernels == {"_route_kernel", "_gate_up_kernel", "_down_kernel"}, out
+    spilled = [line for line in lines if not re.search(r"LOCAL 0 STACK 0", line)]
+    assert not spilled, "\n".join(spilled)
