@@ -33,7 +33,7 @@ from .int8_linear import int8_config
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # up to here the skinny kernel (the weight's bytes bound the GEMM); above, W8A8 or cuBLAS
-SKINNY_MAX_ROWS = 64
+SKINNY_MAX_ROWS = switches.value("INFERGRAFT_FP8_SKINNY_ROWS")
 # cuBLASLt's fast fp8 accumulation skips the periodic float32 promotion of the sums
 FAST_ACCUM = False
 

@@ -90,6 +90,10 @@ SWITCHES = _switches(
     Switch("INFERGRAFT_FUSE_MAX_ROWS", ROWS, "32", "import", "rows",
            "up to how many rows a step takes the fused layer",
            changes_results=True, constant="fused_linear.FUSE_MAX_ROWS"),
+    Switch("INFERGRAFT_FP8_SKINNY_ROWS", ROWS, "64", "import", "rows",
+           "up to how many rows an e4m3 GEMM outside the fused layer streams its weight "
+           "through the skinny kernel; above, W8A8 on `torch._scaled_mm`",
+           changes_results=True, constant="fp8_linear.SKINNY_MAX_ROWS"),
     Switch("INFERGRAFT_QKV_ROPE_MAX_ROWS", ROWS, "32", "import", "rows (`0`: never)",
            "up to how many rows the qkv GEMM rotates and writes K/V itself",
            changes_results=True, constant="fused_linear.QKV_ROPE_MAX_ROWS"),

@@ -168,6 +168,16 @@ if has int4fused; then  # issue 43: int4 in the fused decode layer (INFERGRAFT_I
     > "$OUT/int4-fused-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/int4-fused-tests.txt" | tail -8
 fi
+if has fp8w8a8; then
+  # issue 43: fp8 at batch 32 through W8A8 (torch._scaled_mm, per-token x scales) instead of
+  # the fused layer's e4m3 tiles: the fused layer up to 16 rows, the skinny kernel too
+  for arm in "" "INFERGRAFT_FUSE_MAX_ROWS=16 INFERGRAFT_FP8_SKINNY_ROWS=16"; do
+    env $arm timeout "${FP8_TIMEOUT:-140}" infergraft bench --model llama2-7b --batches 1,32 \
+      --compare-plugins fp8 --new-tokens 32 --out "$OUT/fp8w8a8-${arm:+16}" \
+      > "$OUT/fp8w8a8-${arm:+16}.txt" 2>&1
+    echo "fp8 [$arm] rc $?"; grep -E "^\| [0-9]" "$OUT/fp8w8a8-${arm:+16}.txt" | head -4
+  done
+fi
 if has kv8; then  # issue 43 item 4: the widen modes, one layer then end to end (kv8_widen.sh)
   ATTN_ARGS="--plans shipped,1x64x4x3,1x128x4x2 --reps 30" timeout "${KV8_TIMEOUT:-295}" \
     bash docs/bench/kv8_widen.sh "$OUT/kv8" attn e2e > "$OUT/kv8.txt" 2>&1
