@@ -15,8 +15,12 @@
 #      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47 after the
 #      host-path, async-constrained and verify-ahead work; < 10 min)
 #   D. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused; < 9 min)
-#   then: speculative-batch, kernels families steps45, kvmem, and issue 43's profile
-#   (bash docs/bench/gpu_quant_profile.sh OUT ncu).
+#   E. bash docs/bench/gpu_owed.sh $OUT fp8w8a8 budget45   (issue 43: fp8 b32 via W8A8;
+#      issue 45 item 4: the token-budget sweep, max batch 256; < 10 min)
+#   then: budget45-512, speculative-batch, kernels families steps45, kvmem, and issue 43's
+#   profile (bash docs/bench/gpu_quant_profile.sh OUT ncu). Where a switched path wins, flip
+#   its default (async_steps, INFERGRAFT_INT4_FUSED, INFERGRAFT_KV8_WIDEN) in the same commit
+#   as its figures.
 # kvmem: tests/test_gpu_kv_memory.py, then sharegpt-like at max_seq_len 8192 vs 2048 again
 #   (since 531a8db a graph step gathers only the table entries it uses), < 8 min.
 # kernels: the CUDA cases of the kernels written or changed without a GPU (int4_mma, fp8_mma,
