@@ -22,6 +22,8 @@ import torch
 from ._triton import HAVE_TRITON, last_to_arrive, next_pow2, pdl_launch, pdl_release, \
     pdl_wait, tl, triton
 from .int4_gemv import MAX_ROWS, gemv_config  # noqa: F401  (MAX_ROWS: the rows it takes)
+if HAVE_TRITON:
+    from .int4_gemv import int4_tile, int4_tile_dot
 from .rotary import rope_pair_store
 
 if HAVE_TRITON:
@@ -78,16 +80,8 @@ if HAVE_TRITON:
             pdl_release(PDL)
         for t in range(t_lo, t_hi):
             c = t * (BLOCK_K // 2) + cb  # byte columns                        # [GT, SUB/2]
-            b = tl.load(q_rows + c[None, :, :], mask=nmask[:, None, None] & (c < KP)[None, :, :],
-                        other=0).to(tl.int32)                                   # [BN, GT, SUB/2]
-            g = (t * BLOCK_K + jg * SUB) // GROUP                               # [GT]
-            gmask = nmask[:, None] & (g < G)[None, :]
-            s = tl.load(s_ptr + sz_rows + g[None, :], mask=gmask, other=0.0)    # [BN, GT]
-            z = tl.load(z_ptr + sz_rows + g[None, :], mask=gmask, other=0).to(tl.float32)
-            v = b | 0x4B000000  # int4_gemv's bit trick: 2^23 + b, then its high nibble
-            h = (v & 0x4B0000F0).to(tl.float32, bitcast=True)
-            lo = v.to(tl.float32, bitcast=True) - h  # the low nibble q, exact
-            hi = h - 8388608.0  # 16 q, exact
+            lo, hi, s, z = int4_tile(q_rows, s_ptr, z_ptr, sz_rows, nmask, c, t, jg, KP, G,
+                                     BLOCK_K, SUB, GROUP)
             # the packed columns (2c, 2c + 1) and where x holds them (act order: perm)
             rk = 2 * c[:, :, None] + tl.arange(0, 2)[None, None, :]              # [GT, SUB/2, 2]
             kmask = rk < K
@@ -102,10 +96,7 @@ if HAVE_TRITON:
                 if GAMMA:
                     xr = xr * gam
                 xe, xo = tl.split(xr)                                           # [GT, SUB/2]
-                sx = tl.sum(xe + xo, axis=1)  # sum (q - z) x = sum q x - z sum x  # [GT]
-                d = tl.sum(lo * xe[None, :, :], axis=2) + \
-                    tl.sum(hi * xo[None, :, :], axis=2) * 0.0625               # [BN, GT]
-                part = tl.sum((d - z * sx[None, :]) * s, axis=1)                # [BN]
+                part = int4_tile_dot(lo, hi, s, z, xe, xo)                      # [BN]
                 acc = tl.where(rm[:, None] == r, acc + part[None, :], acc)      # [BM, BN]
         if not EARLY:
             pdl_release(PDL)

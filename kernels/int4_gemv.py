@@ -33,6 +33,36 @@ SMS = 132  # streaming multiprocessors of the H200 the defaults are for
 
 if HAVE_TRITON:
 
+    @triton.jit
+    def int4_tile(q_rows, s_ptr, z_ptr, sz_rows, nmask, c, t, jg, KP, G,
+                  BLOCK_K: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr):
+        """K tile ``t`` of rows ``q_rows`` ([BN, 1, 1] pointers), byte columns ``c``
+        [GT, SUB/2] -> (lo, 16 hi) float32 [BN, GT, SUB/2] (the nibbles, exact), the
+        groups' scales and zero-points [BN, GT] float32 (sz_rows [BN, 1]: row * G)."""
+        b = tl.load(q_rows + c[None, :, :], mask=nmask[:, None, None] & (c < KP)[None, :, :],
+                    other=0).to(tl.int32)                                       # [BN, GT, SUB/2]
+        g = (t * BLOCK_K + jg * SUB) // GROUP                                   # [GT]
+        gmask = nmask[:, None] & (g < G)[None, :]
+        s = tl.load(s_ptr + sz_rows + g[None, :], mask=gmask, other=0.0)        # [BN, GT]
+        z = tl.load(z_ptr + sz_rows + g[None, :], mask=gmask, other=0).to(tl.float32)
+        # 0x4B000000 is 2^23's float32 bits: a byte OR-ed in reads as 2^23 + b, and
+        # masked to its high nibble as 2^23 + 16 hi (the module docstring)
+        v = b | 0x4B000000
+        h = (v & 0x4B0000F0).to(tl.float32, bitcast=True)
+        lo = v.to(tl.float32, bitcast=True) - h  # the low nibble q, exact
+        hi = h - 8388608.0  # 16 q, exact
+        return lo, hi, s, z
+
+    @triton.jit
+    def int4_tile_dot(lo, hi, s, z, xe, xo):
+        """One row of x against a tile: its even / odd columns xe, xo [GT, SUB/2] -> the
+        tile's contribution to each weight row [BN]: sum (q - z) x = sum q x - z sum x,
+        per group, times its scale."""
+        sx = tl.sum(xe + xo, axis=1)                                            # [GT]
+        d = tl.sum(lo * xe[None, :, :], axis=2) + \
+            tl.sum(hi * xo[None, :, :], axis=2) * 0.0625                       # [BN, GT]
+        return tl.sum((d - z * sx[None, :]) * s, axis=1)                        # [BN]
+
     # shape-only arguments stay unspecialised, so the LLaMA shapes share one compile
     @triton.jit(do_not_specialize=["N", "G", "TILES", "TILES_PER_SPLIT", "stride_ys"])
     def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, KP, G, TILES,
@@ -58,29 +88,15 @@ if HAVE_TRITON:
             pdl_release(PDL)
         for t in range(t_lo, t_hi):
             c = t * (BLOCK_K // 2) + cb  # byte columns                        # [GT, SUB/2]
-            b = tl.load(q_rows + c[None, :, :], mask=nmask[:, None, None] & (c < KP)[None, :, :],
-                        other=0).to(tl.int32)                                   # [BN, GT, SUB/2]
-            g = (t * BLOCK_K + jg * SUB) // GROUP                               # [GT]
-            gmask = nmask[:, None] & (g < G)[None, :]
-            s = tl.load(s_ptr + sz_rows + g[None, :], mask=gmask, other=0.0)    # [BN, GT]
-            z = tl.load(z_ptr + sz_rows + g[None, :], mask=gmask, other=0).to(tl.float32)
-            # 0x4B000000 is 2^23's float32 bits: a byte OR-ed in reads as 2^23 + b, and
-            # masked to its high nibble as 2^23 + 16 hi (the module docstring)
-            v = b | 0x4B000000
-            h = (v & 0x4B0000F0).to(tl.float32, bitcast=True)
-            lo = v.to(tl.float32, bitcast=True) - h  # the low nibble q, exact
-            hi = h - 8388608.0  # 16 q, exact
+            lo, hi, s, z = int4_tile(q_rows, s_ptr, z_ptr, sz_rows, nmask, c, t, jg, KP, G,
+                                     BLOCK_K, SUB, GROUP)
             for r in tl.static_range(ROWS):
                 # x's columns (2c, 2c + 1) as pairs, split into the even and odd halves;
                 # a masked x (past K) zeroes the padded nibble
                 rk = 2 * c[:, :, None] + tl.arange(0, 2)[None, None, :]          # [GT, SUB/2, 2]
                 xe, xo = tl.split(tl.load(x_ptr + r * stride_xm + rk, mask=rk < K,
                                           other=0.0).to(tl.float32))            # [GT, SUB/2]
-                # sum (q - z) x = sum q x - z sum x, per group
-                sx = tl.sum(xe + xo, axis=1)                                    # [GT]
-                d = tl.sum(lo * xe[None, :, :], axis=2) + \
-                    tl.sum(hi * xo[None, :, :], axis=2) * 0.0625               # [BN, GT]
-                part = tl.sum((d - z * sx[None, :]) * s, axis=1)                # [BN]
+                part = int4_tile_dot(lo, hi, s, z, xe, xo)                      # [BN]
                 acc = tl.where(rm[:, None] == r, acc + part[None, :], acc)      # [BM, BN]
         if not EARLY:
             pdl_release(PDL)
