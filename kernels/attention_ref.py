@@ -14,6 +14,11 @@ def sdpa(q, k, v, *, scale: float, attn_mask=None, is_causal: bool = False,
     h // (Hq / Hkv)); ``attn_mask`` boolean, broadcast to [..., Hq, L, S], True where a
     query sees a key; ``is_causal``: SDPA's top-left causal mask. -> [..., Hq, L, D]."""
     if softcap is None:
+        if q.dim() == 3:
+            # torch's CPU flash kernel takes only 4-D inputs; 3-D ones fall to the math path
+            # (scores materialised, several times slower on a long prompt)
+            return sdpa(q[None], k[None], v[None], scale=scale, is_causal=is_causal,
+                        attn_mask=attn_mask)[0]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
