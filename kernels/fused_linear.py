@@ -42,8 +42,7 @@ from .fp8_mma import rows_mma_chosen
 from .int4_format import Int4Weight
 from .gemv import gemv_config, gemv_kind, int8_gemv_config, takes_gemv, takes_int8_gemv
 from .linear import SWAP_TILES, check_gemm, launch_gemm, skinny_config
-from .kv_write import _check_kv_write
-from .rotary import _check_rotary, rotary_kv_write_triton
+from .rotary import qkv_rope_epilogue, rotary_kv_write_triton
 from .silu_mul import silu_mul_torch
 # the references (re-exported: the ops' torch side) and the helpers both sides share
 from .fused_linear_ref import (_int4, _linear, _normed, _with_sum_sq,  # noqa: F401
@@ -258,13 +257,7 @@ def normed_qkv_rope_triton(x, weight, bias, sum_sq, eps, cos, sin, positions, nu
     m = x.shape[0]
     check_gemm(x, weight, bias, scale)
     q = torch.empty((m, num_heads * d), dtype=x.dtype, device=x.device)
-    # the checks of the two kernels this one replaces; a cache slot, broadcast to
-    # [T, Hkv, D] (a view, never written), stands in for the k and v it never stores
-    kv_like = k_cache[0, 0].expand(m, hkv, d)
-    _check_rotary(q.view(m, num_heads, d), kv_like, cos, sin, positions)
-    _check_kv_write(kv_like, kv_like, k_cache, v_cache, idx0, idx1)
-    rope = (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
-            v_cache, num_heads, hkv)
+    rope = qkv_rope_epilogue(q, num_heads, cos, sin, positions, k_cache, v_cache, idx0, idx1)
     launch_gemm(grid, cfg, x, weight, bias, q,
                 sum_sq=sum_sq, eps=eps, up_rows=half, rope=rope, w_scale=scale)
     return q.view(m, num_heads, d)

@@ -106,8 +106,7 @@ def normed_qkv_rope(x, w, bias, sum_sq, eps, cos, sin, positions, num_heads, k_c
     """fused_linear.normed_qkv_rope's contract: rms_norm(x, norm) W^T split into heads, RoPE
     on q and k, k and v to ``cache[idx0[t], idx1[t]]`` -> rotated q [T, Hq, D]. The
     kernel where half a head is a whole number of its tiles and the caches are x's dtype."""
-    from .kv_write import _check_kv_write
-    from .rotary import _check_rotary
+    from .rotary import qkv_rope_epilogue
 
     _check(x, w, bias, norm)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -122,13 +121,7 @@ def normed_qkv_rope(x, w, bias, sum_sq, eps, cos, sin, positions, num_heads, k_c
         return kv_write(q, k, v, cos, sin, positions, k_cache, v_cache, idx0, idx1)
     m = x.shape[0]
     q = torch.empty((m, num_heads * d), dtype=x.dtype, device=x.device)
-    # the checks of the two kernels this one replaces (a cache slot, broadcast, stands in
-    # for the k and v it never stores)
-    kv_like = k_cache[0, 0].expand(m, hkv, d)
-    _check_rotary(q.view(m, num_heads, d), kv_like, cos, sin, positions)
-    _check_kv_write(kv_like, kv_like, k_cache, v_cache, idx0, idx1)
-    rope = (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
-            v_cache, num_heads, hkv)
+    rope = qkv_rope_epilogue(q, num_heads, cos, sin, positions, k_cache, v_cache, idx0, idx1)
     launch_int4_fused(x, w, bias, q, gemm="qkv_rope", norm=norm, sum_sq=sum_sq, eps=eps,
                       rope=rope, counters=counters, config=config)
     return q.view(m, num_heads, d)

@@ -188,6 +188,19 @@ def _check_rotary(q, k, cos, sin, positions):
     return t, hq, d, half
 
 
+def qkv_rope_epilogue(q, num_heads, cos, sin, positions, k_cache, v_cache, idx0, idx1):
+    """For a qkv GEMM whose epilogue rotates q and k and stores k and v (the fused layer's
+    and int4's): the checks of the rotary and K/V-write kernels it replaces, on q [T, Hq x
+    D] (a cache slot, broadcast to [T, Hkv, D], stands in for the k and v it never
+    stores), and the epilogue's arguments."""
+    m, hkv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    kv_like = k_cache[0, 0].expand(m, hkv, d)  # a view, never written
+    _check_rotary(q.view(m, num_heads, d), kv_like, cos, sin, positions)
+    _check_kv_write(kv_like, kv_like, k_cache, v_cache, idx0, idx1)
+    return (positions.contiguous(), cos, sin, idx0.contiguous(), idx1.contiguous(), k_cache,
+            v_cache, num_heads, hkv)
+
+
 def _warps(block_d, *blocks_h):
     tile = block_d * max(blocks_h)
     return 4 if tile <= 2048 else 8 if tile <= 8192 else 16
