@@ -88,15 +88,19 @@ if HAVE_TRITON:
         TOP_K the j-th largest softmax probability (float32), renormalised where RENORM."""
         re = tl.arange(0, E_POW2)
         z = tl.load(logits_ptr + re, mask=re < E, other=float("-inf")).to(tl.float32)
+        # a row of no token (a graph's capture reads attention over no keys: NaN) must
+        # still pick experts that exist: NaN logits count as -inf, NaN probabilities as 0
+        z = tl.where(z == z, z, float("-inf"))
         p = tl.exp(z - tl.max(z, axis=0))
         p = p / tl.sum(p, axis=0)  # padding: exp(-inf) = 0
+        p = tl.where(p == p, p, 0.0)
         left = tl.where(re < E, p, -1.0)
         slots = tl.arange(0, K_POW2)
         ids = tl.zeros((K_POW2,), tl.int32)
         weights = tl.zeros((K_POW2,), tl.float32)
         for j in tl.static_range(TOP_K):
             best = tl.max(left, axis=0)
-            idx = tl.min(tl.where(left == best, re, E_POW2), axis=0)
+            idx = tl.minimum(tl.min(tl.where(left == best, re, E_POW2), axis=0), E - 1)
             ids = tl.where(slots == j, idx, ids)
             weights = tl.where(slots == j, best, weights)
             left = tl.where(re == idx, -2.0, left)

@@ -86,6 +86,22 @@ def test_the_order_follows_the_budget_and_the_results_keep_their_shape(tmp_path,
     assert floors[("hf-eager", 2)] == floors[("infergraft", 2)]
 
 
+def test_our_engine_alone_keeps_hfs_weights_in_host_memory(tmp_path, capsys, monkeypatch):
+    """--systems infergraft: HF's model is only the source of our weights, so it stays in
+    host memory (the interleaved order would load it onto the device beside our engine,
+    whose cache budget it then takes: Qwen3-30B-A3B on an 80 GB H100 was refused so)."""
+    import infergraft.core.tools.bench_cli as bench_cli
+
+    calls = record_calls(monkeypatch)
+    monkeypatch.setattr(bench_cli, "load_models",
+                        lambda *a, **k: pytest.fail("HF's model was loaded onto the device"))
+    args = ARGS[:-1] + ["infergraft", "--out", str(tmp_path / "alone")]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "order: our engine alone" in err, err
+    assert [c[:2] for c in calls] == [("infergraft", 1), ("infergraft", 2)]
+
+
 @pytest.mark.parametrize("extra, room, says", [
     ([], lambda f: f.ours_least // 2, "tiny does not fit the device even alone: our engine"),
     # ours quantised and with short steps fits; HF's float32 copy does not

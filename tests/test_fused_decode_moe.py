@@ -165,10 +165,11 @@ def test_bf16_decode_graphs_take_moe_decode_and_keep_the_tokens(family):
     kw = dict(max_seq_len=64, max_batch_size=2, dtype="bfloat16", device="cuda")
     engine = core.build(hf, plugins=["paged"], **kw)
     calls = _count(engine, ("moe_decode",))
+    engine.decode_graphs.capture()  # again, through the counter (build captured them first)
+    assert calls  # captured into the graphs (a graph's replays call no Python)
     prompt = random_prompt(9, hf.config.vocab_size, 3)
     got = engine.generate(prompt, max_new_tokens=8)[0].token_ids
-    assert engine.decode_graphs is not None and engine.decode_graphs.replays > 0
-    assert calls  # captured into the graphs (a graph's replays call no Python)
+    assert engine.decode_graphs.replays > 0
     os.environ["INFERGRAFT_FUSE"] = "0"
     try:
         plain = core.build(hf, plugins=["paged"], **kw)

@@ -247,7 +247,8 @@ def measure(args) -> int:
     plotted = plot(results, out / "tpot.png", title)
     table += f"\n{fit.order} order: " + (
         "each batch on every system in turn" if fit.order == INTERLEAVED else
-        "our engine at every batch, freed, then HF's model on the device")
+        "our engine at every batch, freed, then HF's model on the device" if fit.hf else
+        "our engine alone")
     if args.compare_plugins:
         table += "\n\n" + variants_table(results)
     if warning:

@@ -55,6 +55,8 @@ class Fit:
 
     @property
     def order(self) -> str:
+        if not self.hf:  # HF not measured: its model on the device would only take room
+            return SEQUENTIAL
         return INTERLEAVED if self.ours + self.hf <= self.room else SEQUENTIAL
 
     def sizes(self) -> str:
@@ -64,6 +66,9 @@ class Fit:
         return f"our engine's {fmt_bytes(self.ours)}{hf} against {of}"
 
     def describe(self) -> str:
+        if not self.hf:
+            return (f"order: our engine alone (built from HF's weights in host memory, which "
+                    f"stay there): {self.sizes()}")
         if self.order == INTERLEAVED:
             return (f"order: interleaved (HF's model and our engine on the device together, "
                     f"each batch on every system in turn): {self.sizes()}")

@@ -10,7 +10,20 @@ from infergraft.kernels.fused_moe import fused_moe_torch, fused_moe_triton
 from infergraft.kernels.moe_decode import (moe_decode_torch, moe_decode_triton, route,
                                            takes_pair_path)
 
+from infergraft.kernels._triton import HAVE_TRITON, tl, triton
+
 from .tolerances import assert_close
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _top_k_probe(logits_ptr, ids_ptr, E, E_POW2: tl.constexpr, TOP_K: tl.constexpr,
+                     K_POW2: tl.constexpr):
+        # a row's routing as the gate_up and down kernels compute it, its ids stored
+        row = tl.program_id(0)
+        ids, _ = M._top_k(logits_ptr + row * E, E, E_POW2, TOP_K, K_POW2, True)
+        slots = tl.arange(0, K_POW2)
+        tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
 SMALL_TILES = dict(ROUTE_E=4, ROUTE_K=16, GATE_UP_N=8, GATE_UP_K=16, DOWN_N=8, DOWN_K=16)
 
@@ -68,6 +81,30 @@ def test_only_the_routed_experts_weights_are_read(device, randn):
     got, _ = moe_decode_triton(*args, 2, True, tiles=SMALL_TILES)
     assert torch.isfinite(got).all()
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("e,k", [(128, 8), (6, 2)])
+def test_routing_of_a_row_of_no_token_picks_experts_that_exist(device, randn, e, k):
+    """Rows whose logits are NaN or infinite (a CUDA graph's capture runs attention over no
+    keys: NaN) still route to k distinct experts in [0, E): an id past the last expert
+    read past the weights (an illegal address on the GPU, at Qwen3-30B-A3B's capture).
+    Finite rows route as ``route`` does."""
+    nan, inf = float("nan"), float("inf")
+    rows = [torch.full((e,), nan), torch.full((e,), -inf), torch.full((e,), inf),
+            randn(e, dtype=torch.float32).cpu(), randn(e, dtype=torch.float32).cpu()]
+    rows[3][1] = nan  # one NaN among finite logits: never picked
+    logits = torch.stack(rows).to(device)
+    ids = torch.full((len(rows), k), -1, dtype=torch.int32, device=device)
+    _top_k_probe[(len(rows),)](logits, ids, e, E_POW2=M.next_pow2(e), TOP_K=k,
+                               K_POW2=max(2, M.next_pow2(k)))
+    got = ids.cpu()
+    assert ((got >= 0) & (got < e)).all(), got
+    assert all(len(set(r.tolist())) == k for r in got), got
+    assert 1 not in got[3].tolist()
+    finite = logits[3].clone()
+    finite[1] = -inf
+    assert got[3].tolist() == route(finite[None], k, True)[1][0].tolist()
+    assert got[4].tolist() == route(logits[4:5], k, True)[1][0].tolist()
 
 
 def test_bad_inputs_say_what_is_accepted(device, randn):
