@@ -111,7 +111,8 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     ``{"method": "draft", "model": ..., "k": 4}`` (core/speculative/config.py; None: off).
     ``async_steps``: step N+1 launched before step N's tokens are read, its decode rows
     fed N's tokens on the device (greedy steps only: core/runner/async_steps.py; default
-    off until its GPU run is in docs/BENCHMARKS.md; True runs it on the CPU too).
+    on where the engine schedules ahead, on CUDA in one process; True runs it on the CPU
+    too, False turns it off).
     ``plugins=["tp"]`` under torchrun: tensor parallel over the ranks (core/distributed/)."""
     if config is not None:  # first statement: locals() are the arguments
         from .config import explicit_arguments, resolve_config
@@ -213,7 +214,7 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     engine.constraints.processors = pm.logits_processors()  # inline plugins' too
     engine.schedule_ahead = device.type == "cuda" and rank.ranks is None \
         and switches.value("INFERGRAFT_SCHEDULE_AHEAD")
-    engine.async_steps.enabled = _async_steps(async_steps, rank.ranks)
+    engine.async_steps.enabled = _async_steps(async_steps, rank.ranks, engine.schedule_ahead)
     engine.schedule_ahead |= engine.async_steps.enabled  # (the step it launches early)
     engine.decode_graphs = decode_graphs_for(net, cache, plan, device, cuda_graphs)
     engine.prefill_graphs = prefill_graphs_for(net, cache, plan, engine.decode_graphs,
@@ -226,14 +227,14 @@ def build(model=None, plugins=None, *, config=None, dtype=None, device=None, max
     return engine
 
 
-def _async_steps(wanted: bool | None, ranks) -> bool:
-    """Whether the engine launches a step before reading the one before (default: off,
-    until measured on a GPU; then where it schedules ahead, on CUDA in one process)."""
+def _async_steps(wanted: bool | None, ranks, schedules_ahead: bool) -> bool:
+    """Whether the engine launches a step before reading the one before (default: where
+    it schedules ahead, on CUDA in one process; docs/BENCHMARKS.md has the runs)."""
     if wanted and ranks is not None:
         raise PlanError("async_steps=True runs in one process: tensor / pipeline parallel "
                         "ranks take the sampling rank's tokens after every step; leave it "
                         "out (None) or False")
-    return bool(wanted)
+    return schedules_ahead if wanted is None else bool(wanted)
 
 
 def _check_attention(pm, backend, spec) -> None:
