@@ -6,21 +6,20 @@
 # machine's 30 s) carry them (`bash docs/bench/demo_model_chunks.sh` here first, and
 # `bash docs/bench/device_wheels.sh` for .whl):
 #   (done on an H100 at 06447bf, docs/bench/HISTORY.md: census45, bench44, the quant bench
-#   0 / auto / 1, structured, speculative.) Owed next, four calls back to back:
+#   0 / auto / 1, structured, speculative; at 0ba8d8b: async45 (async steps now on by
+#   default), structured and speculative again, moe_decode's kernel bench.) Owed next,
+#   back to back:
 #   A. carry [".demo1", ".whl"]: bash docs/bench/demo_model_chunks.sh take .demo1;
-#      bash docs/bench/gpu_owed.sh $OUT moe44   (issue 44: moe_decode, FUSE 1 vs 0; < 7 min)
-#   B. carry [".demo2"]: bash docs/bench/demo_model_chunks.sh take .demo2;
-#      bash docs/bench/gpu_owed.sh $OUT async45   (issue 45 item 3: async steps on / off)
-#   C. carry [".demo3", ".whl"]: source docs/bench/demo_model_chunks.sh take .demo3;
-#      bash docs/bench/gpu_owed.sh $OUT structured speculative   (issues 46, 47 after the
-#      host-path, async-constrained and verify-ahead work; < 10 min)
-#   D. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused; < 9 min)
-#   E. bash docs/bench/gpu_owed.sh $OUT fp8w8a8 budget45   (issue 43: fp8 b32 via W8A8;
+#      bash docs/bench/gpu_owed.sh $OUT moe44   (issue 44: the engine's MoE at batch 1 / 32,
+#      FUSE 1 vs 0, after the capture fix; its CUDA tests; < 7 min)
+#   B. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused; < 9 min)
+#   C. bash docs/bench/gpu_owed.sh $OUT fp8w8a8 budget45   (issue 43: fp8 b32 via W8A8;
 #      issue 45 item 4: the token-budget sweep, max batch 256; < 10 min)
-#   then: budget45-512, speculative-batch, kernels families steps45, kvmem, and issue 43's
+#   then: structured (carry .demo2/.demo3 in the calls before; the compile wait split out),
+#   budget45-512, speculative-batch, kernels families steps45, kvmem, and issue 43's
 #   profile (bash docs/bench/gpu_quant_profile.sh OUT ncu). Where a switched path wins, flip
-#   its default (async_steps, INFERGRAFT_INT4_FUSED, INFERGRAFT_KV8_WIDEN) in the same commit
-#   as its figures.
+#   its default (INFERGRAFT_INT4_FUSED, INFERGRAFT_KV8_WIDEN) in the same commit as its
+#   figures.
 # kvmem: tests/test_gpu_kv_memory.py, then sharegpt-like at max_seq_len 8192 vs 2048 again
 #   (since 531a8db a graph step gathers only the table entries it uses), < 8 min.
 # kernels: the CUDA cases of the kernels written or changed without a GPU (int4_mma, fp8_mma,
@@ -133,7 +132,7 @@ if has moe44; then
       > "$OUT/moe-fuse$fuse.txt" 2>&1
     echo "moe INFERGRAFT_FUSE=$fuse rc $?"; grep -E "^\| [0-9]" "$OUT/moe-fuse$fuse.txt" | head -4
   done
-  timeout "${MOE_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+  timeout "${MOE_TESTS_TIMEOUT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     -m gpu tests/kernel_tests/test_moe_decode.py tests/test_fused_decode_moe.py \
     > "$OUT/moe-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe-tests.txt" | tail -8
@@ -141,11 +140,11 @@ if has moe44; then
     > "$OUT/moe-kernel.txt" 2>&1; tail -12 "$OUT/moe-kernel.txt"
 fi
 if has async45; then
-  # issue 45 item 3: async steps off (the default until this run) and on, the same requests
+  # issue 45 item 3: async steps on (the default since 0ba8d8b's run) and off, the same requests
   timeout "${ASYNC_TESTS_TIMEOUT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     -m gpu tests/test_async_steps.py tests/test_mixed_steps.py > "$OUT/async-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/async-tests.txt" | tail -8
-  COMPARE=async_steps=true timeout "${ASYNC_TIMEOUT:-300}" python3 docs/bench/throughput_runs.py \
+  COMPARE=async_steps=false timeout "${ASYNC_TIMEOUT:-300}" python3 docs/bench/throughput_runs.py \
     "$OUT/async45" 200 fixed:512:256:1000:2048 sharegpt-like:161:338:1000:2048 \
     > "$OUT/async45.txt" 2>&1
   echo "async45 rc $?"; grep -E "^==|Output token throughput|idle" "$OUT/async45.txt"
