@@ -62,6 +62,9 @@ class Engine:
         # requests' logits processors (structured output); build() gives its plugins'
         self.constraints = RowConstraints(Vocabulary(spec.vocab_size, self.eos_token_ids,
                                                      tokenizer, self.device.type), self.device)
+        # a grammar compiling holds its request, not the batch (ranks: every one schedules alike)
+        self.scheduler.ready = lambda seq: self.ranks is not None or self.constraints.ready(seq)
+        self.scheduler.wait_ready = self.constraints.wait_ready
         # distributed.collectives.TensorParallelGroup or distributed.stages.PipelineStage:
         # every rank takes the tokens sampled where the logits are
         self.ranks = None

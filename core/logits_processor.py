@@ -106,6 +106,16 @@ class ConstraintState:
         ``finish_reason="stop"`` now, without a step to sample that stop token."""
         return False
 
+    def ready(self) -> bool:
+        """Whether its first mask can be filled without waiting (a grammar still compiling
+        on a background thread: not yet). Until it is, the request waits in the queue
+        while the others run (admitted once ready), as vLLM holds a request whose grammar
+        compiles."""
+        return True
+
+    def wait(self) -> None:
+        """Block until ``ready`` (called only when nothing else can run)."""
+
     def take_forced(self, limit: int) -> list[int]:
         """Advance past the tokens (at most ``limit``) that must come next whatever the
         model says, and return them: the engine appends them as if sampled and feeds them

@@ -60,6 +60,10 @@ class Scheduler:
         self._last_ran: dict[int, int] = {}
         self._last_kind = None
         self.long_rope = None  # core.long_rope.LongRopeSwitch: LongRoPE's two tables (build())
+        # whether a waiting sequence can run now, and a wait until it can (the engine's:
+        # a request whose grammar compiles is held while the others run)
+        self.ready = lambda seq: True
+        self.wait_ready = lambda seq: None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -123,6 +127,10 @@ class Scheduler:
                 self.num_paused += short
                 return step
             if not self.running:
+                held = next((s for s in self.waiting if not self.ready(s)), None)
+                if held is not None:  # nothing else can run: wait for its grammar
+                    self.wait_ready(held)
+                    continue
                 return self._nothing_fits()
             if len(self.running) == 1:
                 raise SchedulerError(f"the cache cannot extend its only sequence by "
@@ -169,11 +177,14 @@ class Scheduler:
     def _admit(self, base: list[Sequence], base_counts: list[int]):
         """Waiting prompts, oldest first, while the batch, the cache and what ``base``
         leaves of the token budget take them; the last one may be a first chunk."""
-        admitted, counts = [], []
+        admitted, counts, held = [], [], []
         budget = self.max_num_batched_tokens - sum(base_counts)
         while self.waiting and budget > 0 and \
                 len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
+            if not self.ready(seq):  # its grammar compiling: the ones behind it go first
+                held.append(self.waiting.popleft())
+                continue
             n = seq.num_tokens
             cached = allocate(self.cache, seq)
             if cached is None:
@@ -195,6 +206,7 @@ class Scheduler:
             seq.status = Status.WAITING
             seq.num_prefill_tokens = seq.num_computed_tokens = 0
             self.waiting.appendleft(seq)
+        self.waiting.extendleft(reversed(held))  # (their places kept)
         self.running.extend(admitted)
         for s in admitted:  # those that stay (the ones sent back above are not admitted)
             s.count_admission(s.num_computed_tokens)

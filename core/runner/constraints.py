@@ -74,6 +74,18 @@ class RowConstraints:
             states.append(self.processors.get(name).start(arg, self.vocab))
         seq.constraints = states
 
+    @staticmethod
+    def ready(seq) -> bool:
+        """Whether ``seq`` can run without its first mask waiting (the scheduler holds it
+        in the queue until then: ``ConstraintState.ready``)."""
+        return not seq.params.constrained or all(s.ready() for s in seq.constraints or ())
+
+    @_timed
+    def wait_ready(self, seq) -> None:
+        """Nothing else can run: block until ``seq``'s states are ready."""
+        for state in seq.constraints or ():
+            state.wait()
+
     @_timed
     def mask(self, logits: torch.Tensor, seqs, rows=None) -> list[int]:
         """Mask the constrained rows of ``logits`` [B, V] in place (``rows``: those of

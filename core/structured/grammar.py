@@ -26,7 +26,7 @@ import collections
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -183,6 +183,12 @@ class GrammarState(ConstraintState):
                 raise RuntimeError(f"the grammar failed to compile: {e}") from e
             self._matcher = xgrammar().GrammarMatcher(grammar)
         return self._matcher
+
+    def ready(self) -> bool:
+        return self._matcher is not None or self._compiled.done()
+
+    def wait(self) -> None:
+        wait([self._compiled])  # (a failed compilation is named at its first mask)
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         # (a step's rows come to ``batch.fill`` together; this is a row of its own)

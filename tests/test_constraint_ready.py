@@ -1,0 +1,113 @@
+"""A request whose constraint is not ready (a grammar compiling on a background thread, as
+beside a GPU) waits in the queue while the others run, and is admitted once ready, as vLLM
+holds a request whose grammar compiles; where nothing else can run the engine waits for it.
+Its tokens are those it gets with its constraint ready from the start."""
+import threading
+
+import pytest
+import torch
+
+from infergraft import core
+from infergraft.core import hookimpl
+from infergraft.core.logits_processor import ConstraintState, LogitsProcessor, pack_bitmask
+from infergraft.core.request import Status
+from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
+
+VOCAB = 260
+GATE = threading.Event()  # set: the "compilation" is done
+
+
+class Gated(LogitsProcessor):
+    """Only even token ids; ready once ``GATE`` is set (``arg`` "open": always ready)."""
+    name = "gated-even"
+
+    def start(self, arg, vocab):
+        allowed = torch.zeros(vocab.size, dtype=torch.bool)
+        allowed[::2] = True
+        return GatedState(pack_bitmask(allowed), arg == "open")
+
+
+class GatedState(ConstraintState):
+    def __init__(self, row, always):
+        self.row, self.always, self.waited = row, always, 0
+
+    def ready(self):
+        return self.always or GATE.is_set()
+
+    def wait(self):
+        self.waited += 1
+        assert GATE.wait(10), "the gate never opened"
+
+    def fill_bitmask(self, bitmask, row):
+        assert self.ready(), "a mask was asked for before the state was ready"
+        bitmask[row] = self.row
+
+
+class Plugin:
+    @hookimpl
+    def infergraft_register_logits_processors(self, register):
+        register(Gated())
+
+
+@pytest.fixture(scope="module")
+def engine():
+    hf = random_model(tiny_llama_config(vocab_size=VOCAB, eos_token_id=257), seed=5, scale=5.0)
+    return core.build(hf, plugins=[Plugin()], max_seq_len=64, max_batch_size=4)
+
+
+@pytest.fixture(autouse=True)
+def closed_gate():
+    GATE.clear()
+    yield
+    GATE.set()
+
+
+def _params(arg, n=8):
+    return core.SamplingParams(max_new_tokens=n, ignore_eos=True,
+                               logits_processors={"gated-even": arg})
+
+
+def test_a_request_not_ready_waits_while_the_others_run(engine):
+    a, b = random_prompt(5, 256, 1), random_prompt(6, 256, 2)
+    want = engine.generate(b, max_new_tokens=8, ignore_eos=True,
+                           logits_processors={"gated-even": "open"})[0].token_ids
+    free_alone = engine.generate(a, max_new_tokens=8, ignore_eos=True)[0].token_ids
+    held = engine.add_request(b, _params("gated"))
+    free = engine.add_request(a, core.SamplingParams(max_new_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    # the unconstrained request ran past the held one, which never reached the cache
+    assert len(free.output_ids) >= 2 and held.status is Status.WAITING
+    assert held.output_ids == [] and held.num_computed_tokens == 0
+    GATE.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert held.output_ids == want and all(t % 2 == 0 for t in held.output_ids)
+    assert free.output_ids == free_alone
+    assert held.constraints[0].waited == 0  # another request was running throughout
+
+
+def test_with_nothing_else_to_run_the_engine_waits_for_it(engine):
+    prompt = random_prompt(7, 256, 3)
+    want = engine.generate(prompt, max_new_tokens=6, ignore_eos=True,
+                           logits_processors={"gated-even": "open"})[0].token_ids
+    held = engine.add_request(prompt, _params("gated", 6))
+    threading.Timer(0.2, GATE.set).start()
+    while engine.has_unfinished():
+        engine.step()
+    assert held.constraints[0].waited == 1 and held.output_ids == want
+
+
+def test_the_grammar_state_is_ready_once_compiled():
+    """The built-in grammar processor on a vocabulary whose device is not the CPU (where
+    it compiles on a background thread): ``wait`` returns once compiled, then ``ready``."""
+    pytest.importorskip("xgrammar")
+    from infergraft.core.logits_processor import Vocabulary
+    from infergraft.core.structured.constraint import Constraint
+    from infergraft.core.structured.grammar import GrammarProcessor
+    from infergraft.core.testing.models import byte_tokenizer
+
+    vocab = Vocabulary(VOCAB, frozenset({257}), byte_tokenizer(), "cuda")
+    state = GrammarProcessor().start(Constraint("regex", "[0-9]{3}"), vocab)
+    state.wait()
+    assert state.ready()
