@@ -22,7 +22,7 @@ from infergraft.core.logits_processor import ConstraintState, LogitsProcessor
 from infergraft.core.runner import async_steps, constrained_steps
 from infergraft.core.testing.models import random_model, tiny_llama_config
 from infergraft.core.testing.strategies import kit_settings
-from graph_support import eager_graph_runners
+from graph_support import drive, eager_graph_runners
 from structured_support import (EOS, VOCAB, ascii_tokenizer, check_json, check_regex,
                                 max_chars, regexes, schemas)
 
@@ -104,19 +104,7 @@ def engine_for(hf, on, graphs=True, budget=16, batch=6):
 def run_workload(engine, arrivals=ARRIVALS, abort=None):
     """Adds each request at its step; ``abort``: (step, index) aborted then. Returns the
     sequences in arrival order."""
-    pending, seqs, step = list(arrivals), [], 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, prompt, p = pending.pop(0)
-            seqs.append(engine.add_request(prompt, p))
-        if abort is not None and abort[0] == step:
-            engine.abort(seqs[abort[1]])
-        engine.step()
-        step += 1
-    assert engine.async_steps.inflight is None
-    engine.cache.check_invariants()
-    assert engine.cache.stats()["sequences"] == 0
-    return seqs
+    return drive(engine, arrivals, abort)
 
 
 def outcome(seqs):

@@ -17,7 +17,7 @@ from infergraft.core.request import SamplingParams
 from infergraft.core.runner import async_steps
 from infergraft.core.testing.models import (byte_tokenizer, random_model, random_prompt,
                                             tiny_llama_config)
-from graph_support import eager_graph_runners
+from graph_support import drive, eager_graph_runners
 
 CFG = tiny_llama_config()
 SETUPS = {  # name -> (plugins, build options, graph runners on their static buffers)
@@ -55,20 +55,10 @@ def run_workload(engine, arrivals, abort_at=None, params=None):
     """``arrivals``: (step, prompt length, new tokens), ``params`` by prompt length where
     given; the first sequence is aborted at step ``abort_at``. Returns the sequences, in
     arrival order (by step, then prompt length)."""
-    pending, seqs, step = sorted(arrivals), [], 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, n, new = pending.pop(0)
-            p = (params or {}).get(n, SamplingParams(max_new_tokens=new))
-            seqs.append(engine.add_request(random_prompt(n, CFG.vocab_size, 3 * n + new), p))
-        if step == abort_at:
-            engine.abort(seqs[0])
-        engine.step()
-        step += 1
-    assert engine.async_steps.inflight is None
-    engine.cache.check_invariants()
-    assert engine.cache.stats()["sequences"] == 0
-    return seqs
+    return drive(engine, [
+        (step, random_prompt(n, CFG.vocab_size, 3 * n + new),
+         (params or {}).get(n, SamplingParams(max_new_tokens=new)))
+        for step, n, new in sorted(arrivals)], None if abort_at is None else (abort_at, 0))
 
 
 ARRIVALS = [(0, 19, 12), (0, 4, 9), (1, 27, 14), (2, 9, 3), (4, 13, 16), (5, 6, 1),

@@ -19,7 +19,7 @@ from infergraft.core.speculative.ahead import WHOLE_UNTIMED, AheadCost
 from infergraft.core.speculative.config import draft_rows
 from infergraft.core.testing.models import (byte_tokenizer, random_model, random_prompt,
                                             tiny_llama_config)
-from graph_support import eager_graph_runners
+from graph_support import drive, eager_graph_runners
 
 NGRAM = {"method": "ngram", "k": 4}
 SETUPS = {  # name -> (build options, graph runners on their static buffers)
@@ -80,22 +80,11 @@ def run_workload(engine, arrivals=ARRIVALS, params=None, abort_at=None, each=Non
     """The requests of ``arrivals`` added at their steps (``params``: by arrival index;
     default greedy, ignoring EOS unless given), the first aborted at step ``abort_at``,
     ``each()`` after every step; returns them in arrival order."""
-    pending, seqs, step = list(enumerate(arrivals)), [], 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][1][0] <= step:
-            i, (_, prompt, new) = pending.pop(0)
-            p = (params or {}).get(i, SamplingParams(max_new_tokens=new, ignore_eos=True))
-            seqs.append(engine.add_request(prompt, p))
-        if step == abort_at:
-            engine.abort(seqs[0])
-        engine.step()
-        if each is not None:
-            each()
-        step += 1
-    assert engine.async_steps.inflight is None
-    engine.cache.check_invariants()
-    assert engine.cache.stats()["sequences"] == 0
-    return seqs
+    return drive(engine, [
+        (step, prompt, (params or {}).get(i, SamplingParams(max_new_tokens=new,
+                                                            ignore_eos=True)))
+        for i, (step, prompt, new) in enumerate(arrivals)],
+        None if abort_at is None else (abort_at, 0), each)
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
