@@ -22,15 +22,20 @@ def _ptxas() -> bool:
         return False
 
 
-@pytest.mark.skipif(not (HAVE_TRITON and _ptxas()), reason="needs Triton's NVIDIA backend")
-def test_the_quant_mma_kernels_assemble_for_sm90_without_spills(tmp_path):
+def _assemble(tmp_path, *args, timeout=300) -> tuple[str, list[str]]:
+    """``kernel_bench.cubin`` with ``args`` in a fresh Triton cache, none failing: (its
+    output, the lines of its kernels' register counts)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-m", "infergraft.core.tools.kernel_bench.cubin",
-                          "--shapes", "small", "--rows", "1"], env=env, capture_output=True,
-                         text=True, timeout=300)
+                          *args], env=env, capture_output=True, text=True, timeout=timeout)
     out = run.stdout
     assert run.returncode == 0 and "0 failed" in out, out[-3000:] + run.stderr[-3000:]
-    lines = [line for line in out.splitlines() if "REG" in line]
+    return out, [line for line in out.splitlines() if "REG" in line]
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and _ptxas()), reason="needs Triton's NVIDIA backend")
+def test_the_quant_mma_kernels_assemble_for_sm90_without_spills(tmp_path):
+    out, lines = _assemble(tmp_path, "--shapes", "small", "--rows", "1")
     kernels = {re.search(r" (_\w+_kernel) ", line)[1] for line in lines}
     assert kernels == {"_int4_mma_kernel", "_rows_mma_kernel", "_skinny_gemm_kernel"}, out
     assert any("ROPE=1" in line and "WORDS=1" in line for line in lines), out
@@ -43,14 +48,8 @@ def test_the_quant_mma_kernels_assemble_for_sm90_without_spills(tmp_path):
 def test_the_kv8_attention_modes_assemble_for_sm90_without_spills(tmp_path):
     # decode attention, MHA (LLaMA-2-7B), bf16 and fp16 q, both 8-bit formats under each
     # INFERGRAFT_KV8_WIDEN mode besides cvt (the word modes' four inline assemblies)
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    run = subprocess.run([sys.executable, "-m", "infergraft.core.tools.kernel_bench.cubin",
-                          "--set", "kv8", "--modes", "f16,words,words16",
-                          "--only", "32/32 decode"], env=env, capture_output=True, text=True,
-                         timeout=600)
-    out = run.stdout
-    assert run.returncode == 0 and "0 failed" in out, out[-3000:] + run.stderr[-3000:]
-    lines = [line for line in out.splitlines() if "REG" in line]
+    out, lines = _assemble(tmp_path, "--set", "kv8", "--modes", "f16,words,words16",
+                           "--only", "32/32 decode", timeout=600)
     assert {re.search(r"WIDEN=(\d)", line)[1] for line in lines} == {"1", "2", "3"}, out
     assert len(lines) == 12 and all("_paged_decode_kernel" in line for line in lines), out
     spilled = [line for line in lines if not re.search(r"LOCAL 0 ", line)]
@@ -60,13 +59,7 @@ def test_the_kv8_attention_modes_assemble_for_sm90_without_spills(tmp_path):
 @pytest.mark.skipif(not (HAVE_TRITON and _ptxas()), reason="needs Triton's NVIDIA backend")
 def test_the_moe_decode_kernels_assemble_for_sm90_without_spills(tmp_path):
     # the fused layer's mixture of experts at one and two rows (route, gate_up, down)
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    run = subprocess.run([sys.executable, "-m", "infergraft.core.tools.kernel_bench.cubin",
-                          "--set", "moe", "--rows", "1,2"], env=env, capture_output=True,
-                         text=True, timeout=300)
-    out = run.stdout
-    assert run.returncode == 0 and "0 failed" in out, out[-3000:] + run.stderr[-3000:]
-    lines = [line for line in out.splitlines() if "REG" in line]
+    out, lines = _assemble(tmp_path, "--set", "moe", "--rows", "1,2")
     kernels = {re.search(r" (_\w+_kernel) ", line)[1] for line in lines}
     assert kernels == {"_route_kernel", "_gate_up_kernel", "_down_kernel"}, out
     spilled = [line for line in lines if not re.search(r"LOCAL 0 STACK 0", line)]
