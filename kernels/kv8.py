@@ -183,6 +183,29 @@ if HAVE_TRITON:
         v0, v1, v2, v3 = _bytes4(load_words(vc_ptr, vrow, valid, D, BLOCK_D), pw.dtype,
                                  FP8, ASM)                                      # [N, W]
         return tl.dot(pw, v0), tl.dot(pw, v1), tl.dot(pw, v2), tl.dot(pw, v3)
+
+    @triton.jit
+    def accumulate_values(acc, a0, a1, a2, a3, alpha, p, vs_ptr, vsrow, vc_ptr, vrow, valid,
+                          d, dmask, D, BLOCK_D: tl.constexpr, DT: tl.constexpr,
+                          QUANT: tl.constexpr, WIDEN: tl.constexpr, FP8: tl.constexpr,
+                          ASM: tl.constexpr, IEEE: tl.constexpr):
+        """A key tile's p V added to the running sums, which ``alpha`` rescales first:
+        ``acc`` [M, D] (16-bit and byte modes; p rounded to DT, the dot's dtype, on tensor
+        cores; float32 IEEE), or the word modes' four column groups ``a0``..``a3``. Returns
+        all five, the ones its mode does not use unchanged."""
+        # p times the v scales (over the tile's largest, which scales its p V)
+        pw, top = value_weights(p, vs_ptr, vsrow, valid, QUANT, WIDEN)
+        if WIDEN >= 2:
+            p0, p1, p2, p3 = value_words(pw.to(DT), vc_ptr, vrow, valid, D, BLOCK_D, FP8,
+                                         ASM)                                   # 4 x [M, D/4]
+            a0 = a0 * alpha[:, None] + p0 * top
+            a1 = a1 * alpha[:, None] + p1 * top
+            a2 = a2 * alpha[:, None] + p2 * top
+            a3 = a3 * alpha[:, None] + p3 * top
+        else:
+            pv = value_dot(pw, vc_ptr, vrow, valid, d, dmask, DT, IEEE)         # [M, D]
+            acc = acc * alpha[:, None] + pv * top
+        return acc, a0, a1, a2, a3
 else:
     f16_rows = q_operand = split4 = join4 = load_words = scores_words = key_scores = None
-    value_weights = value_dot = value_words = None
+    value_weights = value_dot = value_words = accumulate_values = None

@@ -20,8 +20,7 @@ from ._triton import (HAVE_TRITON, interpreting, last_to_arrive, next_pow2, pdl_
                       pdl_launch, soft_cap, tl, triton)
 from .attention_ref import sdpa
 from .kv_write import QUANT_KV_DTYPES
-from .kv8 import (as_words, join4, key_scores, q_operand, split4, value_dot, value_weights,
-                  value_words, widen_mode)
+from .kv8 import accumulate_values, as_words, join4, key_scores, q_operand, split4, widen_mode
 from .paged_plan import (_sm_count, check_cache_args, counters_for, launch_plan,  # noqa: F401
                          split_len, split_plan)
 
@@ -151,22 +150,13 @@ if HAVE_TRITON:
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])                                # [G, N]
             l = l * alpha + tl.sum(p, 1)
-            # p times the v scales (over the tile's largest, which scales its p V)
-            pw, top = value_weights(p, vs_ptr, blk * stride_vsb + off * stride_vss
-                                    + hkv * stride_vsh, valid, QUANT, WIDEN)
-            vrow = blk * stride_vb + off * stride_vs + hkv * stride_vh
-            if WIDEN >= 2:
-                p0, p1, p2, p3 = value_words(pw.to(qk.dtype), vc_ptr, vrow, valid, D, BLOCK_D,
-                                             FP8, ASM)                      # 4 x [G, D/4]
-                a0 = a0 * alpha[:, None] + p0 * top
-                a1 = a1 * alpha[:, None] + p1 * top
-                a2 = a2 * alpha[:, None] + p2 * top
-                a3 = a3 * alpha[:, None] + p3 * top
-            else:
-                # 16-bit: p rounded to the dot's dtype, on tensor cores (an fp32 IEEE dot
-                # runs on the FMA units and makes the kernel compute-bound); float32 IEEE
-                pv = value_dot(pw, vc_ptr, vrow, valid, d, dmask, qk.dtype, IEEE)  # [G, D]
-                acc = acc * alpha[:, None] + pv * top
+            # (16-bit: p on tensor cores; an fp32 IEEE dot runs on the FMA units and makes
+            # the kernel compute-bound)
+            acc, a0, a1, a2, a3 = accumulate_values(
+                acc, a0, a1, a2, a3, alpha, p, vs_ptr,
+                blk * stride_vsb + off * stride_vss + hkv * stride_vsh, vc_ptr,
+                blk * stride_vb + off * stride_vs + hkv * stride_vh, valid, d, dmask, D,
+                BLOCK_D, qk.dtype, QUANT, WIDEN, FP8, ASM, IEEE)
             m = m_new
         if WIDEN >= 2:
             acc = join4(a0, a1, a2, a3)

@@ -4,7 +4,7 @@ Beside the kernel so that each file stays readable; only ``varlen_attention`` us
 from __future__ import annotations
 
 from ._triton import HAVE_TRITON, last_to_arrive, soft_cap, tl, triton
-from .kv8 import join4, key_scores, q_operand, split4, value_dot, value_weights, value_words
+from .kv8 import accumulate_values, join4, key_scores, q_operand, split4
 from .paged_attention import _merge_splits
 
 if HAVE_TRITON:
@@ -92,20 +92,10 @@ if HAVE_TRITON:
             alpha = tl.exp(m - m_use)
             p = tl.exp(s - m_use[:, None])                                # [M, N]
             l = l * alpha + tl.sum(p, 1)
-            # p times the v scales (over the tile's largest, which scales its p V)
-            pw, top = value_weights(p, vs_ptr, blk * stride_vsb + off * stride_vss, valid,
-                                    QUANT, WIDEN)
-            vrow = blk * stride_vb + off * stride_vs
-            if WIDEN >= 2:
-                p0, p1, p2, p3 = value_words(pw.to(qk.dtype), vc_ptr, vrow, valid, D, BLOCK_D,
-                                             FP8, ASM)                      # 4 x [M, D/4]
-                a0 = a0 * alpha[:, None] + p0 * top
-                a1 = a1 * alpha[:, None] + p1 * top
-                a2 = a2 * alpha[:, None] + p2 * top
-                a3 = a3 * alpha[:, None] + p3 * top
-            else:  # 16-bit: p rounded to the dot's dtype, on tensor cores; float32 IEEE
-                pv = value_dot(pw, vc_ptr, vrow, valid, d, dmask, qk.dtype, IEEE)  # [M, D]
-                acc = acc * alpha[:, None] + pv * top
+            acc, a0, a1, a2, a3 = accumulate_values(
+                acc, a0, a1, a2, a3, alpha, p, vs_ptr, blk * stride_vsb + off * stride_vss,
+                vc_ptr, blk * stride_vb + off * stride_vs, valid, d, dmask, D, BLOCK_D,
+                qk.dtype, QUANT, WIDEN, FP8, ASM, IEEE)
             m = m_new
         if WIDEN >= 2:
             acc = join4(a0, a1, a2, a3)
