@@ -77,7 +77,7 @@ if has structured; then
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structured.txt" | tail -15
   # issue 46's overhead target: 256 concurrent requests, a schema each, LLaMA-3-8B shape
   # (async steps on: constrained rows' masks filled while the next forward runs; off: as before)
-  for arm in on off; do
+  for arm in ${STRUCTURED_ARMS:-on off}; do
     timeout "${STRUCTURED_BENCH_TIMEOUT:-150}" python3 docs/bench/structured_overhead.py \
       --model llama3-8b --requests 256 --new-tokens 64 --rounds 2 --device cuda \
       --async-steps $arm --out "$OUT/structured-overhead-$arm.json" \
