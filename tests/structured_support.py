@@ -103,7 +103,7 @@ def max_chars(schema: dict) -> int:
         return max(len(json.dumps(v)) for v in schema["enum"])
     kind = schema["type"]
     if kind == "string":
-        return schema["maxLength"] + 2  # (compiled as a pattern: no escapes)
+        return schema["maxLength"] + 2  # (its characters unescaped: schema_check)
     if kind == "integer":
         return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
     if kind == "boolean":

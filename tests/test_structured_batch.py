@@ -16,7 +16,7 @@ from infergraft import core
 from infergraft.core.logits_processor import Vocabulary, bitmask_words
 from infergraft.core.runner.constraints import RowConstraints
 from infergraft.core.structured import Constraint
-from infergraft.core.structured.schema_check import with_string_lengths_as_patterns
+from infergraft.core.structured.schema_check import schema_grammar
 from infergraft.core.testing.strategies import kit_settings
 from structured_support import EOS, ascii_tokenizer, regexes, schemas
 
@@ -37,8 +37,7 @@ def reference_matcher(tok, stop: int, width: int, constraint: Constraint):
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=width, stop_token_ids=[stop])
     compiler = xgr.GrammarCompiler(info)
     if constraint.kind == "json_schema":
-        return xgr.GrammarMatcher(compiler.compile_json_schema(constraint.text,
-                                                               any_whitespace=False))
+        return xgr.GrammarMatcher(compiler.compile_grammar(schema_grammar(xgr, constraint.text)))
     return xgr.GrammarMatcher(compiler.compile_regex(constraint.text))
 
 
@@ -128,8 +127,7 @@ def test_a_failing_row_leaves_the_others_masked():
     assert rows.mask(logits, [bad, plain, good]) == [0]
     assert "failed to compile" in bad.error and good.error is None
     assert torch.equal(logits[1], torch.zeros(WIDE))
-    text = json.dumps(with_string_lengths_as_patterns(schema))
-    ref = reference_matcher(tok, EOS, WIDE, Constraint("json_schema", text))
+    ref = reference_matcher(tok, EOS, WIDE, Constraint("json_schema", json.dumps(schema)))
     assert torch.equal(logits[2] > float("-inf"), reference_allowed(ref, WIDE))
 
 

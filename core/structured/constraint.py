@@ -16,7 +16,7 @@ import re
 import attrs
 
 from ..errors import InvalidRequestError
-from .schema_check import check_schema, with_string_lengths_as_patterns
+from .schema_check import check_schema
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 #: the logits processor that runs a Constraint (core/structured/grammar.py)
@@ -94,7 +94,7 @@ def check_constraint(params) -> Constraint | None:
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"json_schema is not valid JSON: {e}") from None
         check_schema(schema)
-        text = json.dumps(with_string_lengths_as_patterns(schema))
+        text = json.dumps(schema)
         return _checked(Constraint(kind, text), kind)
     if kind == "grammar":
         kind_of_grammar = "ebnf" if "::=" in value else "lark"

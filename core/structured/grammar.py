@@ -34,6 +34,7 @@ from ..errors import InvalidRequestError
 from ..logits_processor import ConstraintState, LogitsProcessor, Vocabulary, pack_bitmask
 from .batch import GrammarBatch
 from .constraint import PROCESSOR, Constraint, xgrammar
+from .schema_check import schema_grammar
 
 #: compiled grammars kept per tokenizer, at most, and the bytes they may hold together
 #: (xgrammar's own count; the least recently asked for are dropped first)
@@ -117,7 +118,7 @@ class Compiler:
         compiler = self._grammar_compiler()
         kind, text = constraint.kind, constraint.text
         if kind == "json_schema":
-            out = compiler.compile_json_schema(text, any_whitespace=False)
+            out = compiler.compile_grammar(schema_grammar(self._xgr, text))
         elif kind == "json_object":
             out = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False,
                                                strict_mode=False)
