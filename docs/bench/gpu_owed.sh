@@ -136,8 +136,8 @@ if has moe44; then
     -m gpu tests/kernel_tests/test_moe_decode.py tests/test_fused_decode_moe.py \
     > "$OUT/moe-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe-tests.txt" | tail -8
-  timeout 60 python3 -m infergraft.core.tools.kernel_bench.moe --rows 1,2,4 \
-    > "$OUT/moe-kernel.txt" 2>&1; tail -12 "$OUT/moe-kernel.txt"
+  timeout 150 python3 -m infergraft.core.tools.kernel_bench.moe --rows 1,2,4 --sweep \
+    > "$OUT/moe-kernel.txt" 2>&1; tail -20 "$OUT/moe-kernel.txt"
 fi
 if has async45; then
   # issue 45 item 3: async steps on (the default since 0ba8d8b's run) and off, the same requests

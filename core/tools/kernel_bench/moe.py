@@ -81,10 +81,12 @@ def main(argv=None):
             print(line("norm+router+route+grouped", graph_time(grouped)))
             if args.sweep and t == 1 and name == args.shapes.split(",")[0]:
                 best = []
-                for gn, dn, dk in itertools.product((8, 16, 32), (8, 16, 32), (256, 512)):
-                    tiles = dict(GATE_UP_N=gn, DOWN_N=dn, DOWN_K=dk)
+                for gn, dn, dk, w in itertools.product((8, 16, 32), (8, 16, 32), (256, 512),
+                                                       (4, 8)):
+                    tiles = dict(GATE_UP_N=gn, DOWN_N=dn, DOWN_K=dk, GATE_UP_WARPS=w,
+                                 DOWN_WARPS=w)
                     best.append((graph_time(lambda: decode(tiles), replays=5), tiles))
-                for sec, tiles in sorted(best, key=lambda b: b[0])[:5]:
+                for sec, tiles in sorted(best, key=lambda b: b[0])[:8]:
                     print(line(str(tiles), sec))
 
 
