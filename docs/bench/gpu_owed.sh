@@ -70,7 +70,7 @@ if has families; then
 fi
 if has structured; then
   timeout "${STRUCTURED_TIMEOUT:-120}" python3 -m pytest -q -rf --tb=short \
-    -p no:cacheprovider tests/test_structured_output.py tests/test_logits_processor_hook.py \
+    -p no:cacheprovider ${STRUCTURED_PYTEST_ARGS:-} tests/test_structured_output.py tests/test_logits_processor_hook.py \
     tests/test_serve_structured.py tests/test_tool_call_parsers.py tests/test_structured_batch.py \
     tests/test_async_constrained.py \
     > "$OUT/structured.txt" 2>&1
@@ -81,6 +81,7 @@ if has structured; then
     timeout "${STRUCTURED_BENCH_TIMEOUT:-150}" python3 docs/bench/structured_overhead.py \
       --model llama3-8b --requests 256 --new-tokens 64 --rounds 2 --device cuda \
       --async-steps $arm --out "$OUT/structured-overhead-$arm.json" \
+      ${STRUCTURED_TOKENIZER:+--tokenizer "$STRUCTURED_TOKENIZER"} \
       > "$OUT/structured-overhead-$arm.txt" 2>&1
     echo "structured overhead, async steps $arm"; tail -6 "$OUT/structured-overhead-$arm.txt"
   done

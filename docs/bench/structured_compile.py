@@ -2,8 +2,9 @@
 automaton state a character) and xgrammar's bounded repetition with its character class
 corrected to JSON's (``schema_check.schema_grammar``, what the engine compiles).
 
-``python docs/bench/structured_compile.py [--schemas 10]``: the overhead bench's schemas
-(``structured_overhead.schema``: string bounds 1..20-59) against the demo tokenizer,
+``python docs/bench/structured_compile.py [--schemas 10] [--tokenizer DIR]``: the overhead
+bench's schemas
+(``structured_overhead.schema``: string bounds 1..20-59) against the demo tokenizer (or DIR's),
 xgrammar's cache off, one thread, one after another; ms per schema.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from structured_overhead import schema  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schemas", type=int, default=10)
+    p.add_argument("--tokenizer", help="a tokenizer directory (default: the demo model's)")
     args = p.parse_args(argv)
     import xgrammar as xgr
     from transformers import AutoTokenizer
@@ -30,7 +32,8 @@ def main(argv=None) -> int:
     from infergraft.core.structured.schema_check import (schema_grammar,
                                                          with_string_lengths_as_patterns)
 
-    tok = AutoTokenizer.from_pretrained(ensure_demo_model("smollm2-135m", quiet=True))
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or
+                                        ensure_demo_model("smollm2-135m", quiet=True))
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     forms = {

@@ -3,7 +3,11 @@ own (never seen before: every one is compiled), against the same N requests
 unconstrained, in the same run; and each new schema's compile time.
 
 ``python docs/bench/structured_overhead.py [--model smollm2-135m | llama3-8b] [--requests 32]
-[--new-tokens 64] [--rounds 2] [--device cpu] [--async-steps auto|on|off] [--out FILE.json]``
+[--new-tokens 64] [--rounds 2] [--device cpu] [--async-steps auto|on|off] [--out FILE.json]
+[--tokenizer DIR]``
+
+``--tokenizer``: a shape's tokenizer (a Hugging Face tokenizer directory; default the demo
+model's, converted on first use: a machine without a package index takes its files alone).
 
 ``--async-steps``: ``build(async_steps=)`` for every run of the process (auto: build's
 default); ``on`` launches each constrained step before the one before is read, its masks
@@ -76,7 +80,8 @@ def build(args, n: int):
     from infergraft.core.loading.demo import ensure_demo_model
 
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    tok = AutoTokenizer.from_pretrained(ensure_demo_model("smollm2-135m", quiet=True))
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or
+                                        ensure_demo_model("smollm2-135m", quiet=True))
     hf = load_hf(args.model, torch.device(args.device), dtype)
     if hf.config.vocab_size < len(tok):
         raise SystemExit(f"--model {args.model}: its vocabulary ({hf.config.vocab_size}) is "
@@ -95,6 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--async-steps", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--out")
+    p.add_argument("--tokenizer", help="a shape's tokenizer directory (default: the demo's)")
     args = p.parse_args(argv)
     n, m = args.requests, args.new_tokens
     engine = build(args, n)
