@@ -154,7 +154,10 @@ class Compiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     vocab.tokenizer, vocab_size=self.width,
                     stop_token_ids=sorted(vocab.eos_token_ids) or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+                # one thread a compilation: a schema's grammar has one or two states
+                # worth splitting (a string's), so a second thread only waits (batches of
+                # new schemas compile side by side on the pool instead)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
 
