@@ -300,6 +300,8 @@ def left_group_references() -> list:
 
 
 def test_leaving_drops_the_reference_torch_keeps_to_the_group():
-    """Else the gloo group lives on to interpreter exit, where C++ aborts the process."""
-    (before, after, initialized), = run_ranks(left_group_references, 1)
+    """Else the gloo group lives on to interpreter exit, where C++ aborts the process.
+    A fresh interpreter (spawn): a forkserver's rank has imported transformers before it
+    joined a group, and the functions' defaults then hold none."""
+    (before, after, initialized), = run_ranks(left_group_references, 1, start_method="spawn")
     assert "all_reduce" in before and after == [] and not initialized, (before, after)
