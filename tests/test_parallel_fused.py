@@ -23,6 +23,10 @@ CASES = {  # name -> (plugins, the graph runners' path)
 
 
 def fused_cases(cases: list[dict]) -> list[dict]:
+    if interpreting():  # as tests/conftest.py does in the test process
+        import interpreter_support
+
+        interpreter_support.install()
     return [fused_case(**case) for case in cases]
 
 
