@@ -13,6 +13,13 @@ if not torch.cuda.is_available():
 
 from hypothesis import settings  # noqa: E402
 
+# the interpreter patches triton.language once a launch, not at every helper call
+# (tests/interpreter_support.py); INFERGRAFT_PLAIN_INTERPRETER=1 runs Triton's as it is
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_support  # noqa: E402
+
+    interpreter_support.install()
+
 # xdist's workers share the cores: each takes its share of torch's threads, and so do the
 # Pythons it starts (torch's default, a thread per core in every worker, has the threads
 # of two workers spin against each other on a two-core machine).

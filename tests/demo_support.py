@@ -30,14 +30,11 @@ def perplexity(engine, ids) -> float:
     return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
 
 
-@functools.cache
 def float_reference() -> tuple[list[int], float, int]:
     """(the text's 2,048 token ids, their perplexity, the weight bytes) under the float32
     engine on the paged cache: the baseline each quality test compares with, computed once
     a test process."""
-    engine = demo_engine(["paged"])
-    ids = text_ids(engine)
-    return ids, perplexity(engine, ids), engine.plan.weight_bytes
+    return _float_run()[:3]
 
 
 def demo_answer(engine, max_new_tokens: int = 32) -> str:
@@ -50,15 +47,24 @@ def _chat(engine) -> str:
                                                 add_generation_prompt=True, tokenize=False)
 
 
-@functools.cache
 def float_first_token() -> tuple[int, float]:
     """(the float32 model's first answer token, its margin over the runner-up in
     probability). The margin is thin ("The" 0.15 against "L" 0.14), so a quantised model
     may open the other way ("L'..." and French) with its knowledge intact."""
+    return _float_run()[3:]
+
+
+@functools.cache
+def _float_run() -> tuple[list[int], float, int, int, float]:
+    """float_reference's and float_first_token's figures, from one float32 engine once a
+    test process."""
     engine = demo_engine(["paged"])
+    ids = text_ids(engine)
+    text_perplexity = perplexity(engine, ids)
     probs = engine.logits(engine.tokenizer.encode(_chat(engine)))[-1].softmax(-1)
     top = probs.topk(2)
-    return int(top.indices[0]), float(top.values[0] - top.values[1])
+    return (ids, text_perplexity, engine.plan.weight_bytes, int(top.indices[0]),
+            float(top.values[0] - top.values[1]))
 
 
 def demo_answer_after_float_opening(engine, max_new_tokens: int = 32) -> str:

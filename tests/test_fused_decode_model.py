@@ -94,7 +94,7 @@ def test_paged_decode_steps_write_k_v_from_the_qkv_gemm(backend):
     """With the paged caches a decode step's qkv GEMM rotates q and k and writes K/V to the
     cache itself (``normed_qkv_rope``, no rotary kernel): the same greedy tokens as the
     torch reference, one such call per layer and step, prompts still on ``normed_linear``."""
-    config = tiny_llama_config(hidden_size=256, intermediate_size=512)  # head_dim 64
+    config = tiny_llama_config(hidden_size=256, intermediate_size=256)  # head_dim 64
     hf = with_random_norm_weights(random_model(config, seed=5, scale=2.0))
     ref = core.build(hf, kernels="torch", plugins=[backend], **KW)
     engine = core.build(hf, kernels="triton", plugins=[backend], **KW)
@@ -135,7 +135,7 @@ def test_8bit_rows_take_the_fused_layer_with_their_norms_folded_before_packing(q
     and gate_up packed from W g (norms ones), decode steps through the qkv + RoPE GEMM:
     the same packed rows, greedy tokens and (closely) logits as the plain layer (torch
     ops) on the same model with its norms folded by hand."""
-    config = tiny_llama_config(hidden_size=256, intermediate_size=512)  # head_dim 64
+    config = tiny_llama_config(hidden_size=256, intermediate_size=256)  # head_dim 64
     hf = with_random_norm_weights(random_model(config, seed=8, dtype=torch.float16, scale=2.0))
     plugins = ["paged", quantizer]
     ref = core.build(_norms_folded_by_hand(hf), kernels="torch", plugins=plugins, **KW)

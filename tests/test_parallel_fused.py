@@ -23,6 +23,10 @@ CASES = {  # name -> (plugins, the graph runners' path)
 
 
 def fused_cases(cases: list[dict]) -> list[dict]:
+    if interpreting():  # as tests/conftest.py does in the test process
+        import interpreter_support
+
+        interpreter_support.install()
     return [fused_case(**case) for case in cases]
 
 
@@ -33,7 +37,7 @@ def fused_case(name: str, device: str = "cpu", dtype: str = "float16") -> dict:
     from infergraft.core.testing.parity import relative_error
 
     plugins, graph_path = CASES[name]
-    config = tiny_llama_config(hidden_size=128, intermediate_size=256)
+    config = tiny_llama_config(hidden_size=128, intermediate_size=128)
     hf = with_random_norm_weights(random_model(config, seed=4, scale=2.0))  # same on each rank
     kw = dict(max_seq_len=48, max_batch_size=2, dtype=dtype, device=device,
               kernels="triton")
@@ -41,25 +45,40 @@ def fused_case(name: str, device: str = "cpu", dtype: str = "float16") -> dict:
         hf = hf.to(torch.device("cuda", torch.cuda.current_device()))
     extra = {"micro_batches": 2} if name == "pp-micro-batches" else {}
     ours = core.build(hf, plugins=plugins, **kw, **extra)
-    engines = [ours]
-    if torch.distributed.get_rank() == 0:  # one process's engine, on one rank: the reference
-        engines.append(core.build(hf, plugins=[p for p in plugins if p not in ("tp", "pp")],
-                                  **kw))
     if graph_path and device == "cpu":
-        for engine in engines:
-            _graph_path(engine)
+        _graph_path(ours)
     calls = _count(ours.model.ops, "linear_residual")
-    logits = [[engine.logits(p).float() for p in PROMPTS] for engine in engines]
-    tokens = [[c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
-              for engine in engines]
-    result = {"ours": tokens[0], "logits": [t.tolist() for t in logits[0]],
+    logits = [ours.logits(p).float() for p in PROMPTS]
+    tokens = [c.token_ids for c in ours.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
+    result = {"ours": tokens, "logits": [t.tolist() for t in logits],
               "fused": [ours.model.norms_folded, len(calls)],
               "replays": [getattr(getattr(ours.runner, r), "replays", None)
                           for r in ("decode_graphs", "step_graphs")]}
-    if len(engines) == 2:
-        result.update(alone=tokens[1], alone_folded=engines[1].model.norms_folded,
-                      errors=[relative_error(a, b) for a, b in zip(*logits)])
+    if torch.distributed.get_rank() == 0:  # one process's engine, on one rank: the reference
+        alone = _alone(hf, [p for p in plugins if p not in ("tp", "pp")], graph_path, kw)
+        result.update(alone=alone["tokens"], alone_folded=alone["folded"],
+                      errors=[relative_error(a, b) for a, b in zip(logits, alone["logits"])])
     return result
+
+
+_ALONE = {}  # (plugins, graph path, dtype, device) -> what one process's engine gave
+
+
+def _alone(hf, plugins: list, graph_path: bool, kw: dict) -> dict:
+    """The reference engine's logits, tokens and folding, once a rank for the cases that
+    share it (pp's two: the same plugins in one process); every case builds ``hf`` alike."""
+    key = (tuple(plugins), graph_path, kw["dtype"], kw["device"])
+    if key not in _ALONE:
+        from infergraft import core
+
+        engine = core.build(hf, plugins=plugins, **kw)
+        if graph_path and kw["device"] == "cpu":
+            _graph_path(engine)
+        _ALONE[key] = {"logits": [engine.logits(p).float() for p in PROMPTS],
+                       "tokens": [c.token_ids for c in engine.generate(
+                           PROMPTS, max_new_tokens=NEW_TOKENS)],
+                       "folded": engine.model.norms_folded}
+    return _ALONE[key]
 
 
 def _graph_path(engine) -> None:

@@ -285,9 +285,9 @@ def test_demo_model_quantised_by_gptq_act_order(tmp_path):
     ratio = perplexity(engine, ids) / base
     answer = demo_answer_after_float_opening(engine)
     print(f"\nfloat32 perplexity {base:.3f}; int4-g128 by GPTQ act-order: ratio {ratio:.3f}, "
-          f"answer {demo_answer(engine)!r}, opening as float32's: {answer!r}")
+          f"answer opening as float32's: {answer!r}")
     assert ratio <= 1.10, ratio
-    assert "Paris" in answer, answer
+    assert "Paris" in answer, (answer, f"its own opening: {demo_answer(engine)!r}")
 
 
 @pytest.mark.parametrize("args, desc_act", [(["--no-act-order"], False), ([], True),

@@ -68,7 +68,7 @@ def test_biases_survive_packing_and_the_dequantised_weights_are_within_half_a_st
 
 @pytest.mark.skipif(not (HAVE_TRITON and interpreting()), reason="needs TRITON_INTERPRET=1")
 def test_triton_kernel_in_the_model_matches_the_reference_ops():
-    hf = random_model(tiny_llama_config(hidden_size=128, intermediate_size=256), seed=5,
+    hf = random_model(tiny_llama_config(hidden_size=128, intermediate_size=128), seed=5,
                       scale=2.0)
     kw = dict(KW, dtype="float16")
     ref = core.build(hf, plugins=["int8"], kernels="torch", **kw)

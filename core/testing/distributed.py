@@ -3,8 +3,10 @@ an HF-parity worker for planners that split the model across them.
 
     results = run_ranks(tp_parity, 2, config, ["tp"], prompts)   # one dict per rank
 
-Each rank is a fresh ``spawn``ed interpreter; ``fn`` must be importable (module level)
-and return JSON-able data. A rank that fails fails the call with its traceback (unless
+Each rank is a fresh process forked from a forkserver that has imported torch and
+transformers once (``start_method="spawn"``: a fresh interpreter, as torchrun starts);
+it takes the caller's environment. ``fn`` must be importable (module level) and return
+JSON-able data. A rank that fails fails the call with its traceback (unless
 ``outcomes=True``: then each rank's result, error or exit code); a hang is killed after
 ``timeout`` seconds.
 """
@@ -20,6 +22,11 @@ import time
 from pathlib import Path
 
 import torch
+
+
+# what every rank imports first (seconds a process), imported once in the forkserver its
+# ranks fork from; not infergraft, whose switches are read from the environment on import
+PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -42,19 +49,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
-              outcomes: bool = False, collective_timeout: float | None = None) -> list:
+              outcomes: bool = False, collective_timeout: float | None = None,
+              start_method: str = "forkserver") -> list:
     """``fn(*args)`` on each rank of a fresh group (``backend="nccl"``: one GPU a rank).
 
     ``outcomes``: a rank that raises or dies does not fail the call; each rank's entry is
     ``{"result": ...}``, ``{"error": "Type: message", "traceback": ...}`` or, for a process
     that died (a signal, ``os._exit``), ``{"exitcode": n}``. ``collective_timeout``: the
-    group's timeout in seconds (and ``INFERGRAFT_COLLECTIVE_TIMEOUT`` in the ranks)."""
+    group's timeout in seconds (and ``INFERGRAFT_COLLECTIVE_TIMEOUT`` in the ranks).
+    ``start_method``: "forkserver" (the ranks have imported PRELOAD before joining the
+    group) or "spawn" (a fresh interpreter a rank: what import order under torchrun does)."""
     import torch.multiprocessing as mp
 
+    if start_method == "forkserver":
+        mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), fn, args, out,
-                                                   backend, outcomes, collective_timeout),
-                                 nprocs=world_size, join=False, start_method="spawn")
+                                                   backend, outcomes, collective_timeout,
+                                                   dict(os.environ)),
+                                 nprocs=world_size, join=False, start_method=start_method)
         deadline = time.monotonic() + timeout
         if outcomes:  # join() would end the others once one rank fails
             while any(p.is_alive() for p in ctx.processes):
@@ -82,7 +95,7 @@ def _outcome(path: Path, process) -> dict:
 
 
 def _rank_main(rank, world_size, port, fn, args, out, backend, outcomes=False,
-               collective_timeout=None):
+               collective_timeout=None, environ=None):
     import datetime
     import faulthandler
     import traceback
@@ -92,6 +105,9 @@ def _rank_main(rank, world_size, port, fn, args, out, backend, outcomes=False,
     from infergraft.core.distributed.failure import leave_group
 
     faulthandler.enable()  # a rank that aborts in C++ (SIGABRT) prints where it was
+    if environ is not None:  # a forkserver's child has the server's, from its start
+        os.environ.clear()
+        os.environ.update(environ)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

@@ -138,7 +138,7 @@ def test_the_fused_decode_layer_norms_q_and_k_outside_the_qkv_gemm():
     """16-bit weights on Triton kernels take the fused decode layer: its qkv GEMM keeps the
     input norm, but RoPE and the K/V write stay out of its epilogue (the paged cache would
     offer them there), and the tokens are those of the reference kernels."""
-    hf = random_model(tiny_qwen3_config(hidden_size=128, intermediate_size=256), seed=4,
+    hf = random_model(tiny_qwen3_config(hidden_size=128, intermediate_size=128), seed=4,
                       scale=2.0)
     hf = with_random_norm_weights(hf, seed=5)
     kw = dict(plugins=["paged"], max_seq_len=48, max_batch_size=2, dtype="float16",
