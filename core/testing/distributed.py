@@ -4,9 +4,9 @@ an HF-parity worker for planners that split the model across them.
     results = run_ranks(tp_parity, 2, config, ["tp"], prompts)   # one dict per rank
 
 Each rank is a fresh process forked from a forkserver that has imported torch and
-transformers once (``start_method="spawn"``: a fresh interpreter, as torchrun starts);
-it takes the caller's environment. ``fn`` must be importable (module level) and return
-JSON-able data. A rank that fails fails the call with its traceback (unless
+transformers once (on NCCL, or ``start_method="spawn"``: a fresh interpreter, as torchrun
+starts); it takes the caller's environment. ``fn`` must be importable (module level) and
+return JSON-able data. A rank that fails fails the call with its traceback (unless
 ``outcomes=True``: then each rank's result, error or exit code); a hang is killed after
 ``timeout`` seconds.
 """
@@ -50,7 +50,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
               outcomes: bool = False, collective_timeout: float | None = None,
-              start_method: str = "forkserver") -> list:
+              start_method: str | None = None) -> list:
     """``fn(*args)`` on each rank of a fresh group (``backend="nccl"``: one GPU a rank).
 
     ``outcomes``: a rank that raises or dies does not fail the call; each rank's entry is
@@ -58,9 +58,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
     that died (a signal, ``os._exit``), ``{"exitcode": n}``. ``collective_timeout``: the
     group's timeout in seconds (and ``INFERGRAFT_COLLECTIVE_TIMEOUT`` in the ranks).
     ``start_method``: "forkserver" (the ranks have imported PRELOAD before joining the
-    group) or "spawn" (a fresh interpreter a rank: what import order under torchrun does)."""
+    group; the default on gloo) or "spawn" (a fresh interpreter a rank, as torchrun starts
+    them; the default on NCCL, whose ranks then meet CUDA in a process of their own)."""
     import torch.multiprocessing as mp
 
+    start_method = start_method or ("spawn" if backend == "nccl" else "forkserver")
     if start_method == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     with tempfile.TemporaryDirectory() as out:
