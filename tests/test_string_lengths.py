@@ -1,6 +1,7 @@
 """A length-bounded string's grammar (schema_check.schema_grammar): xgrammar's own, its
 character class corrected, accepts exactly what the slow pattern form accepts: the
 characters JSON allows unescaped, between the bounds, and no raw control character."""
+import functools
 import json
 
 import pytest
@@ -12,15 +13,12 @@ from infergraft.core.testing.strategies import kit_settings
 from structured_support import EOS, VOCAB, ascii_tokenizer
 
 xgr = pytest.importorskip("xgrammar")
-_COMPILER = []
 
 
+@functools.cache
 def compiler():
-    if not _COMPILER:
-        tok = ascii_tokenizer()
-        _COMPILER.append(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
-            tok, vocab_size=VOCAB, stop_token_ids=[EOS])))
-    return _COMPILER[0]
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
+        ascii_tokenizer(), vocab_size=VOCAB, stop_token_ids=[EOS]))
 
 
 def accepts(grammar, text: str) -> bool:

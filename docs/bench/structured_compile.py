@@ -2,11 +2,10 @@
 automaton state a character) and xgrammar's bounded repetition with its character class
 corrected to JSON's (``schema_check.schema_grammar``, what the engine compiles).
 
-``python docs/bench/structured_compile.py [--schemas 10] [--tokenizer DIR]``: the overhead
-bench's schemas
-(``structured_overhead.schema``: string bounds 1..20-59) against the demo tokenizer (or DIR's),
-xgrammar's cache off, one after another, with ``--threads`` threads a compilation; ms a
-schema.
+``python docs/bench/structured_compile.py [--schemas 10] [--tokenizer DIR] [--threads 1,2]``:
+the overhead bench's schemas (``structured_overhead.schema``: string bounds 1..20-59)
+against the demo tokenizer (or DIR's), xgrammar's cache off, one after another, with
+``--threads`` threads a compilation; ms a schema.
 """
 from __future__ import annotations
 
