@@ -181,10 +181,14 @@ if HAVE_TRITON:
                      stride_we, stride_wn, stride_x, stride_out, E_POW2: tl.constexpr,
                      TOP_K: tl.constexpr, K_POW2: tl.constexpr, RENORM: tl.constexpr,
                      SUM_SQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     EARLY: tl.constexpr, PDL: tl.constexpr):
         t, pn = tl.program_id(0), tl.program_id(1)
-        pdl_wait(PDL)  # the activations of the gate_up kernel
-        pdl_release(PDL)
+        if not EARLY:
+            pdl_wait(PDL)  # the activations of the gate_up kernel
+            pdl_release(PDL)
+        # EARLY: the routing and the first W tiles before the wait. The logits are the
+        # route kernel's, complete here: this grid launches only once every gate_up
+        # program has released it, which each does after its own wait for the route kernel
         ids, weights = _top_k(logits_ptr + t * E, E, E_POW2, TOP_K, K_POW2, RENORM)
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(rn, H - 1)  # a block past H reads row H - 1, stores nothing
@@ -194,6 +198,9 @@ if HAVE_TRITON:
         # two tiles in flight throughout, across the experts' boundaries
         wa = _down_tile(w_ptr, rows, ids, 0, kt, I, stride_we, stride_wn, TOP_K, K_POW2, BLOCK_K)
         wb = _down_tile(w_ptr, rows, ids, 1, kt, I, stride_we, stride_wn, TOP_K, K_POW2, BLOCK_K)
+        if EARLY:
+            pdl_wait(PDL)  # the activations of the gate_up kernel
+            pdl_release(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         total = tl.zeros((BLOCK_N,), tl.float32)
         out_ty = out_ptr.dtype.element_ty
@@ -222,8 +229,9 @@ if HAVE_TRITON:
 
 #: (route: experts a program and its K step; gate_up and down: W rows a program, K step),
 #: the one-row loop's tiles (kernels/gemv.py's SwiGLU and o kinds)
+#: DOWN_EARLY: the down kernel routes and requests its first tiles before its PDL wait
 DECODE_TILES = dict(ROUTE_E=8, ROUTE_K=256, GATE_UP_N=16, GATE_UP_K=256, GATE_UP_DEPTH=1,
-                    GATE_UP_WARPS=4, DOWN_N=16, DOWN_K=256, DOWN_WARPS=4)
+                    GATE_UP_WARPS=4, DOWN_N=16, DOWN_K=256, DOWN_WARPS=4, DOWN_EARLY=False)
 
 
 def _check(stream, sum_sq, norm_weight, w_router, w_gate_up, w_down, top_k):
@@ -275,5 +283,5 @@ def moe_decode_triton(stream, sum_sq, norm_weight, eps, w_router, w_gate_up, w_d
         act, logits, w_down, stream, out, out if parts is None else parts, t, e, h, i,
         w_down.stride(0), w_down.stride(1), stream.stride(0), out.stride(0), **routing,
         SUM_SQ=want_sum_sq, BLOCK_N=cfg["DOWN_N"], BLOCK_K=cfg["DOWN_K"],
-        num_warps=cfg["DOWN_WARPS"], num_stages=1, **pdl)
+        EARLY=cfg["DOWN_EARLY"], num_warps=cfg["DOWN_WARPS"], num_stages=1, **pdl)
     return out, parts

@@ -25,7 +25,9 @@ if HAVE_TRITON:
         slots = tl.arange(0, K_POW2)
         tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
-SMALL_TILES = dict(ROUTE_E=4, ROUTE_K=16, GATE_UP_N=8, GATE_UP_K=16, DOWN_N=8, DOWN_K=16)
+# small tiles, and the down kernel's routing before its PDL wait (DOWN_EARLY)
+SMALL_TILES = dict(ROUTE_E=4, ROUTE_K=16, GATE_UP_N=8, GATE_UP_K=16, DOWN_N=8, DOWN_K=16,
+                   DOWN_EARLY=True)
 
 
 def _inputs(randn, t, e, h, i, dtype, parts=3):

@@ -80,14 +80,29 @@ def main(argv=None):
             print(line("moe_decode", graph_time(decode)))
             print(line("norm+router+route+grouped", graph_time(grouped)))
             if args.sweep and t == 1 and name == args.shapes.split(",")[0]:
-                best = []
-                for gn, dn, dk, w in itertools.product((8, 16, 32), (8, 16, 32), (256, 512),
-                                                       (4, 8)):
-                    tiles = dict(GATE_UP_N=gn, DOWN_N=dn, DOWN_K=dk, GATE_UP_WARPS=w,
-                                 DOWN_WARPS=w)
-                    best.append((graph_time(lambda: decode(tiles), replays=5), tiles))
-                for sec, tiles in sorted(best, key=lambda b: b[0])[:8]:
-                    print(line(str(tiles), sec))
+                _sweep(decode, line, graph_time)
+
+
+def _sweep(decode, line, graph_time):
+    """The gate_up / down tiles (the down kernel's routing before or after its PDL wait),
+    then, on the best of those, the route kernel's: experts a program and its K step."""
+    best = []
+    for gn, dn, dk, w, early in itertools.product((8, 16, 32), (8, 16, 32), (256, 512),
+                                                  (4, 8), (False, True)):
+        tiles = dict(GATE_UP_N=gn, DOWN_N=dn, DOWN_K=dk, GATE_UP_WARPS=w, DOWN_WARPS=w,
+                     DOWN_EARLY=early)
+        best.append((graph_time(lambda: decode(tiles), replays=5), tiles))
+    best.sort(key=lambda b: b[0])
+    for sec, tiles in best[:8]:
+        print(line(str(tiles), sec))
+    top = best[0][1]
+    for route_e, route_k in ((8, 256), (4, 512), (2, 1024), (1, 2048), (1, 4096)):
+        tiles = dict(top, ROUTE_E=route_e, ROUTE_K=route_k)
+        try:
+            print(line(f"route {route_e} x {route_k}", graph_time(lambda: decode(tiles),
+                                                                  replays=5)))
+        except Exception as exc:  # a tile Triton cannot compile: the others still run
+            print(f"route {route_e} x {route_k}: {type(exc).__name__}: {exc}"[:200])
 
 
 if __name__ == "__main__":
