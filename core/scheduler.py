@@ -17,6 +17,10 @@ and the others sit it out (paused), and no prompt is admitted. Only when none fi
 newest one preempted, the cheaper way (``preemption.py``): swapped out (its K/V to host
 memory, back before any prompt is admitted: ``swap_schedule.py``) or recomputed (its cache
 freed, requeued first with its tokens so far, to be prefilled again). No request is dropped.
+
+A request whose grammar compiles (``ready``) is prefilled but for its last prompt token
+(whose logits take the grammar's first mask), then sits out the steps until it is ready:
+a compile hides behind the prefill; it is waited for only when nothing else can run.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from .errors import InfergraftError
 from .long_rope import recompute_at_boundary, recompute_due
 from .request import Sequence, Status
 # (Step, step_tokens: imported from here too)
-from .step import Step, step_of, step_tokens, tokens_of  # noqa: F401
+from .step import Step, counts_needed, step_of, step_tokens, tokens_of  # noqa: F401
 from .swap_schedule import RECOMPUTE, can_swap_in_now, drop_waiting, preempt_newest, swap_in_ready
 
 #: tokens one step carries at most when ``max_num_batched_tokens`` is not given (the
@@ -126,11 +130,13 @@ class Scheduler:
             if step.seqs:
                 self.num_paused += short
                 return step
-            if not self.running:
+            held = next((s for s in self.running if self._needed(s) == 0), None)
+            if held is None and not self.running:
                 held = next((s for s in self.waiting if not self.ready(s)), None)
-                if held is not None:  # nothing else can run: wait for its grammar
-                    self.wait_ready(held)
-                    continue
+            if held is not None:  # nothing else can run: wait for its grammar
+                self.wait_ready(held)
+                continue
+            if not self.running:
                 return self._nothing_fits()
             if len(self.running) == 1:
                 raise SchedulerError(f"the cache cannot extend its only sequence by "
@@ -152,11 +158,12 @@ class Scheduler:
         oldest first), their counts, and how many the cache refused."""
         order = sorted(self.running, key=lambda s: self._last_ran[s.id])
         seqs, counts, budget = [], [], self.max_num_batched_tokens
+        order = [s for s in order if self._needed(s)]  # (not those held for a grammar)
         for s in order:  # what the budget takes, asking the cache once (O(B), not O(B^2))
             if budget == 0:
                 break
             seqs.append(s)
-            counts.append(min(counts_needed(s), budget))
+            counts.append(min(self._needed(s), budget))
             budget -= counts[-1]
         if self.cache.can_append([s.id for s in seqs], counts):
             return seqs, counts, 0
@@ -165,7 +172,7 @@ class Scheduler:
         for s in order:
             if budget == 0:
                 break
-            n = min(counts_needed(s), budget)
+            n = min(self._needed(s), budget)
             if self.cache.can_append([*(x.id for x in seqs), s.id], [*counts, n]):
                 seqs.append(s)
                 counts.append(n)
@@ -173,6 +180,12 @@ class Scheduler:
             else:
                 short += 1
         return seqs, counts, short
+
+    def _needed(self, seq: Sequence) -> int:
+        """``counts_needed``, less a prompt's last token while its grammar compiles (that
+        token's logits take the grammar's first mask)."""
+        n = counts_needed(seq)
+        return n - 1 if seq.prefilling and not self.ready(seq) else n
 
     def _admit(self, base: list[Sequence], base_counts: list[int]):
         """Waiting prompts, oldest first, while the batch, the cache and what ``base``
@@ -182,18 +195,23 @@ class Scheduler:
         while self.waiting and budget > 0 and \
                 len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
-            if not self.ready(seq):  # its grammar compiling: the ones behind it go first
+            compiling = not self.ready(seq)  # (its grammar: prefilled but for a token)
+            if compiling and seq.num_tokens < 2:
                 held.append(self.waiting.popleft())
                 continue
             n = seq.num_tokens
             cached = allocate(self.cache, seq)
             if cached is None:
                 break
+            if compiling and cached >= n - 1:  # all but its last token cached: no work yet
+                self.cache.free(seq.id)
+                held.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.num_prefill_tokens, seq.num_computed_tokens = n, cached
             admitted.append(seq)
-            counts.append(min(n - cached, budget))
+            counts.append(min(n - cached - compiling, budget))
             budget -= counts[-1]
         # the step as a whole must fit too: asked once, and where it does not, the newest
         # admissions go back (the same prompts as asking after each, at O(B) not O(B^2))
@@ -280,8 +298,3 @@ def allocate(cache, seq: Sequence) -> int | None:
         return allocate_cached(cache, seq.id, tokens_of(seq))
     except CacheFullError:
         return None
-
-
-def counts_needed(seq: Sequence) -> int:
-    """Tokens a running sequence feeds next at most: the rest of its prompt, or one."""
-    return seq.num_prefill_tokens - seq.num_computed_tokens if seq.prefilling else 1

@@ -25,6 +25,11 @@ def step_of(seqs: list[Sequence], counts: list[int]) -> Step:
     return Step("prefill" if any(s.prefilling for s in seqs) else "decode", seqs, counts)
 
 
+def counts_needed(seq: Sequence) -> int:
+    """Tokens a running sequence feeds next at most: the rest of its prompt, or one."""
+    return seq.num_prefill_tokens - seq.num_computed_tokens if seq.prefilling else 1
+
+
 def tokens_of(seq: Sequence) -> list[int]:
     """What a prefill of ``seq`` feeds: its prompt, plus its output after a preemption."""
     return seq.prompt_ids + seq.output_ids

@@ -1,7 +1,8 @@
 """A request whose constraint is not ready (a grammar compiling on a background thread, as
-beside a GPU) waits in the queue while the others run, and is admitted once ready, as vLLM
-holds a request whose grammar compiles; where nothing else can run the engine waits for it.
-Its tokens are those it gets with its constraint ready from the start."""
+beside a GPU) is prefilled but for its prompt's last token (whose logits need the first
+mask) while the others run, then sits out the steps until ready (vLLM holds such a
+request in its queue, its prefill too); where nothing else can run the engine waits for
+it. Its tokens are those it gets with its constraint ready from the start."""
 import threading
 
 import pytest
@@ -76,9 +77,10 @@ def test_a_request_not_ready_waits_while_the_others_run(engine):
     free = engine.add_request(a, core.SamplingParams(max_new_tokens=8, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    # the unconstrained request ran past the held one, which never reached the cache
-    assert len(free.output_ids) >= 2 and held.status is Status.WAITING
-    assert held.output_ids == [] and held.num_computed_tokens == 0
+    # the unconstrained request ran past the held one, which was prefilled but for its
+    # last token and then sat out the steps
+    assert len(free.output_ids) >= 2 and held.status is Status.RUNNING
+    assert held.output_ids == [] and held.num_computed_tokens == len(b) - 1
     GATE.set()
     while engine.has_unfinished():
         engine.step()
@@ -96,6 +98,46 @@ def test_with_nothing_else_to_run_the_engine_waits_for_it(engine):
     while engine.has_unfinished():
         engine.step()
     assert held.constraints[0].waited == 1 and held.output_ids == want
+
+
+@pytest.mark.parametrize("budget", [4, 64], ids=["chunked", "whole"])
+def test_a_held_prompt_is_prefilled_in_chunks_but_for_its_last_token(budget):
+    hf = random_model(tiny_llama_config(vocab_size=VOCAB, eos_token_id=257), seed=5, scale=5.0)
+    eng = core.build(hf, plugins=[Plugin()], max_seq_len=64, max_batch_size=4,
+                     max_num_batched_tokens=budget)
+    prompt = random_prompt(11, 256, 4)
+    want = eng.generate(prompt, max_new_tokens=5, ignore_eos=True,
+                        logits_processors={"gated-even": "open"})[0].token_ids
+    held = eng.add_request(prompt, _params("gated", 5))
+    free = eng.add_request(random_prompt(3, 256, 5),
+                           core.SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for _ in range(8):
+        eng.step()
+    assert held.num_computed_tokens == len(prompt) - 1 and held.output_ids == []
+    assert held.constraints[0].waited == 0 and free.output_ids
+    GATE.set()
+    while eng.has_unfinished():
+        eng.step()
+    assert held.output_ids == want and held.constraints[0].waited == 0
+
+
+def test_a_held_prompt_cached_but_for_its_last_token_waits_in_the_queue():
+    hf = random_model(tiny_llama_config(vocab_size=VOCAB, eos_token_id=257), seed=5, scale=5.0)
+    eng = core.build(hf, plugins=["paged", Plugin()], max_seq_len=64, max_batch_size=4,
+                     block_size=4)
+    prompt = random_prompt(9, 256, 6)  # two whole blocks and one token
+    want = eng.generate(prompt, max_new_tokens=4, ignore_eos=True,
+                        logits_processors={"gated-even": "open"})[0].token_ids
+    held = eng.add_request(prompt, _params("gated", 4))
+    free = eng.add_request(random_prompt(5, 256, 7),
+                           core.SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert held.status is Status.WAITING and free.output_ids
+    GATE.set()
+    while eng.has_unfinished():
+        eng.step()
+    assert held.output_ids == want
 
 
 def test_the_grammar_state_is_ready_once_compiled():

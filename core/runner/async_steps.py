@@ -149,7 +149,7 @@ class AsyncSteps:
         else:
             e._stepping = list(current.step.seqs) + list(step.seqs)  # (recomputed on errors)
             self.inflight = self._launch(step, *inputs)
-            if not constrained_steps.constrained(step):  # else its masks wait for 3)
+            if not constrained_steps.constrained(self.inflight):  # else its masks wait for 3)
                 self._sample(self.inflight)
         # 3) this step's tokens, appended while the next one runs; a next step whose
         # every sequence finished now has nothing to read (its writes are stream-ordered)
@@ -167,7 +167,7 @@ class AsyncSteps:
 
     def _sample(self, launched: Launched) -> None:
         """Launch ``launched``'s sampling: its constrained rows masked, every row's argmax."""
-        if constrained_steps.constrained(launched.step):
+        if constrained_steps.constrained(launched):
             constrained_steps.masks(self.engine, launched)
         launched.tokens, launched.logits = SampledTokens(launched.logits), None
 

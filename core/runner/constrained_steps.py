@@ -43,9 +43,11 @@ def on_device(seq, cache) -> bool:
     return not p.jump_forward or getattr(cache, "supports_truncate", False)
 
 
-def constrained(step) -> bool:
-    """Whether a row of ``step`` needs a mask (its sampling waits for the step before)."""
-    return any(s.params.constrained for s in step.seqs)
+def constrained(launched) -> bool:
+    """Whether a row of ``launched`` needs a mask (its sampling waits for the step
+    before): a constrained sequence's that gets a token (not one still prefilling after
+    its chunk, as one whose grammar compiles is: core/scheduler.py)."""
+    return any(s.params.constrained and s.id in launched.rows for s in launched.step.seqs)
 
 
 def masks(engine, launched) -> None:
