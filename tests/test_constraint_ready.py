@@ -100,43 +100,44 @@ def test_with_nothing_else_to_run_the_engine_waits_for_it(engine):
     assert held.constraints[0].waited == 1 and held.output_ids == want
 
 
-@pytest.mark.parametrize("budget", [4, 64], ids=["chunked", "whole"])
-def test_a_held_prompt_is_prefilled_in_chunks_but_for_its_last_token(budget):
+def _held_beside_a_free_request(plugins, steps, **options):
+    """An engine of its own; a held request (a 9-token prompt, 5 new tokens) and an
+    unconstrained one run ``steps`` steps. Returns (engine, held, its tokens when ready
+    from the start)."""
     hf = random_model(tiny_llama_config(vocab_size=VOCAB, eos_token_id=257), seed=5, scale=5.0)
-    eng = core.build(hf, plugins=[Plugin()], max_seq_len=64, max_batch_size=4,
-                     max_num_batched_tokens=budget)
-    prompt = random_prompt(11, 256, 4)
+    eng = core.build(hf, plugins=[*plugins, Plugin()], max_seq_len=64, max_batch_size=4,
+                     **options)
+    prompt = random_prompt(9, 256, 4)
     want = eng.generate(prompt, max_new_tokens=5, ignore_eos=True,
                         logits_processors={"gated-even": "open"})[0].token_ids
     held = eng.add_request(prompt, _params("gated", 5))
     free = eng.add_request(random_prompt(3, 256, 5),
                            core.SamplingParams(max_new_tokens=12, ignore_eos=True))
-    for _ in range(8):
+    for _ in range(steps):
         eng.step()
-    assert held.num_computed_tokens == len(prompt) - 1 and held.output_ids == []
-    assert held.constraints[0].waited == 0 and free.output_ids
+    assert free.output_ids  # the other request ran meanwhile
+    return eng, held, want
+
+
+def _open_and_finish(eng):
     GATE.set()
     while eng.has_unfinished():
         eng.step()
+
+
+@pytest.mark.parametrize("budget", [4, 64], ids=["chunked", "whole"])
+def test_a_held_prompt_is_prefilled_in_chunks_but_for_its_last_token(budget):
+    eng, held, want = _held_beside_a_free_request([], 8, max_num_batched_tokens=budget)
+    assert held.num_computed_tokens == len(held.prompt_ids) - 1 and held.output_ids == []
+    _open_and_finish(eng)
     assert held.output_ids == want and held.constraints[0].waited == 0
 
 
 def test_a_held_prompt_cached_but_for_its_last_token_waits_in_the_queue():
-    hf = random_model(tiny_llama_config(vocab_size=VOCAB, eos_token_id=257), seed=5, scale=5.0)
-    eng = core.build(hf, plugins=["paged", Plugin()], max_seq_len=64, max_batch_size=4,
-                     block_size=4)
-    prompt = random_prompt(9, 256, 6)  # two whole blocks and one token
-    want = eng.generate(prompt, max_new_tokens=4, ignore_eos=True,
-                        logits_processors={"gated-even": "open"})[0].token_ids
-    held = eng.add_request(prompt, _params("gated", 4))
-    free = eng.add_request(random_prompt(5, 256, 7),
-                           core.SamplingParams(max_new_tokens=6, ignore_eos=True))
-    for _ in range(3):
-        eng.step()
-    assert held.status is Status.WAITING and free.output_ids
-    GATE.set()
-    while eng.has_unfinished():
-        eng.step()
+    # blocks of 4: the first generate cached the 9-token prompt's first 8
+    eng, held, want = _held_beside_a_free_request(["paged"], 3, block_size=4)
+    assert held.status is Status.WAITING and held.num_computed_tokens == 0
+    _open_and_finish(eng)
     assert held.output_ids == want
 
 
