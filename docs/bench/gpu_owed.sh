@@ -14,10 +14,13 @@
 #   A. carry [".tok", ".whl"]: STRUCTURED_ARMS=on STRUCTURED_TOKENIZER=.tok
 #      STRUCTURED_PYTEST_ARGS="--deselect tests/test_structured_batch.py::test_batched_masks_on_the_demo_tokenizer"
 #      bash docs/bench/gpu_owed.sh $OUT structured; python3 docs/bench/structured_compile.py
-#      --tokenizer .tok   (issue 46 after the corrected string-length grammars; < 6 min)
+#      --tokenizer .tok   (issue 46 after the corrected string-length grammars and with
+#      a compiling grammar's request prefilled but for its last token, 9dd292f; < 6 min)
 #   B. MOE_TIMEOUT=120 MOE_TESTS_TIMEOUT=120 bash docs/bench/gpu_owed.sh $OUT moe44
 #      (issue 44: the engine's MoE at batch 1 / 32, FUSE 1 vs 0, after the capture fix; its
-#      CUDA tests; the kernels' tile sweep; < 9 min)
+#      CUDA tests; the kernels' tile sweep, now with DOWN_EARLY (the down kernel's routing
+#      and first tiles before its PDL wait) and the route kernel's tiles: flip
+#      DECODE_TILES' defaults to the sweep's best, its CUDA tests passing; < 9 min)
 #   C. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused;
 #      < 9 min with KV8_TIMEOUT=240 INT4_TIMEOUT=100 INT4_TESTS_TIMEOUT=80)
 #   D. bash docs/bench/gpu_owed.sh $OUT fp8w8a8 budget45   (issue 43: fp8 b32 via W8A8;
