@@ -12,6 +12,7 @@ from infergraft import core
 from infergraft.core import hookimpl
 from infergraft.core.logits_processor import ConstraintState, LogitsProcessor, pack_bitmask
 from infergraft.core.request import Status
+from infergraft.core.runner import constrained_steps
 from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
 
 VOCAB = 260
@@ -126,11 +127,22 @@ def _open_and_finish(eng):
 
 
 @pytest.mark.parametrize("budget", [4, 64], ids=["chunked", "whole"])
-def test_a_held_prompt_is_prefilled_in_chunks_but_for_its_last_token(budget):
-    eng, held, want = _held_beside_a_free_request([], 8, max_num_batched_tokens=budget)
+@pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
+def test_a_held_prompt_is_prefilled_in_chunks_but_for_its_last_token(budget, async_steps,
+                                                                     monkeypatch):
+    # asynchronous steps wait for masks only where a constrained row gets a token: not
+    # for the held prompt's chunks, which get none
+    masked, masks = [], constrained_steps.masks
+    monkeypatch.setattr(constrained_steps, "masks",
+                        lambda e, launched: masked.append(launched) or masks(e, launched))
+    eng, held, want = _held_beside_a_free_request([], 8, max_num_batched_tokens=budget,
+                                                  async_steps=async_steps)
+    assert eng.async_steps.enabled is async_steps
     assert held.num_computed_tokens == len(held.prompt_ids) - 1 and held.output_ids == []
+    assert not any(held in launched.step.seqs for launched in masked)
     _open_and_finish(eng)
     assert held.output_ids == want and held.constraints[0].waited == 0
+    assert any(held in launched.step.seqs for launched in masked) is async_steps
 
 
 def test_a_held_prompt_cached_but_for_its_last_token_waits_in_the_queue():
