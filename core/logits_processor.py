@@ -108,9 +108,9 @@ class ConstraintState:
 
     def ready(self) -> bool:
         """Whether its first mask can be filled without waiting (a grammar still compiling
-        on a background thread: not yet). Until it is, the request waits in the queue
-        while the others run (admitted once ready), as vLLM holds a request whose grammar
-        compiles."""
+        on a background thread: not yet). Until it is, the request is prefilled but for
+        its prompt's last token (whose logits take the first mask) and then sits out the
+        steps while the others run (core/scheduler.py)."""
         return True
 
     def wait(self) -> None:
