@@ -157,22 +157,22 @@ class Scheduler:
         """The running sequences this step takes (those that ran longest ago first, then
         oldest first), their counts, and how many the cache refused."""
         order = sorted(self.running, key=lambda s: self._last_ran[s.id])
+        needs = [(s, n) for s in order if (n := self._needed(s))]  # (0: held for a grammar)
         seqs, counts, budget = [], [], self.max_num_batched_tokens
-        order = [s for s in order if self._needed(s)]  # (not those held for a grammar)
-        for s in order:  # what the budget takes, asking the cache once (O(B), not O(B^2))
+        for s, n in needs:  # what the budget takes, asking the cache once (O(B), not O(B^2))
             if budget == 0:
                 break
             seqs.append(s)
-            counts.append(min(self._needed(s), budget))
+            counts.append(min(n, budget))
             budget -= counts[-1]
         if self.cache.can_append([s.id for s in seqs], counts):
             return seqs, counts, 0
         # the cache is short: sequence by sequence, those that fit
         budget, seqs, counts, short = self.max_num_batched_tokens, [], [], 0
-        for s in order:
+        for s, n in needs:
             if budget == 0:
                 break
-            n = min(self._needed(s), budget)
+            n = min(n, budget)
             if self.cache.can_append([*(x.id for x in seqs), s.id], [*counts, n]):
                 seqs.append(s)
                 counts.append(n)

@@ -51,10 +51,13 @@ class Plugin:
         register(Gated())
 
 
+def _model():
+    return random_model(tiny_llama_config(vocab_size=VOCAB, eos_token_id=257), seed=5, scale=5.0)
+
+
 @pytest.fixture(scope="module")
 def engine():
-    hf = random_model(tiny_llama_config(vocab_size=VOCAB, eos_token_id=257), seed=5, scale=5.0)
-    return core.build(hf, plugins=[Plugin()], max_seq_len=64, max_batch_size=4)
+    return core.build(_model(), plugins=[Plugin()], max_seq_len=64, max_batch_size=4)
 
 
 @pytest.fixture(autouse=True)
@@ -105,8 +108,7 @@ def _held_beside_a_free_request(plugins, steps, **options):
     """An engine of its own; a held request (a 9-token prompt, 5 new tokens) and an
     unconstrained one run ``steps`` steps. Returns (engine, held, its tokens when ready
     from the start)."""
-    hf = random_model(tiny_llama_config(vocab_size=VOCAB, eos_token_id=257), seed=5, scale=5.0)
-    eng = core.build(hf, plugins=[*plugins, Plugin()], max_seq_len=64, max_batch_size=4,
+    eng = core.build(_model(), plugins=[*plugins, Plugin()], max_seq_len=64, max_batch_size=4,
                      **options)
     prompt = random_prompt(9, 256, 4)
     want = eng.generate(prompt, max_new_tokens=5, ignore_eos=True,
