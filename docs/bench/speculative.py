@@ -7,14 +7,15 @@ speculation on and off, each pair in the same run on the same engine.
 [--context 512] [--batch 32] [--batch-tokens 64] [--out FILE.json]``
 
 tpot: the model (real weights) at batch 1, greedy, on an edit / summarise / code workload
-whose answers quote their prompts; each prompt alternately with ``speculative=False`` and
+whose answers quote their prompts (speculative_workload.py: three short prompts, two longer); each prompt alternately with ``speculative=False`` and
 with n-gram drafts (``{"method": "ngram", "k": K}``) on one engine (the paged cache, no
 prefix caching, asynchronous steps as on one CUDA device, the CPU too), rounds alternating;
 ``--ahead both`` (default) runs the drafts on two engines, verify steps launched ahead
 (``"ahead": true``, core/speculative/ahead.py) and each after the last is read (false),
 rounds alternating between the three (``on`` / ``off``: that one alone). Per prompt: the median TPOT of each, their ratio,
 the mean accepted length (tokens a verify step gave, the target's own included), the share
-of proposed tokens kept, and whether the tokens were the same (greedy: they must be).
+of proposed tokens kept, and whether the tokens were the same (greedy: they must be);
+then the workload's row: the prompts' TPOTs weighted by their answers' tokens.
 Beside them, in the same run: HF transformers' ``generate`` on the same weights, plain and
 with its own prompt lookup (``prompt_lookup_num_tokens=K``), its TPOT as (the time of the
 whole answer - that of its first token) / (tokens - 1); and the copy roofline of a decode
@@ -51,28 +52,10 @@ from infergraft.core.tools.bench_cli import load_hf
 from infergraft.core.tools.provenance import provenance
 from infergraft.core.tools.roofline import step_bytes
 from infergraft.core.tools.shapes import SHAPES
+from speculative_workload import OPEN, WORKLOAD
 
-PARAGRAPH = ("The comittee met on tuesday to discus the new budjet. After a long debate, "
-             "they agreed to fund the libary renovation and to hire two more teachers for "
-             "the primary school, starting in september.")
-FUNCTION = ("def moving_average(values, window):\n    out = []\n    total = 0\n"
-            "    for i, v in enumerate(values):\n        total += v\n"
-            "        if i >= window:\n            total -= values[i - window]\n"
-            "        if i >= window - 1:\n            out.append(total / window)\n"
-            "    return out\n")
-WORKLOAD = {
-    "edit": f"Fix the spelling mistakes in the following text. Reply with the corrected text "
-            f"only.\n\nText: {PARAGRAPH} The new teachers will start in septmber and the "
-            f"libary will reopen in october.",
-    "summarise": f"Here is a text:\n\n{PARAGRAPH}\n\nSummarise it in one sentence, reusing "
-                 f"its words.",
-    "code": f"Rename the variable `total` to `running_sum` in this function. Reply with the "
-            f"full function.\n\n```python\n{FUNCTION}```",
-}
 KS = (0, 1, 2, 4, 8)  # proposed tokens of a verify step (0: a decode step)
 WARMUP, REPEATS = 3, 30
-OPEN = ["Write a short story about a lighthouse keeper.", "Tell me a tale of two rivers.",
-        "Write a poem about the first snow.", "Describe a city in the year 3000."]
 
 
 def chat(engine, text: str) -> str:
@@ -142,7 +125,8 @@ def tpot_part(args) -> list[dict]:
     bandwidth = copy_bandwidth(torch.device(args.device),
                                nbytes=(1 << 30) if str(args.device).startswith("cuda") else 1 << 28)
     rows = []
-    for kind, text in WORKLOAD.items():
+    for kind in args.prompts.split(","):
+        text = WORKLOAD[kind]
         prompt, got = chat(engine, text), {False: [], **{name: [] for name in engines}}
         dropped = {name: e.speculation.ahead.dropped for name, e in engines.items()
                    if e.speculation.ahead is not None}
@@ -192,7 +176,26 @@ def tpot_part(args) -> list[dict]:
               f"dropped a round\n  {'':<10} HF generate {hf_plain * 1e3:7.2f} "
               f"ms, its prompt lookup {hf_lookup * 1e3:7.2f} ms ({hf_lookup / hf_plain:.2f}x); "
               f"roofline {roof * 1e3:6.3f} ms (copy {bandwidth / 1e9:.0f} GB/s)", flush=True)
+    rows.append(workload_row(rows))
+    r = rows[-1]
+    print(f"  {'workload':<10} {r['tokens']:4d} tokens  TPOT plain {r['plain_tpot_ms']:7.2f} ms  "
+          f"ngram {r['ngram_tpot_ms']:7.2f} ms  ({r['ratio']:.2f}x)  (each prompt's TPOT "
+          f"weighted by its tokens); HF {r['hf_tpot_ms']:.2f} ms, its prompt lookup "
+          f"{r['hf_prompt_lookup_tpot_ms']:.2f} ms", flush=True)
     return rows
+
+
+def workload_row(rows) -> dict:
+    """The prompts together: each TPOT weighted by its answer's tokens (the time the whole
+    workload's decoding took, over its tokens)."""
+    tokens = sum(r["tokens"] for r in rows)
+    keys = [k for k in rows[0] if k.endswith("_tpot_ms")]
+    row = {"kind": "workload", "tokens": tokens,
+           **{k: sum(r[k] * r["tokens"] for r in rows) / tokens for k in keys}}
+    row["ratio"] = row["ngram_tpot_ms"] / row["plain_tpot_ms"]
+    row.update({k.replace("_tpot_ms", "_ratio"): row[k] / row["plain_tpot_ms"] for k in keys
+                if k.replace("_tpot_ms", "_ratio") in rows[0]})
+    return row
 
 
 @torch.inference_mode()
@@ -304,6 +307,8 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--ahead", choices=("both", "on", "off"), default="both",
                    help="tpot: verify steps launched ahead, each after the last, or both")
+    p.add_argument("--prompts", default=",".join(WORKLOAD),
+                   help=f"tpot: which of the quoting prompts ({', '.join(WORKLOAD)})")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--verify-model", default=None,
@@ -313,6 +318,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-tokens", type=int, default=64)
     p.add_argument("--out")
     args = p.parse_args(argv)
+    unknown = set(args.prompts.split(",")) - set(WORKLOAD)
+    if unknown:
+        p.error(f"--prompts: unknown {', '.join(sorted(unknown))}; the prompts are "
+                f"{', '.join(WORKLOAD)}")
     if args.verify_model is None:
         args.verify_model = "llama2-7b" if str(args.device).startswith("cuda") else "tiny"
     if args.dtype is None and str(args.device).startswith("cuda"):
