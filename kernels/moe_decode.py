@@ -230,8 +230,8 @@ if HAVE_TRITON:
 #: (route: experts a program and its K step; gate_up and down: W rows a program, K step),
 #: the one-row loop's tiles (kernels/gemv.py's SwiGLU and o kinds)
 #: DOWN_EARLY: the down kernel routes and requests its first tiles before its PDL wait
-DECODE_TILES = dict(ROUTE_E=8, ROUTE_K=256, GATE_UP_N=16, GATE_UP_K=256, GATE_UP_DEPTH=1,
-                    GATE_UP_WARPS=4, DOWN_N=16, DOWN_K=256, DOWN_WARPS=4, DOWN_EARLY=False)
+DECODE_TILES = dict(ROUTE_E=1, ROUTE_K=2048, GATE_UP_N=16, GATE_UP_K=256, GATE_UP_DEPTH=1,
+                    GATE_UP_WARPS=4, DOWN_N=8, DOWN_K=512, DOWN_WARPS=4, DOWN_EARLY=True)
 
 
 def _check(stream, sum_sq, norm_weight, w_router, w_gate_up, w_down, top_k):
