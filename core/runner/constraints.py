@@ -29,14 +29,19 @@ from ..logits_processor import Vocabulary, bitmask_words
 
 
 def _timed(method):
-    """Adds the method's wall time to ``self.host_seconds``."""
+    """Adds the method's wall time to ``self.host_seconds`` and to its own entry of
+    ``self.host_parts`` (none of the timed methods calls another)."""
+    name = method.__name__
+
     @functools.wraps(method)
     def timed(self, *args):
         t0 = time.perf_counter()
         try:
             return method(self, *args)
         finally:
-            self.host_seconds += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.host_seconds += spent
+            self.host_parts[name] = self.host_parts.get(name, 0.0) + spent
     return timed
 
 
@@ -51,6 +56,7 @@ class RowConstraints:
         # host time on constraints: masks filled and applied (on the CPU the op runs here),
         # tokens accepted, forced tokens found
         self.host_seconds = 0.0
+        self.host_parts: dict[str, float] = {}  # the same by method: mask, advance, ...
 
     @property
     def processors(self):

@@ -26,7 +26,8 @@ finished. CPU ms / token: this process's CPU time (every thread) over the same s
 Compile: each schema's compilation against the tokenizer (xgrammar,
 core/structured/grammar.py), P50 / P99 over every schema of every round. Constraints'
 host time (``RowConstraints.host_seconds``): bitmasks filled and applied (on the CPU the
-op runs there), tokens accepted, forced tokens found, per step, and its share of the step.
+op runs there), tokens accepted, forced tokens found, per step, and its share of the step;
+then the same by part (``host_parts``: mask, advance, forced, wait_ready).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def schema(request: int, round_: int) -> dict:
 
 def run(engine, prompts, params) -> dict:
     steps, host0 = 0, engine.constraints.host_seconds
+    parts0 = dict(engine.constraints.host_parts)
     t0, cpu0 = time.perf_counter(), time.process_time()
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
@@ -61,7 +63,10 @@ def run(engine, prompts, params) -> dict:
     assert all(s.finish_reason == "length" for s in seqs), [s.finish_reason for s in seqs]
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "steps": steps,
             "cpu_ms_per_token": cpu / tokens * 1e3,
-            "host_ms_per_step": (engine.constraints.host_seconds - host0) / steps * 1e3}
+            "host_ms_per_step": (engine.constraints.host_seconds - host0) / steps * 1e3,
+            "host_parts_ms_per_step": {  # by RowConstraints method: mask, advance, forced, ...
+                k: (v - parts0.get(k, 0.0)) / steps * 1e3
+                for k, v in engine.constraints.host_parts.items() if v > parts0.get(k, 0.0)}}
 
 
 def build(args, n: int):
@@ -135,7 +140,9 @@ def main(argv=None) -> int:
         print(f"  {kind:<14} {s['tok_s']:8.1f} out tok/s  ({ratios[kind]:6.1%} of the round's "
               f"unconstrained)  {s['steps']:4d} steps  constraints' host time "
               f"{s['host_ms_per_step']:.2f} ms/step ({s['host_ms_per_step'] / step_ms:.1%})  "
-              f"{s['cpu_ms_per_token']:.1f} CPU ms/token")
+              f"{s['cpu_ms_per_token']:.1f} CPU ms/token" + "".join(
+                  f"\n  {'':<14} {name} {ms:.2f} ms/step"
+                  for name, ms in s["host_parts_ms_per_step"].items()))
     q = percentiles(compile_ms, (50, 99))
     print(f"  compile per new schema: P50 {q['p50']:.1f} ms, P99 {q['p99']:.1f} ms "
           f"({len(compile_ms)} schemas)")
