@@ -9,18 +9,16 @@
 # .tok/`), and .whl (`bash docs/bench/device_wheels.sh`) for the server's tests.
 #   (done on an H100 at 06447bf, docs/bench/HISTORY.md: census45, bench44, the quant bench
 #   0 / auto / 1, structured, speculative; at 0ba8d8b: async45 (async steps now on by
-#   default), structured and speculative again, moe_decode's kernel bench.) Owed next,
-#   back to back:
-#   A. carry [".tok", ".whl"]: STRUCTURED_ARMS=on STRUCTURED_TOKENIZER=.tok
-#      STRUCTURED_PYTEST_ARGS="--deselect tests/test_structured_batch.py::test_batched_masks_on_the_demo_tokenizer"
-#      bash docs/bench/gpu_owed.sh $OUT structured; python3 docs/bench/structured_compile.py
-#      --tokenizer .tok   (issue 46 after the corrected string-length grammars and with
-#      a compiling grammar's request prefilled but for its last token, 9dd292f; < 6 min)
-#   B. MOE_TIMEOUT=120 MOE_TESTS_TIMEOUT=120 bash docs/bench/gpu_owed.sh $OUT moe44
-#      (issue 44: the engine's MoE at batch 1 / 32, FUSE 1 vs 0, after the capture fix; its
-#      CUDA tests; the kernels' tile sweep, now with DOWN_EARLY (the down kernel's routing
-#      and first tiles before its PDL wait) and the route kernel's tiles: flip
-#      DECODE_TILES' defaults to the sweep's best, its CUDA tests passing; < 9 min)
+#   default), structured and speculative again, moe_decode's kernel bench; at ea83611:
+#   structured, Qwen3-30B-A3B beside HF, moe_decode's tile sweep, speculative tpot k 4 / 8.)
+#   Owed next, back to back:
+#   A. (H200 only: 141 GB) timeout 250 infergraft bench --model mixtral-8x7b --batches 1,32
+#      --systems infergraft,hf-eager --new-tokens 32 (issue 44's other shape, sequential
+#      order), then the CUDA tests of
+#      tests/kernel_tests/test_moe_decode.py tests/test_fused_decode_moe.py with the new
+#      DECODE_TILES, and tests/test_speculative_gpu.py (< 9 min)
+#   B. carry [".tok", ".whl"]: the structured bench again (its host time now by part:
+#      mask, advance, forced), STRUCTURED_ARMS=on STRUCTURED_TOKENIZER=.tok ... structured
 #   C. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused;
 #      < 9 min with KV8_TIMEOUT=240 INT4_TIMEOUT=100 INT4_TESTS_TIMEOUT=80)
 #   D. bash docs/bench/gpu_owed.sh $OUT fp8w8a8 budget45   (issue 43: fp8 b32 via W8A8;
