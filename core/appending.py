@@ -12,7 +12,7 @@ def append_token(engine, seq, token: int, now: float) -> None:
     if token < 0:  # this sequence's sampling failed (seq.error says why)
         return engine._finish(seq, "error", now)
     reason = _take(engine, seq, token, now)
-    if reason is None and seq.params.constrained:
+    if reason is None and seq.params.constrained and seq.params.jump_forward:
         left = seq.params.max_new_tokens - len(seq.output_ids)
         forced = engine.constraints.forced(seq, left)
         for tok in forced:  # its state took them already
