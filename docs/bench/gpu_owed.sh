@@ -16,7 +16,9 @@
 #      --systems infergraft,hf-eager --new-tokens 32 (issue 44's other shape, sequential
 #      order), then the CUDA tests of
 #      tests/kernel_tests/test_moe_decode.py tests/test_fused_decode_moe.py with the new
-#      DECODE_TILES, and tests/test_speculative_gpu.py (< 9 min)
+#      DECODE_TILES, and tests/test_speculative_gpu.py (< 9 min); on any card: where
+#      Qwen3-30B-A3B's 4.15 ms step goes (its MoE ~42 us a layer of ~86):
+#      python3 -m infergraft.core.tools.bench_profile --model qwen3-30b-a3b --batches 1
 #   B. carry [".tok", ".whl"]: the structured bench again (its host time now by part:
 #      mask, advance, forced), STRUCTURED_ARMS=on STRUCTURED_TOKENIZER=.tok ... structured
 #   C. bash docs/bench/gpu_owed.sh $OUT kv8 int4fused   (issue 43: widen modes, int4 fused;
