@@ -1,4 +1,20 @@
-"""A check both speculative suites run (CPU, and CUDA's replayed verify steps)."""
+"""What the speculative suites share: the NaN check both run (CPU, and CUDA's replayed
+verify steps), and lone requests run one at a time (the pause tests)."""
+from infergraft.core.request import SamplingParams
+from infergraft.core.testing.models import random_prompt
+
+
+def lone_requests(engine, vocab: int, n: int = 3, new_tokens: int = 80) -> list:
+    """``n`` greedy requests of 20 random prompt tokens, each run alone to its end (the
+    look-ahead runs a lone request's steps): their Sequences, in order."""
+    seqs = []
+    for seed in range(n):
+        seqs.append(engine.add_request(random_prompt(20, vocab, 30 + seed),
+                                       SamplingParams(max_new_tokens=new_tokens,
+                                                      ignore_eos=True)))
+        while engine.has_unfinished():
+            engine.step()
+    return seqs
 
 
 def assert_a_nan_fails_its_drafted_request_alone(engine, prompts, params, want) -> None:

@@ -4,7 +4,7 @@ greedy request keeps the tokens of an engine without speculation; the draft prop
 own engine runs its graphs too. Skipped without CUDA (CI); run on the GPU machine."""
 import pytest
 import torch
-from speculative_support import assert_a_nan_fails_its_drafted_request_alone
+from speculative_support import assert_a_nan_fails_its_drafted_request_alone, lone_requests
 
 from infergraft import core
 from infergraft.core.request import SamplingParams
@@ -66,14 +66,8 @@ def _paused_runs(hf, graphs: bool, async_steps: bool) -> list:
     engine = core.build(hf, **KW, cuda_graphs=graphs, async_steps=async_steps,
                         speculative={"method": "ngram", "k": 4})
     engine.speculation.cost.share = lambda *args, **kw: 0.0  # (it reads the clock)
-    got = []
-    for seed in range(3):  # one at a time: the look-ahead runs them alone
-        seq = engine.add_request(random_prompt(20, 1024, 30 + seed),
-                                 SamplingParams(max_new_tokens=80, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
-        got.append((seq.output_ids, seq.metrics.num_drafts, seq.metrics.num_accepted_tokens))
-    return got
+    return [(seq.output_ids, seq.metrics.num_drafts, seq.metrics.num_accepted_tokens)
+            for seq in lone_requests(engine, 1024)]
 
 
 def test_a_pause_ends_under_the_look_ahead(hf):

@@ -5,13 +5,14 @@ as a step the engine schedules does, so it proposes again when its pause ends, a
 would without the look-ahead (a lone request used to stay paused to its end: the pause
 only counted down in steps the look-ahead did not launch). Run on the CPU through the
 graph runners' static buffers (``use_graphs=False``: the look-ahead as on a GPU)."""
+from speculative_support import lone_requests
+
 from infergraft import core
-from infergraft.core.request import SamplingParams
 from infergraft.core.runner.cuda_graph import CudaGraphRunner
 from infergraft.core.runner.step_graph import StepGraphRunner
 from infergraft.core.speculative.adaptive import AdaptiveK
 from infergraft.core.speculative.config import draft_rows
-from infergraft.core.testing.models import random_model, random_prompt, tiny_llama_config
+from infergraft.core.testing.models import random_model, tiny_llama_config
 
 NGRAM = {"method": "ngram", "k": 4}
 
@@ -46,16 +47,9 @@ def test_a_pause_ends_under_the_look_ahead(monkeypatch):
         if look_ahead:
             advance = engine.lookahead.advance
             engine.lookahead.advance = lambda: (launched.append(1), advance())[1]
-        got = []
-        for seed in range(3):  # one at a time: the look-ahead runs them alone
-            seq = engine.add_request(random_prompt(20, 256, 30 + seed),
-                                     SamplingParams(max_new_tokens=80, ignore_eos=True))
-            while engine.has_unfinished():
-                engine.step()
-            m = seq.metrics
-            got.append((seq.output_ids, m.num_drafts, m.num_draft_tokens,
-                        m.num_accepted_tokens))
-        runs[look_ahead] = got
+        runs[look_ahead] = [(seq.output_ids, seq.metrics.num_drafts,
+                             seq.metrics.num_draft_tokens, seq.metrics.num_accepted_tokens)
+                            for seq in lone_requests(engine, 256)]
         assert any(paused), "no request was paused: nothing tested"
         assert not look_ahead or len(launched) > 20  # its plain steps ran under it
         paused.clear()
