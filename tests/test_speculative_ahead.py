@@ -305,3 +305,47 @@ def test_verify_steps_ahead_on_cuda_graphs(hf):
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
     off, engine = run({**NGRAM, "ahead": False})
     assert off == want and engine.speculation.ahead is None
+
+
+def test_nan_in_a_verify_step_launched_ahead_fails_its_request_alone(hf):
+    """A NaN in a drafted request's rows of a verify step that was launched before the
+    step ahead of it was read: where those rows are read (not dropped: the request kept
+    its whole draft before), that request finishes with an error naming NaN logits and
+    keeps only the tokens before that step, its rows of the step launched since dropped;
+    the other requests keep the plain engine's tokens; the cache stays consistent."""
+    prompts = [quoting(5, 3, 1), quoting(7, 2, 2), quoting(3, 4, 4)]
+    want = [c.token_ids for c in engine_for(hf, "paged-graph-runners", None).generate(
+        prompts, max_new_tokens=30, ignore_eos=True)]
+    engine = engine_for(hf, "paged-graph-runners")
+    steps, launch, read = engine.async_steps, engine.async_steps._launch, engine.async_steps._read
+    poisoned, sick = [], []  # (launched, seq) until one is read
+
+    def launch_poisoned(step, tokens, replay, feed):
+        launched = launch(step, tokens, replay, feed)
+        if not sick and not poisoned and len(launched.drafted) >= 2 and feed is not None:
+            seq = next(s for s in step.seqs if s.id in launched.drafted)
+            first, draft, _ = launched.drafted[seq.id]
+            launched.logits[first + len(draft.tokens)] = float("nan")  # its last row
+            poisoned.append((launched, seq))
+        return launched
+
+    def read_poisoned(launched):
+        if poisoned and poisoned[0][0] is launched:
+            (_, seq), = poisoned
+            poisoned.clear()
+            if seq.id in launched.rows:  # read, not dropped: its tokens so far are kept
+                sick.append((seq, len(seq.output_ids)))
+        return read(launched)
+    steps._launch, steps._read = launch_poisoned, read_poisoned
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+            for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        engine.cache.check_invariants()
+    assert sick, "no poisoned verify step launched ahead was read"
+    (bad, held), = sick
+    assert bad.finish_reason == "error" and "NaN logits" in bad.error, bad.error
+    i = seqs.index(bad)
+    assert bad.output_ids == want[i][:held]
+    assert [s.output_ids for j, s in enumerate(seqs) if j != i] == \
+        [w for j, w in enumerate(want) if j != i]
