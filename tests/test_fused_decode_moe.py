@@ -180,11 +180,11 @@ def test_bf16_decode_graphs_take_moe_decode_and_keep_the_tokens(family):
 
 
 def assert_greedy_up_to_ties(plain, prompt, got, want, tie=0.02):
-    """bf16 greedy tokens ``got`` against the plain layer's ``want``: where they part, the
+    """bf16 greedy tokens ``got`` against the plain layer: at every position of ``got`` the
     token taken must be one the plain layer's own logits (teacher-forced on ``got``) rate
-    within ``tie`` of their best (a near-tie that another summation order flips), at every
-    position of ``got``; a wrong expert or weight lands far below. Equal tokens up to the
-    first near-tie are asserted by the same check."""
+    within ``tie`` of their best (a near-tie that another summation order flips); a wrong
+    expert or weight lands far below. The first token (the prefill's path) must be
+    ``want``'s, the plain engine's own answer."""
     want = want.token_ids
     logits = plain.logits(prompt + got[:-1])[len(prompt) - 1:]  # [len(got), V] float32
     for i, token in enumerate(got):

@@ -172,13 +172,10 @@ class RowConstraints:
         try:
             if seq.constraints is None:  # (a rank that does not sample)
                 self.start(seq)
-            states = seq.constraints
-            for state in states:
+            for state in seq.constraints:
                 if not state.accept(token):
                     seq.error = f"token {token} is not allowed by its constraint"
                     return "error"
-            if len(states) == 1:  # (the common case, every row of every step: no generator)
-                return "stop" if states[0].is_complete() else None
             return "stop" if self.complete(seq) else None
         except Exception as e:
             seq.error = f"its logits processor failed: {type(e).__name__}: {e}"

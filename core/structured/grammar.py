@@ -201,10 +201,10 @@ class GrammarState(ConstraintState):
         bitmask[row, words:] = 0  # the ids past the tokenizer's
 
     def accept(self, token: int) -> bool:
-        return (self._matcher or self.matcher).accept_token(token)  # (a row a step: no property)
+        return self.matcher.accept_token(token)
 
     def is_complete(self) -> bool:
-        m = self._matcher or self.matcher
+        m = self.matcher
         if m.is_terminated():
             return True
         if not m.is_completed():  # (cheap; the mask below only at the grammar's end)

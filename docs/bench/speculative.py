@@ -7,14 +7,15 @@ speculation on and off, each pair in the same run on the same engine.
 [--context 512] [--batch 32] [--batch-tokens 64] [--out FILE.json]``
 
 tpot: the model (real weights) at batch 1, greedy, on an edit / summarise / code workload
-whose answers quote their prompts (speculative_workload.py: three short prompts, two longer); each prompt alternately with ``speculative=False`` and
-with n-gram drafts (``{"method": "ngram", "k": K}``) on one engine (the paged cache, no
-prefix caching, asynchronous steps as on one CUDA device, the CPU too), rounds alternating;
-``--ahead both`` (default) runs the drafts on two engines, verify steps launched ahead
-(``"ahead": true``, core/speculative/ahead.py) and each after the last is read (false),
-rounds alternating between the three (``on`` / ``off``: that one alone). Per prompt: the median TPOT of each, their ratio,
-the mean accepted length (tokens a verify step gave, the target's own included), the share
-of proposed tokens kept, and whether the tokens were the same (greedy: they must be);
+whose answers quote their prompts (speculative_workload.py: three short prompts, two
+longer); each prompt alternately with ``speculative=False`` and with n-gram drafts
+(``{"method": "ngram", "k": K}``) on one engine (the paged cache, no prefix caching,
+asynchronous steps as on one CUDA device, the CPU too), rounds alternating; ``--ahead
+both`` (default) runs the drafts on two engines, verify steps launched ahead (``"ahead":
+true``, core/speculative/ahead.py) and each after the last is read (false), rounds
+alternating between the three (``on`` / ``off``: that one alone). Per prompt: the median
+TPOT of each, their ratio, the mean accepted length (tokens a verify step gave, the
+target's own included), the share of proposed tokens kept, and whether the tokens were the same (greedy: they must be);
 then the workload's row: the prompts' TPOTs weighted by their answers' tokens.
 Beside them, in the same run: HF transformers' ``generate`` on the same weights, plain and
 with its own prompt lookup (``prompt_lookup_num_tokens=K``), its TPOT as (the time of the
